@@ -1,0 +1,218 @@
+"""Triton kernels: paged decode attention, split-KV (flash-decoding).
+
+q             [num_seqs, num_q_heads, head_dim] (any strides): one new token per sequence
+k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim] (any strides, both caches alike)
+block_tables  int32 [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs]
+out           [num_seqs, num_q_heads, head_dim], contiguous, dtype of q
+
+Stage 1, _decode_partition_kernel, grid (num_seqs, num_kv_heads, num_partitions): each program takes one
+slice of partition_size context tokens of one sequence and one KV head, walks it in BLOCK_N-token tiles
+gathered through the block table, and scores every tile against all `group = num_q_heads // num_kv_heads`
+query heads of that KV head at once (a [GROUP_PAD, D] x [D, BLOCK_N] dot), so each K/V tile is loaded once
+per group. It keeps an online softmax in fp32 and writes the partition's running max, sum and unnormalised
+accumulator to fp32 partials [num_seqs, num_q_heads, num_partitions(, head_dim)].
+Stage 2, _decode_reduce_kernel, grid (num_seqs, num_q_heads): merges a sequence's partitions.
+When one partition covers every context, stage 1 normalises and writes `out` itself and stage 2 is skipped.
+
+num_partitions comes from block_tables.shape[1] (no device->host sync); partitions past a sequence's
+length exit at once. The partition size is chosen so that num_seqs * num_kv_heads * num_partitions gives
+the GPU a few waves of programs: a few long sequences still fill it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.kv_write import check_launchable
+
+LOG2E = 1.4426950408889634
+MIN_PARTITION = 128
+MAX_PARTITION = 1024
+
+
+@triton.jit
+def _decode_partition_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
+    qk_scale, partition_size, num_partitions,
+    stride_qs, stride_qh, stride_qd,
+    stride_cb, stride_co, stride_ch, stride_cd,
+    stride_bt,
+    stride_os, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SINGLE_PARTITION: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = part * partition_size
+    if start >= seq_len:
+        return
+    end = tl.minimum(start + partition_size, seq_len)
+
+    rows = tl.arange(0, GROUP_PAD)
+    row_ok = rows < GROUP
+    q_heads = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + seq * stride_qs + q_heads[:, None] * stride_qh + dims[None, :] * stride_qd,
+        mask=row_ok[:, None], other=0.0,
+    )
+    # Fold the softmax scale and log2(e) into q once, so the loop uses exp2 on raw dot products.
+    q = (q.to(tl.float32) * qk_scale).to(q.dtype)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_off = kv_head * stride_ch + dims[None, :] * stride_cd
+    for tile in range(start, end, BLOCK_N):
+        tokens = tile + tl.arange(0, BLOCK_N)
+        tok_ok = tokens < end
+        blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+        kv_off = blocks[:, None] * stride_cb + (tokens % BLOCK_SIZE)[:, None] * stride_co + head_off
+        k = tl.load(k_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_FP32:
+            # Round p as the GPU path does before the PV product, then multiply in fp32.
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if SINGLE_PARTITION:
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + seq * stride_os + q_heads[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None],
+        )
+    else:
+        # partials are contiguous [num_seqs, num_q_heads, num_partitions(, HEAD_DIM)]
+        slot = (seq * (GROUP * tl.num_programs(1)) + q_heads) * num_partitions + part
+        tl.store(part_max_ptr + slot, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + slot, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + slot[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, seq_lens_ptr,
+    partition_size, num_partitions,
+    stride_os, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    used = tl.cdiv(seq_len, partition_size)
+    base = (seq * tl.num_programs(1) + head) * num_partitions
+    dims = tl.arange(0, HEAD_DIM)
+
+    m_run = float("-inf")
+    l_run = 0.0
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for chunk in range(0, used, BLOCK_P):
+        parts = chunk + tl.arange(0, BLOCK_P)
+        ok = parts < used
+        m_p = tl.load(part_max_ptr + base + parts, mask=ok, other=float("-inf"))
+        l_p = tl.load(part_sum_ptr + base + parts, mask=ok, other=0.0)
+        a_p = tl.load(part_acc_ptr + (base + parts)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m_p, 0))
+        alpha = tl.exp2(m_run - m_new)
+        w = tl.where(ok, tl.exp2(m_p - m_new), 0.0)
+        l_run = l_run * alpha + tl.sum(l_p * w, 0)
+        acc = acc * alpha + tl.sum(a_p * w[:, None], 0)
+        m_run = m_new
+    out = acc / l_run
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # interpreter: fewer, larger programs run faster
+
+
+def pick_partition_size(max_context: int, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Power of two in [MIN_PARTITION, MAX_PARTITION] giving ~4 waves of stage-1 programs on the GPU."""
+    wanted_parts = max(1, triton.cdiv(4 * _sm_count(device), max(1, num_seqs * num_kv_heads)))
+    size = triton.next_power_of_2(max(1, triton.cdiv(max_context, wanted_parts)))
+    return min(MAX_PARTITION, max(MIN_PARTITION, size))
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    partition_size: int | None = None,
+) -> torch.Tensor:
+    """Decode attention; see the module docstring. `out` and `partition_size` exist for tests/benchmarks."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"decode: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"decode: head_dim {head_dim} must be a power of two >= 16")
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError("decode: k_cache and v_cache must share shape and strides")
+    if block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
+        raise ValueError("decode: block_tables / seq_lens do not match q's num_seqs")
+    if out is None:
+        out = torch.empty(num_seqs, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    check_launchable(_decode_partition_kernel, q)
+
+    group = num_q_heads // num_kv_heads
+    max_context = block_tables.shape[1] * block_size
+    if partition_size is None:
+        partition_size = pick_partition_size(max_context, num_seqs, num_kv_heads, q.device)
+    num_partitions = max(1, triton.cdiv(max_context, partition_size))
+    single = num_partitions == 1
+    on_gpu = q.is_cuda
+    # GPU dots need >= 16 rows; the interpreter runs numpy and wants the smallest tiles.
+    group_pad = max(16, triton.next_power_of_2(group)) if on_gpu else triton.next_power_of_2(group)
+    block_n = (64 if head_dim >= 128 else 128) if on_gpu else 64
+    dot_fp32 = (not on_gpu) or q.dtype == torch.float32
+    if single:
+        part_max = part_sum = part_acc = out  # unused
+    else:
+        part_max = torch.empty(num_seqs, num_q_heads, num_partitions, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty(num_seqs, num_q_heads, num_partitions, head_dim, dtype=torch.float32,
+                               device=q.device)
+
+    _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
+        q, k_cache, v_cache, block_tables, seq_lens,
+        out, part_max, part_sum, part_acc,
+        scale * LOG2E, partition_size, num_partitions,
+        *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size,
+        SINGLE_PARTITION=single, DOT_FP32=dot_fp32,
+        **({"num_warps": 4, "num_stages": 2} if on_gpu else {}),
+    )
+    if not single:
+        _decode_reduce_kernel[(num_seqs, num_q_heads)](
+            out, part_max, part_sum, part_acc, seq_lens,
+            partition_size, num_partitions, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_P=16,
+        )
+    return out

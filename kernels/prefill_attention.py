@@ -1,0 +1,172 @@
+"""Triton kernel: causal paged prefill attention for chunked prefill.
+
+q             [num_tokens, num_q_heads, head_dim] (any strides): each sequence's newest q_len tokens, packed
+cu_seqlens_q  int32 [num_seqs + 1]: sequence i owns q rows cu_seqlens_q[i] : cu_seqlens_q[i + 1]
+k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim] (any strides, both caches alike), already
+              holding all seq_lens[i] tokens of sequence i (earlier chunks and prefix-cache hits included)
+block_tables  int32 [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs]
+out           [num_tokens, num_q_heads, head_dim], contiguous, dtype of q
+
+Query j of sequence i sits at position seq_lens[i] - q_len + j and sees keys at positions <= its own.
+
+Grid (num_tokens // BLOCK_Q + num_seqs, num_kv_heads). A program owns BLOCK_Q query tokens of one sequence
+times all `group` query heads of one KV head: a [BLOCK_M = BLOCK_Q * group (+ pad), head_dim] tile whose
+row r is token r // group, head r % group. It walks the sequence's keys in BLOCK_N-token tiles gathered
+through the block table, up to its last query's position, with an fp32 online softmax; each K/V tile load
+serves the whole group. Sequence s owns tiles cu_seqlens_q[s] // BLOCK_Q + s onward; that upper-bounds its
+ceil(q_len / BLOCK_Q) tiles, so a program finds its sequence by binary search over cu_seqlens_q and the grid
+needs no device->host sync. Tiles past a sequence's q_len exit at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.kv_write import check_launchable
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, out_ptr,
+    qk_scale, num_seqs,
+    stride_qt, stride_qh, stride_qd,
+    stride_cb, stride_co, stride_ch, stride_cd,
+    stride_bt,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    # Last sequence s whose first tile, cu_seqlens_q[s] // BLOCK_Q + s, is <= tile_id.
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile_id:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+    q_begin = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
+    q_start = (tile_id - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
+    if q_start >= q_len:
+        return
+    ctx_len = tl.load(seq_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_start + rows // GROUP
+    q_heads = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    # Padding rows pretend to be position 0: they see key 0 only, so no row is ever all -inf.
+    q_pos = tl.where(row_ok, ctx_len - q_len + tok, 0)
+    dims = tl.arange(0, HEAD_DIM)
+    q_rows = (q_begin + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + q_heads[:, None] * stride_qh + dims[None, :] * stride_qd,
+        mask=row_ok[:, None], other=0.0,
+    )
+    q = (q.to(tl.float32) * qk_scale).to(q.dtype)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_off = kv_head * stride_ch + dims[None, :] * stride_cd
+    kv_end = ctx_len - q_len + tl.minimum(q_start + BLOCK_Q, q_len)  # last query position + 1
+    for tile in range(0, kv_end, BLOCK_N):
+        tokens = tile + tl.arange(0, BLOCK_N)
+        tok_ok = tokens < kv_end
+        blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+        kv_off = blocks[:, None] * stride_cb + (tokens % BLOCK_SIZE)[:, None] * stride_co + head_off
+        k = tl.load(k_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        visible = tok_ok[None, :] & (tokens[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_FP32:
+            # Round p as the GPU path does before the PV product, then multiply in fp32.
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_rows = (q_begin + tok).to(tl.int64)
+    tl.store(
+        out_ptr + o_rows[:, None] * stride_ot + q_heads[:, None] * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None],
+    )
+
+
+def _tile_shape(head_dim: int, group: int, on_gpu: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps). BLOCK_M holds >= 1 token of the whole group."""
+    if not on_gpu:
+        block_m, block_n, warps = 64, 32, 1  # interpreter: moderate numpy tiles
+    elif head_dim <= 64:
+        block_m, block_n, warps = 128, 64, 4
+    elif head_dim <= 128:
+        block_m, block_n, warps = 128, 64, 8
+    else:
+        block_m, block_n, warps = 64, 32, 8
+    return max(block_m, triton.next_power_of_2(group)), block_n, warps
+
+
+def paged_prefill_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Chunked-prefill attention; see the module docstring. `out` exists for tests/benchmarks."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if cache_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"prefill: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"prefill: head_dim {head_dim} must be a power of two >= 16")
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError("prefill: k_cache and v_cache must share shape and strides")
+    if cu_seqlens_q.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
+        raise ValueError("prefill: cu_seqlens_q / block_tables do not match seq_lens")
+    if out is None:
+        out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    check_launchable(_prefill_kernel, q)
+
+    group = num_q_heads // num_kv_heads
+    on_gpu = q.is_cuda
+    block_m, block_n, warps = _tile_shape(head_dim, group, on_gpu)
+    block_q = block_m // group
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
+        scale * LOG2E, num_seqs,
+        *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, DOT_FP32=(not on_gpu) or q.dtype == torch.float32,
+        **({"num_warps": warps, "num_stages": 2} if on_gpu else {}),
+    )
+    return out

@@ -1,0 +1,104 @@
+"""Plain PyTorch versions of the paged-attention kernels: the definition of "correct".
+
+Layout shared by every kernel here and in the Triton files:
+  k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
+  block_tables      int32 [num_seqs, max_blocks_per_seq]; entries past a sequence's last block are ignored
+  seq_lens          int32 [num_seqs]: tokens already in the cache for each sequence (the new ones included)
+  slot_mapping      int64 [num_tokens] = block_id * block_size + offset, -1 = skip (padding)
+The CPU serving path runs these, so they are vectorised rather than looped per token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_ref(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter k, v [num_tokens, num_kv_heads, head_dim] into the caches at slot_mapping (in place)."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[keep].to(v_cache.dtype)
+
+
+def _gather_context(
+    cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int
+) -> torch.Tensor:
+    """[num_seqs, num_blocks * block_size, num_kv_heads, head_dim] view of each sequence's first blocks."""
+    table = block_tables[:, :num_blocks].long().clamp(0, cache.shape[0] - 1)
+    gathered = cache[table]  # [S, nb, bs, Hk, D]
+    s, nb, bs, hk, d = gathered.shape
+    return gathered.reshape(s, nb * bs, hk, d)
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence: q [num_seqs, num_q_heads, head_dim] -> out of the same shape.
+
+    Sequence i attends to its first seq_lens[i] cached tokens (its own new token included).
+    """
+    num_seqs, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    max_len = int(seq_lens.max().item()) if num_seqs else 0
+    num_blocks = max(1, -(-max_len // block_size))
+    keys = _gather_context(k_cache, block_tables, num_blocks).float()  # [S, T, Hk, D]
+    values = _gather_context(v_cache, block_tables, num_blocks).float()
+    qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("skgd,stkd->skgt", qg, keys) * scale
+    positions = torch.arange(keys.shape[1], device=q.device)
+    invalid = positions[None, :] >= seq_lens.to(q.device).long()[:, None]  # [S, T]
+    scores = scores.masked_fill(invalid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("skgt,stkd->skgd", probs, values)
+    return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's newest q_len tokens over all its seq_lens[i] cached tokens.
+
+    q [num_tokens, num_q_heads, head_dim], sequences packed back to back as given by
+    cu_seqlens_q int32 [num_seqs + 1]. Query j of sequence i sits at position seq_lens[i] - q_len + j and
+    sees keys at positions <= its own (earlier chunks and prefix-cache hits included).
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(q)
+    starts = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for i, ctx_len in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        num_blocks = -(-ctx_len // block_size)
+        keys = _gather_context(k_cache, block_tables[i : i + 1], num_blocks)[0, :ctx_len].float()
+        values = _gather_context(v_cache, block_tables[i : i + 1], num_blocks)[0, :ctx_len].float()
+        qi = q[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
+        scores = torch.einsum("qkgd,tkd->kgqt", qi, keys) * scale
+        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+        k_pos = torch.arange(ctx_len, device=q.device)
+        future = k_pos[None, :] > q_pos[:, None]  # [q_len, ctx_len]
+        scores = scores.masked_fill(future, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        oi = torch.einsum("kgqt,tkd->qkgd", probs, values)
+        out[q_start:q_end] = oi.reshape(q_len, num_q_heads, head_dim).to(q.dtype)
+    return out

@@ -1,0 +1,44 @@
+"""Errors the producer side raises. Every message says what was wrong and what to do about it."""
+
+from __future__ import annotations
+
+
+class TokenbusError(Exception):
+    """Base class: the CLI prints these as one line and exits non-zero."""
+
+
+class InvalidJob(TokenbusError, ValueError):
+    """A job request that does not follow the protocol (unknown field, bad value, no/two prompts)."""
+
+
+class InvalidBatch(InvalidJob):
+    """A batch input file with bad lines; `.line_errors` holds (line number, message) for each."""
+
+    def __init__(self, message: str, line_errors: list[tuple[int, str]] | None = None) -> None:
+        super().__init__(message)
+        self.line_errors = line_errors or []
+
+
+class QueueFull(TokenbusError):
+    """The jobs stream holds max_queue_len entries; `.accepted` lists ids already queued by this call."""
+
+    def __init__(self, message: str, accepted: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.accepted = accepted or []
+
+
+class JobNotFound(TokenbusError, KeyError):
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "job not found"
+
+
+class BatchNotFound(JobNotFound):
+    pass
+
+
+class WaitTimeout(TokenbusError, TimeoutError):
+    """wait/as_completed ran out of time; `.pending` lists the ids that had not ended."""
+
+    def __init__(self, message: str, pending: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.pending = pending or []

@@ -1,0 +1,394 @@
+"""The wire protocol between producers and workers: key names, statuses and pydantic models.
+
+This module is the source of truth for docs/protocol.md. It imports no torch: clients in other processes
+(and other languages, via the doc) only need Redis and these shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from producer.errors import InvalidJob
+
+DEFAULT_NAMESPACE = "tokenbus"
+GROUP = "workers"  # the one consumer group on {ns}:jobs
+DEFAULT_MAX_QUEUE_LEN = 1_000_000
+DEFAULT_RESULT_TTL = 7 * 24 * 3600  # seconds a finished job's record (and a batch) is kept
+EVENTS_MAXLEN = 100_000  # approximate cap of {ns}:events
+MAX_LOGPROBS = 20
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,199}$")
+
+
+class JobStatus(StrEnum):
+    queued = "queued"
+    running = "running"
+    finished = "finished"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+TERMINAL_STATUSES = frozenset({JobStatus.finished, JobStatus.failed, JobStatus.cancelled})
+
+
+class BatchStatus(StrEnum):
+    validating = "validating"  # record written, jobs being submitted
+    in_progress = "in_progress"
+    completed = "completed"
+    cancelling = "cancelling"
+    cancelled = "cancelled"
+
+
+TERMINAL_BATCH_STATUSES = frozenset({BatchStatus.completed, BatchStatus.cancelled})
+
+
+class ErrorCode(StrEnum):
+    """`error_code` values in a job record; workers may add others (clients must accept any string)."""
+
+    invalid_request = "invalid_request"  # failed the worker's re-validation or the engine's checks
+    model_mismatch = "model_mismatch"  # request.model is not the worker's model
+    worker_error = "worker_error"  # an exception while generating
+    max_attempts = "max_attempts"  # reclaimed too often (worker crashes); also dead-lettered
+    cancelled = "cancelled"
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Every Redis key of one namespace."""
+
+    ns: str = DEFAULT_NAMESPACE
+
+    @property
+    def jobs(self) -> str:
+        return f"{self.ns}:jobs"
+
+    @property
+    def events(self) -> str:
+        return f"{self.ns}:events"
+
+    @property
+    def dead(self) -> str:
+        return f"{self.ns}:dead"
+
+    @property
+    def cancel(self) -> str:
+        return f"{self.ns}:cancel"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.ns}:workers"
+
+    @property
+    def config(self) -> str:
+        return f"{self.ns}:config"
+
+    def job(self, job_id: str) -> str:
+        return f"{self.ns}:job:{job_id}"
+
+    def worker(self, name: str) -> str:
+        return f"{self.ns}:worker:{name}"
+
+    def batch(self, batch_id: str) -> str:
+        return f"{self.ns}:batch:{batch_id}"
+
+    def batch_jobs(self, batch_id: str) -> str:
+        return f"{self.ns}:batch:{batch_id}:jobs"
+
+
+# Wire models are strict: "64" is not an int and 1 is not a bool, so a typo fails at submit, not on a GPU.
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class GenerationParams(BaseModel):
+    """The engine's SamplingParams fields, same names and defaults, validated the same way."""
+
+    model_config = _STRICT
+
+    max_tokens: int = Field(256, ge=1)
+    min_tokens: int = Field(0, ge=0)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # 0 = off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    skip_special_tokens: bool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
+        for s in [v] if isinstance(v, str) else v or []:
+            if s == "":
+                raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _ids_not_negative(cls, v: list[int] | None) -> list[int] | None:
+        if v and min(v) < 0:
+            raise ValueError("token ids must be >= 0")
+        return v
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> GenerationParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        return self
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """kwargs for worker SamplingParams(**...): only the generation fields."""
+        return {name: getattr(self, name) for name in GenerationParams.model_fields}
+
+
+class Message(BaseModel):
+    model_config = _STRICT
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+    name: str | None = None
+
+
+class JobRequest(GenerationParams):
+    """One job: exactly one of prompt / messages / prompt_token_ids, plus generation fields."""
+
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    prompt_token_ids: list[int] | None = None
+    model: str | None = None  # checked against the worker's model when given
+    stream: bool = False  # publish partial tokens (worker option)
+    metadata: dict[str, str] | None = None  # caller's labels, returned untouched
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> JobRequest:
+        given = [n for n in ("prompt", "messages", "prompt_token_ids") if getattr(self, n) is not None]
+        if len(given) != 1:
+            what = "none" if not given else " and ".join(given)
+            raise ValueError(f"give exactly one of prompt, messages, prompt_token_ids (got {what})")
+        if self.prompt is not None and self.prompt == "":
+            raise ValueError("prompt must not be empty")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        if self.prompt_token_ids is not None:
+            if not self.prompt_token_ids:
+                raise ValueError("prompt_token_ids must not be empty")
+            if min(self.prompt_token_ids) < 0:
+                raise ValueError("prompt_token_ids must be >= 0")
+        return self
+
+    def engine_prompt(self) -> str | list[int] | list[dict[str, str]]:
+        """What Engine.add_request takes as its prompt."""
+        if self.prompt is not None:
+            return self.prompt
+        if self.prompt_token_ids is not None:
+            return list(self.prompt_token_ids)
+        return [m.model_dump(exclude_none=True) for m in self.messages or []]
+
+    def to_json(self) -> str:
+        # Defaults are left out: the record stays small and a reader applies the same defaults.
+        return self.model_dump_json(exclude_defaults=True)
+
+
+class Usage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class JobResult(BaseModel):
+    """The `result` field of a finished job (JSON)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    usage: Usage = Field(default_factory=Usage)
+    logprobs: list[dict[int, float]] | None = None  # per generated token: {token_id: logprob}
+    model: str | None = None  # the worker's model name
+
+
+class Job(BaseModel):
+    """A job record as read back from `{ns}:job:{id}`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    status: JobStatus
+    request: dict[str, Any] | None = None
+    created_at: float | None = None  # queued
+    started_at: float | None = None  # latest attempt started running
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    attempts: int = 0
+    worker: str | None = None
+    result: JobResult | None = None
+    error: str | None = None
+    error_code: str | None = None
+    batch_id: str | None = None
+    custom_id: str | None = None
+    entry_id: str | None = None  # id of its entry in {ns}:jobs
+
+    @classmethod
+    def from_record(cls, fields: dict[str, str]) -> Job:
+        data: dict[str, Any] = dict(fields)
+        for key in ("request", "result"):
+            if data.get(key):
+                try:
+                    data[key] = json.loads(data[key])
+                except json.JSONDecodeError:
+                    data[key] = None if key == "result" else {"_unparsed": data[key]}
+            else:
+                data.pop(key, None)
+        return cls.model_validate({k: v for k, v in data.items() if v != ""})
+
+    @property
+    def done(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+    @property
+    def queue_seconds(self) -> float | None:
+        return _span(self.created_at, self.started_at)
+
+    @property
+    def ttft_seconds(self) -> float | None:
+        return _span(self.started_at, self.first_token_at)
+
+    @property
+    def latency_seconds(self) -> float | None:
+        return _span(self.created_at, self.finished_at)
+
+
+def _span(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else b - a
+
+
+class Heartbeat(BaseModel):
+    """The JSON value of `{ns}:worker:{name}` (kept alive by a TTL the worker refreshes)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    model: str | None = None
+    started_at: float | None = None
+    last_seen: float | None = None
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int | None = None
+    jobs_done: int = 0
+
+
+class WorkerInfo(BaseModel):
+    name: str
+    alive: bool  # its heartbeat key still exists
+    heartbeat: Heartbeat | None = None
+
+
+class QueueInfo(BaseModel):
+    namespace: str
+    queue_depth: int  # XLEN {ns}:jobs: queued + running entries (ended ones are XDELed)
+    pending: int  # delivered to a worker, not acked yet (XPENDING)
+    waiting: int  # queue_depth - pending: not picked up yet
+    consumers: int
+    workers: list[WorkerInfo]
+    dead_letters: int
+    cancel_requested: int
+    max_queue_len: int
+    result_ttl: int
+
+
+class BatchRecord(BaseModel):
+    """`{ns}:batch:{id}` hash."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    status: BatchStatus
+    endpoint: str
+    total: int
+    finished: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    created_at: float | None = None
+    in_progress_at: float | None = None
+    completed_at: float | None = None
+    cancelled_at: float | None = None  # when cancel was requested
+    input_file: str | None = None
+
+    @property
+    def done(self) -> int:
+        return self.finished + self.failed + self.cancelled
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL_BATCH_STATUSES
+
+    @classmethod
+    def from_record(cls, fields: dict[str, str]) -> BatchRecord:
+        return cls.model_validate({k: v for k, v in fields.items() if v != ""})
+
+
+def check_job_id(job_id: str) -> str:
+    if not isinstance(job_id, str) or not JOB_ID_RE.match(job_id):
+        raise InvalidJob(
+            f"invalid job id {job_id!r}: use 1-200 characters from A-Z a-z 0-9 _ . : @ - "
+            "(starting with a letter or digit)"
+        )
+    return job_id
+
+
+def describe_validation_error(err: ValidationError) -> str:
+    """One line per problem: `field: what is wrong (got value)`."""
+    allowed = ", ".join(JobRequest.model_fields)
+    lines = []
+    for e in err.errors(include_url=False):
+        loc = ".".join(str(p) for p in e["loc"]) or "request"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{loc}: unknown field (allowed: {allowed})")
+            continue
+        msg = e["msg"].removeprefix("Value error, ")
+        got = e.get("input")
+        shown = "" if isinstance(got, dict) else f" (got {_short(got)})"
+        lines.append(f"{loc}: {msg}{shown}")
+    return "; ".join(lines)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return text
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def validate_request(data: dict[str, Any] | JobRequest) -> JobRequest:
+    """A JobRequest from a dict, or InvalidJob saying every field that is wrong."""
+    if isinstance(data, JobRequest):
+        return data
+    if not isinstance(data, dict):
+        raise InvalidJob(f"invalid job: a request must be a JSON object / dict, got {type(data).__name__}")
+    try:
+        return JobRequest.model_validate(data)
+    except ValidationError as err:
+        raise InvalidJob(f"invalid job: {describe_validation_error(err)}") from None
+
+
+def parse_request(raw: str | bytes) -> JobRequest:
+    """What a worker calls on an entry's `request` field: JSON text -> JobRequest or InvalidJob."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InvalidJob(f"invalid job: request is not valid JSON ({err})") from None
+    return validate_request(data)

@@ -1,0 +1,262 @@
+"""The engine: requests in, one forward pass per step over every running sequence, results out as each ends."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+
+from worker import loader
+from worker.block_manager import BlockManager
+from worker.engine_config import EngineConfig
+from worker.model_runner import ModelRunner, kv_bytes_per_block
+from worker.models.llama import LlamaArch, LlamaForCausalLM
+from worker.sampler import Sampler
+from worker.sampling_params import SamplingParams
+from worker.scheduler import Scheduler
+from worker.sequence import Sequence
+from worker.stop_checker import StopChecker
+
+log = structlog.get_logger("tokenbus.engine")
+
+Prompt = str | list[int] | list[dict[str, Any]]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort"
+    logprobs: list[dict[int, float]] | None
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float
+    num_preemptions: int
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    free_blocks: int
+    used_blocks: int
+    total_blocks: int
+    preemptions: int
+    generated_tokens: int
+    steps: int
+
+
+class Engine:
+    def __init__(self, model: str = "smollm2-135m", device: str = "auto", dtype: str = "auto", **options: Any):
+        self.config = EngineConfig(model=model, device=device, dtype=dtype, **options)
+        cfg = self.config
+        self.device = torch.device(cfg.resolved_device)
+        self.dtype = cfg.torch_dtype
+        started = time.perf_counter()
+        source = loader.resolve(model)
+        hf_config = loader.load_config(source)
+        arch = LlamaArch.from_hf_config(hf_config)
+        self.model_name = model
+        self.tokenizer = loader.load_tokenizer(source)
+        self.eos_token_ids = loader.load_generation_eos(source, hf_config, self.tokenizer)
+        self.max_model_len = min(cfg.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        if arch.sliding_window:
+            # beyond the window our full attention would differ from the model's: stay inside it
+            self.max_model_len = min(self.max_model_len, arch.sliding_window)
+        with torch.device("meta"):
+            meta_model = LlamaForCausalLM(arch, hf_config, self.max_model_len)
+        self.model = meta_model.to_empty(device=self.device).to(self.dtype)
+        self.model.rotary = type(meta_model.rotary)(hf_config, arch.head_dim, self.max_model_len).to(self.device)
+        if arch.tie_word_embeddings:  # materialising from meta unties shared parameters
+            self.model.lm_head.weight = self.model.embed_tokens.weight
+        self.model.load_weights(loader.iter_weights(source))
+        self.model.eval()
+        num_blocks = self._num_kv_blocks()
+        self.block_manager = BlockManager(num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.sampler = Sampler(arch.vocab_size, self.device, self.eos_token_ids)
+        self.runner = ModelRunner(self.model, self.sampler, num_blocks, cfg.block_size, self.device, self.dtype)
+        self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.requests: dict[str, Sequence] = {}
+        self.new_tokens: dict[str, list[int]] = {}
+        self.generated_tokens = 0
+        self.steps = 0
+        log.info(
+            "engine_ready", model=model, device=str(self.device), dtype=str(self.dtype), kv_blocks=num_blocks,
+            block_size=cfg.block_size, max_model_len=self.max_model_len,
+            load_s=round(time.perf_counter() - started, 2),
+        )
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        per_block = kv_bytes_per_block(self.model, cfg.block_size, self.dtype)
+        if cfg.num_kv_blocks:
+            return cfg.num_kv_blocks
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info(self.device)
+            # keep (1 - utilization) of the card plus activation headroom for the largest step
+            headroom = total * (1 - cfg.gpu_memory_utilization) + self._activation_bytes()
+            budget = max(free - headroom, 0)
+        else:
+            budget = cfg.kv_cache_gb * 1024**3
+        blocks = int(budget // per_block)
+        if blocks < 1:
+            raise ValueError("no memory left for the KV cache: raise kv_cache_gb / gpu_memory_utilization")
+        return blocks
+
+    def _activation_bytes(self) -> int:
+        arch, cfg = self.model.arch, self.config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        widest = max(arch.intermediate_size * 2, arch.hidden_size * 4, arch.vocab_size)
+        return cfg.max_num_batched_tokens * widest * elem * 4
+
+    # ---- requests -------------------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            for m in prompt:
+                if "role" not in m or "content" not in m:
+                    raise ValueError(f"each chat message needs 'role' and 'content', got {m!r}")
+            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return list(ids)
+        if isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            vocab = self.model.arch.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+            return list(prompt)
+        raise ValueError("a prompt is a non-empty string, a list of token ids, or a list of chat messages")
+
+    def add_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams | dict[str, Any] | None = None
+    ) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        prompt_ids = self.tokenize(prompt)
+        total = len(prompt_ids) + params.max_tokens
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_model_len} tokens"
+            )
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+                f"model context of {self.max_model_len} tokens; lower max_tokens or shorten the prompt"
+            )
+        if self.block_manager.blocks_for(total) > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens = {total} tokens can never fit the KV cache "
+                f"({self.block_manager.num_blocks * self.config.block_size} tokens); raise kv_cache_gb"
+            )
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        seq = Sequence(request_id, prompt_ids, params, time.time(), generator=generator)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.remove(seq)
+        seq.finish_reason = "abort"
+        return self._output(seq)
+
+    # ---- stepping -------------------------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def free_seats(self) -> int:
+        s = self.scheduler
+        return max(0, s.max_num_seqs - len(s.running) - len(s.waiting))
+
+    def step(self) -> list[RequestOutput]:
+        self.new_tokens = {}
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        seqs, tokens, logprob_rows = self.runner.run(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+        finished: list[RequestOutput] = []
+        now = time.time()
+        for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if logprob_rows is not None and logprob_rows[i] is not None:
+                row, top_ids, top_vals = logprob_rows[i]
+                entry = dict(zip(top_ids, top_vals, strict=True))
+                entry[token] = float(row[token])
+                seq.logprobs.append(entry)
+            self.new_tokens[seq.request_id] = [token]
+            self.generated_tokens += 1
+            reason = self.stop_checker.check(seq)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                del self.requests[seq.request_id]
+                finished.append(self._output(seq))
+        self.steps += 1
+        return finished
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=self.stop_checker.final_text(seq),
+            finish_reason=seq.finish_reason or "abort",
+            logprobs=seq.logprobs,
+            arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+            finish_time=time.time(),
+            num_preemptions=seq.num_preemptions,
+        )
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), free_blocks=bm.num_free,
+            used_blocks=bm.num_used, total_blocks=bm.num_blocks, preemptions=self.scheduler.num_preemptions,
+            generated_tokens=self.generated_tokens, steps=self.steps,
+        )
+
+    def generate(
+        self,
+        prompts: Seq[Prompt],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Offline: run every prompt to the end and return the outputs in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt given bare
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [f"generate-{self.steps}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
+            self.add_request(rid, prompt, p)
+        results: dict[str, RequestOutput] = {}
+        while len(results) < len(ids):
+            for out in self.step():
+                results[out.request_id] = out
+        return [results[rid] for rid in ids]

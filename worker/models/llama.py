@@ -1,0 +1,281 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) on a flat token batch, no padding.
+
+Every forward takes all tokens of a step as one [num_tokens] vector with their positions; attention and
+KV writes go through `kernels`, which know from the AttentionMetadata which tokens belong to whom.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from worker.attention_metadata import AttentionMetadata
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _rope_parameters(config: Any) -> dict[str, Any]:
+    # transformers >= 5 keeps rope settings in `rope_parameters`; 4.x in rope_theta / rope_scaling
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    scaling = getattr(config, "rope_scaling", None)
+    if scaling and "rope_type" not in params:
+        params.update(scaling)
+        params["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+    params.setdefault("rope_type", "default")
+    return params
+
+
+@dataclass
+class LlamaArch:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> LlamaArch:
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model type {model_type!r} is not supported; tokenbus implements {list(SUPPORTED_MODEL_TYPES)}"
+            )
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"activation {act!r} is not supported; only 'silu' (SwiGLU) is implemented")
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        if model_type == "qwen2":
+            qkv_bias = True
+        else:
+            qkv_bias = bool(getattr(config, "attention_bias", False))
+        window = getattr(config, "sliding_window", None)
+        if model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+            window = None
+        if model_type == "qwen3" and not getattr(config, "use_sliding_window", False):
+            window = None
+        return cls(
+            model_type=model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=model_type == "qwen3",
+            sliding_window=window,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the same arithmetic as Hugging Face's (normalise in fp32, scale in the model dtype)
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, computed once the way Hugging Face computes them per step."""
+
+    def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        params = _rope_parameters(hf_config)
+        rope_type = params["rope_type"]
+        scaling = 1.0
+        if rope_type == "default":
+            dim = head_dim
+            inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
+                raise ValueError(f"rope type {rope_type!r} is not supported")
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        positions = torch.arange(max_positions, dtype=torch.float)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        k_cache, v_cache = kv_cache
+        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        p = meta.num_prefill_tokens
+        if p:
+            out[:p] = kernels.paged_prefill_attention(
+                q[:p], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+                meta.prefill_seq_lens, self.scale,
+            )
+        if p < num_tokens:
+            out[p:] = kernels.paged_decode_attention(
+                q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale
+            )
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        self.self_attn = Attention(arch)
+        self.mlp = MLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# Hugging Face checkpoint names -> (our fused parameter, which shard)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: LlamaArch, hf_config: Any, max_positions: int) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(hf_config, arch.head_dim, max_positions)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rotary, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            fused = _FUSED.get(parts[-2]) if len(parts) >= 2 else None
+            if fused is not None:
+                parts[-2] = fused[0]
+                target = ".".join(parts)
+                self._load_shard(params[target], tensor, parts[-3], fused[1], parts[-1])
+            else:
+                target = name
+                if target not in params:
+                    raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the {self.arch.model_type} model")
+                params[target].copy_(tensor)
+            loaded.add(target)
+        missing = set(params) - loaded
+        if self.arch.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]} ...")
+
+    def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, module: str, shard: int, kind: str) -> None:
+        if module == "self_attn":
+            q, kv = self.arch.num_heads * self.arch.head_dim, self.arch.num_kv_heads * self.arch.head_dim
+            bounds = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
+        else:
+            i = self.arch.intermediate_size
+            bounds = [(0, i), (i, 2 * i)][shard]
+        param[bounds[0] : bounds[1]].copy_(tensor)

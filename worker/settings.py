@@ -1,0 +1,110 @@
+"""Worker settings: one pydantic-settings model. Environment (TOKENBUS_*) first, CLI flags override."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from typing import Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_worker_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOKENBUS_", extra="forbid")
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server holding the job stream")
+    namespace: str = Field("tokenbus", description="prefix of every Redis key")
+    model: str = Field("smollm2-135m", description="model name, local HF dir, hub id or GGUF file")
+    device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'")
+    dtype: str = Field("auto", description="'auto' (bfloat16 on cuda, float32 on cpu), or a torch dtype name")
+    block_size: int = Field(16, gt=0, description="tokens per KV-cache block")
+    max_num_seqs: int = Field(64, gt=0, description="most sequences in one batch")
+    max_num_batched_tokens: int = Field(2048, gt=0, description="token budget of one engine step")
+    kv_cache_gb: float | None = Field(
+        None, gt=0, description="KV-cache size in GiB; unset = derive from gpu_memory_utilization (cuda) or 1 GiB"
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="share of GPU memory the worker may use (weights + KV cache)"
+    )
+    worker_name: str = Field(default_factory=_default_worker_name, description="consumer name in the group")
+    lease_ms: int = Field(
+        30_000, ge=100, description="an in-flight job whose lease is not renewed for this long is reclaimed"
+    )
+    max_attempts: int = Field(3, ge=1, description="deliveries of one job before it goes to the dead letters")
+    result_ttl_s: int = Field(86_400, gt=0, description="seconds a finished job record is kept")
+    max_queue_len: int = Field(100_000, gt=0, description="queue depth above which submits are refused")
+    intake_lookahead: int = Field(4, ge=0, description="jobs read beyond the free seats, so none sit idle")
+    drain_grace_s: float = Field(
+        30.0, ge=0, description="on SIGTERM: seconds to finish in-flight jobs before handing them back"
+    )
+    heartbeat_s: float = Field(5.0, gt=0, description="seconds between heartbeats")
+    metrics_port: int = Field(0, ge=0, description="Prometheus /metrics port; 0 = off")
+    stream_tokens: bool = Field(True, description="publish partial tokens of jobs that asked for stream=true")
+    log_level: str = Field("info", description="debug, info, warning, error")
+    log_json: bool | None = Field(None, description="JSON logs; unset = JSON when stderr is not a TTY")
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, v: str) -> str:
+        v = v.lower()
+        if v not in ("debug", "info", "warning", "error", "critical"):
+            raise ValueError(f"unknown log level {v!r}")
+        return v
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"
+
+
+def _flag_type(annotation: Any):
+    if annotation in (int, int | None):
+        return int
+    if annotation in (float, float | None):
+        return float
+    return str
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per setting (--redis-url for redis_url ...), help text from the field descriptions."""
+    parser = argparse.ArgumentParser(
+        prog="tokenbus-worker",
+        description="Serve tokenbus jobs from a Redis stream on one GPU (or the CPU). "
+        "Every flag may also be set as TOKENBUS_<NAME> in the environment.",
+    )
+    for name, field in WorkerSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        if field.annotation in (bool, bool | None):
+            parser.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=None,
+                                metavar="BOOL", help=field.description)
+        else:
+            parser.add_argument(flag, type=_flag_type(field.annotation), default=None, help=field.description)
+    return parser
+
+
+def load_settings(argv: list[str] | None = None) -> WorkerSettings:
+    args = build_parser().parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    return WorkerSettings(**overrides)
