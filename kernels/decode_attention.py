@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_write import check_launchable
+from kernels.kv_write import Launch, check_launchable
 
 LOG2E = 1.4426950408889634
 MIN_PARTITION = 128
@@ -140,17 +140,80 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1  # interpreter: fewer, larger programs run faster
-
-
-def pick_partition_size(max_context: int, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+def pick_partition_size(max_context: int, num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     """Power of two in [MIN_PARTITION, MAX_PARTITION] giving ~4 waves of stage-1 programs on the GPU."""
-    wanted_parts = max(1, triton.cdiv(4 * _sm_count(device), max(1, num_seqs * num_kv_heads)))
+    wanted_parts = max(1, triton.cdiv(4 * num_sms, max(1, num_seqs * num_kv_heads)))
     size = triton.next_power_of_2(max(1, triton.cdiv(max_context, wanted_parts)))
     return min(MAX_PARTITION, max(MIN_PARTITION, size))
+
+
+def plan_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    on_gpu: bool,
+    partition_size: int | None = None,
+    num_sms: int = 132,
+) -> list[Launch]:
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"decode: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"decode: head_dim {head_dim} must be a power of two >= 16")
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError("decode: k_cache and v_cache must share shape and strides")
+    if block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
+        raise ValueError("decode: block_tables / seq_lens do not match q's num_seqs")
+    if out.shape != q.shape or out.stride(2) != 1:
+        raise ValueError("decode: out must have q's shape and a contiguous last dim")
+    if num_seqs == 0:
+        return []
+
+    group = num_q_heads // num_kv_heads
+    max_context = block_tables.shape[1] * block_size
+    if partition_size is None:
+        partition_size = pick_partition_size(max_context, num_seqs, num_kv_heads, num_sms if on_gpu else 1)
+    num_partitions = max(1, triton.cdiv(max_context, partition_size))
+    single = num_partitions == 1
+    # GPU dots need >= 16 rows; the interpreter runs numpy and wants the smallest tiles.
+    group_pad = max(16, triton.next_power_of_2(group)) if on_gpu else triton.next_power_of_2(group)
+    if single:
+        part_max = part_sum = part_acc = out  # not touched by the single-partition variant
+    else:
+        part_max = torch.empty(num_seqs, num_q_heads, num_partitions, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty(num_seqs, num_q_heads, num_partitions, head_dim, dtype=torch.float32,
+                               device=q.device)
+    stage1 = Launch(
+        _decode_partition_kernel,
+        (num_seqs, num_kv_heads, num_partitions),
+        (
+            q, k_cache, v_cache, block_tables, seq_lens,
+            out, part_max, part_sum, part_acc,
+            scale * LOG2E, partition_size, num_partitions,
+            *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
+        ),
+        {
+            "GROUP": group, "GROUP_PAD": group_pad, "HEAD_DIM": head_dim,
+            "BLOCK_N": min(128, 8192 // head_dim) if on_gpu else 64, "BLOCK_SIZE": block_size,
+            "SINGLE_PARTITION": single, "DOT_FP32": (not on_gpu) or q.dtype == torch.float32,
+            "num_warps": 4, "num_stages": 3,
+        },
+    )
+    if single:
+        return [stage1]
+    stage2 = Launch(
+        _decode_reduce_kernel,
+        (num_seqs, num_q_heads),
+        (out, part_max, part_sum, part_acc, seq_lens, partition_size, num_partitions, out.stride(0), out.stride(1)),
+        {"HEAD_DIM": head_dim, "BLOCK_P": 16, "num_warps": 4},
+    )
+    return [stage1, stage2]
 
 
 def paged_decode_attention_triton(
@@ -165,54 +228,11 @@ def paged_decode_attention_triton(
     partition_size: int | None = None,
 ) -> torch.Tensor:
     """Decode attention; see the module docstring. `out` and `partition_size` exist for tests/benchmarks."""
-    num_seqs, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or num_q_heads % num_kv_heads:
-        raise ValueError(f"decode: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    if head_dim & (head_dim - 1) or head_dim < 16:
-        raise ValueError(f"decode: head_dim {head_dim} must be a power of two >= 16")
-    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError("decode: k_cache and v_cache must share shape and strides")
-    if block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
-        raise ValueError("decode: block_tables / seq_lens do not match q's num_seqs")
-    if out is None:
-        out = torch.empty(num_seqs, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
-    if num_seqs == 0:
-        return out
     check_launchable(_decode_partition_kernel, q)
-
-    group = num_q_heads // num_kv_heads
-    max_context = block_tables.shape[1] * block_size
-    if partition_size is None:
-        partition_size = pick_partition_size(max_context, num_seqs, num_kv_heads, q.device)
-    num_partitions = max(1, triton.cdiv(max_context, partition_size))
-    single = num_partitions == 1
-    on_gpu = q.is_cuda
-    # GPU dots need >= 16 rows; the interpreter runs numpy and wants the smallest tiles.
-    group_pad = max(16, triton.next_power_of_2(group)) if on_gpu else triton.next_power_of_2(group)
-    block_n = (64 if head_dim >= 128 else 128) if on_gpu else 64
-    dot_fp32 = (not on_gpu) or q.dtype == torch.float32
-    if single:
-        part_max = part_sum = part_acc = out  # unused
-    else:
-        part_max = torch.empty(num_seqs, num_q_heads, num_partitions, dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
-        part_acc = torch.empty(num_seqs, num_q_heads, num_partitions, head_dim, dtype=torch.float32,
-                               device=q.device)
-
-    _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
-        q, k_cache, v_cache, block_tables, seq_lens,
-        out, part_max, part_sum, part_acc,
-        scale * LOG2E, partition_size, num_partitions,
-        *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        SINGLE_PARTITION=single, DOT_FP32=dot_fp32,
-        **({"num_warps": 4, "num_stages": 2} if on_gpu else {}),
-    )
-    if not single:
-        _decode_reduce_kernel[(num_seqs, num_q_heads)](
-            out, part_max, part_sum, part_acc, seq_lens,
-            partition_size, num_partitions, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_P=16,
-        )
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+    for launch in plan_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, q.is_cuda,
+                              partition_size, num_sms):
+        launch()
     return out

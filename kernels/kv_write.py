@@ -87,7 +87,7 @@ def plan_write_kv(
         *k.stride(), *v.stride(), *k_cache.stride(),
         num_kv_heads, k_cache.shape[1],
     )
-    meta = {"BLOCK_H": triton.next_power_of_2(num_kv_heads), "HEAD_DIM": head_dim, "num_warps": 1 if on_gpu else 4}
+    meta = {"BLOCK_H": triton.next_power_of_2(num_kv_heads), "HEAD_DIM": head_dim, "num_warps": 2}
     return [Launch(_write_kv_kernel, (num_tokens,), args, meta)]
 
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_write import check_launchable
+from kernels.kv_write import Launch, check_launchable
 
 LOG2E = 1.4426950408889634
 
@@ -114,10 +114,13 @@ def _prefill_kernel(
     )
 
 
-def _tile_shape(head_dim: int, group: int, on_gpu: bool) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps). BLOCK_M holds >= 1 token of the whole group."""
+def _tile_shape(head_dim: int, group: int, dtype: torch.dtype, on_gpu: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps), sized to stay clear of register spills on sm_90 (see the tests).
+    BLOCK_M always holds >= 1 token of the whole group."""
     if not on_gpu:
         block_m, block_n, warps = 64, 32, 1  # interpreter: moderate numpy tiles
+    elif dtype == torch.float32:  # fp32 tiles are twice the bytes and the dots run without tensor-core fp16
+        block_m, block_n, warps = 64, (32 if head_dim <= 64 else 16), 4
     elif head_dim <= 64:
         block_m, block_n, warps = 128, 64, 4
     elif head_dim <= 128:
@@ -125,6 +128,48 @@ def _tile_shape(head_dim: int, group: int, on_gpu: bool) -> tuple[int, int, int]
     else:
         block_m, block_n, warps = 64, 32, 8
     return max(block_m, triton.next_power_of_2(group)), block_n, warps
+
+
+def plan_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    on_gpu: bool,
+) -> list[Launch]:
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if cache_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"prefill: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"prefill: head_dim {head_dim} must be a power of two >= 16")
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError("prefill: k_cache and v_cache must share shape and strides")
+    if cu_seqlens_q.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
+        raise ValueError("prefill: cu_seqlens_q / block_tables do not match seq_lens")
+    if out.shape != q.shape or out.stride(2) != 1:
+        raise ValueError("prefill: out must have q's shape and a contiguous last dim")
+    if num_tokens == 0 or num_seqs == 0:
+        return []
+    group = num_q_heads // num_kv_heads
+    block_m, block_n, warps = _tile_shape(head_dim, group, q.dtype, on_gpu)
+    block_q = block_m // group
+    args = (
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
+        scale * LOG2E, num_seqs,
+        *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
+    )
+    meta = {
+        "GROUP": group, "HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_Q": block_q, "BLOCK_N": block_n,
+        "BLOCK_SIZE": block_size, "DOT_FP32": (not on_gpu) or q.dtype == torch.float32,
+        "num_warps": warps, "num_stages": 2,
+    }
+    return [Launch(_prefill_kernel, (num_tokens // block_q + num_seqs, num_kv_heads), args, meta)]
 
 
 def paged_prefill_attention_triton(
@@ -139,34 +184,9 @@ def paged_prefill_attention_triton(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunked-prefill attention; see the module docstring. `out` exists for tests/benchmarks."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_dim = k_cache.shape
-    num_seqs = seq_lens.shape[0]
-    if cache_dim != head_dim or num_q_heads % num_kv_heads:
-        raise ValueError(f"prefill: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    if head_dim & (head_dim - 1) or head_dim < 16:
-        raise ValueError(f"prefill: head_dim {head_dim} must be a power of two >= 16")
-    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError("prefill: k_cache and v_cache must share shape and strides")
-    if cu_seqlens_q.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
-        raise ValueError("prefill: cu_seqlens_q / block_tables do not match seq_lens")
-    if out is None:
-        out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
-    if num_tokens == 0 or num_seqs == 0:
-        return out
     check_launchable(_prefill_kernel, q)
-
-    group = num_q_heads // num_kv_heads
-    on_gpu = q.is_cuda
-    block_m, block_n, warps = _tile_shape(head_dim, group, on_gpu)
-    block_q = block_m // group
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
-        scale * LOG2E, num_seqs,
-        *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        BLOCK_SIZE=block_size, DOT_FP32=(not on_gpu) or q.dtype == torch.float32,
-        **({"num_warps": warps, "num_stages": 2} if on_gpu else {}),
-    )
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    for launch in plan_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out, q.is_cuda):
+        launch()
     return out

@@ -58,6 +58,8 @@ def paged_decode_attention_ref(
     positions = torch.arange(keys.shape[1], device=q.device)
     invalid = positions[None, :] >= seq_lens.to(q.device).long()[:, None]  # [S, T]
     scores = scores.masked_fill(invalid[:, None, None, :], float("-inf"))
+    # slots past a sequence's end hold whatever was there (even NaN): 0 * NaN would poison the sum
+    values = values.masked_fill(invalid[:, :, None, None], 0.0)
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("skgt,stkd->skgd", probs, values)
     return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)

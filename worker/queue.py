@@ -1,6 +1,6 @@
-"""The worker's Redis operations on the jobs stream and job records. Every method is one round trip (or one
-pipeline); retrying after a connection error is the caller's business, and every write here is safe to
-repeat after an unknown outcome."""
+"""The worker's Redis operations on the jobs stream and job records. Each method is one round trip (or one
+pipeline). Retrying after a connection error is the caller's business, and every write here may be repeated
+after an unknown outcome: the shared Lua scripts never end a job twice or overwrite an ended one."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from typing import Any
 
 import redis
 
+from producer import scripts as shared
 from producer.protocol import EVENTS_MAXLEN, GROUP, Keys
 from worker import queue_scripts
 
-# Set on a handed-back entry: past any worker's lease, so the next XAUTOCLAIM anywhere takes it. Not larger:
-# the server subtracts it from "now" in ms.
+# Idle time given to a handed-back entry: past any worker's lease, so the next XAUTOCLAIM anywhere takes it.
+# Not larger: the server subtracts it from "now" in milliseconds.
 HAND_BACK_IDLE_MS = 10**10
 
 
@@ -28,24 +29,21 @@ class Entry:
 
 
 @dataclass
-class StartResult:
-    outcome: str  # "run" | "terminal" | "missing" | "exhausted"
-    attempts: int = 0
-    status: str = ""  # the terminal status, for "terminal"
-
-
-@dataclass
 class Ending:
-    """What the finish script writes for one job."""
+    """How one job ended, as the finish script writes it."""
 
     job_id: str
-    entry_id: str | None  # None: no stream entry to acknowledge (it is gone already)
+    entry_id: str  # "" = the record's own entry_id
     status: str  # "finished" | "failed" | "cancelled"
     result: dict[str, Any] | None = None
     error: str | None = None
     error_code: str | None = None
-    first_token_at: float | None = None
     finished_at: float | None = None
+
+
+def tokens_key(keys: Keys, job_id: str) -> str:
+    """Stream of a streaming job's partial output: entries {offset, token_ids (JSON), text, done}."""
+    return f"{keys.job(job_id)}:tokens"
 
 
 class JobQueue:
@@ -54,25 +52,20 @@ class JobQueue:
         self.keys = Keys(namespace)
         self.consumer = consumer
         self.result_ttl_s = result_ttl_s
-        self._start = client.register_script(queue_scripts.START)
-        self._renew = client.register_script(queue_scripts.RENEW)
-        self._hand_back = client.register_script(queue_scripts.HAND_BACK)
-        self._finish = client.register_script(queue_scripts.FINISH)
+        self._renew = shared.script(queue_scripts.RENEW)
+        self._hand_back = shared.script(queue_scripts.HAND_BACK)
 
     # ---- intake -------------------------------------------------------------------------------------
 
     def ensure_group(self) -> None:
-        try:
-            self.r.xgroup_create(self.keys.jobs, GROUP, id="0", mkstream=True)
-        except redis.ResponseError as err:
-            if "BUSYGROUP" not in str(err):
-                raise
+        shared.ensure_group(self.r, self.keys)
 
     def read_new(self, count: int, block_ms: int | None) -> list[Entry]:
         try:
-            reply = self.r.xreadgroup(GROUP, self.consumer, {self.keys.jobs: ">"}, count=count, block=block_ms)
+            reply = self.r.xreadgroup(GROUP, self.consumer, {self.keys.jobs: ">"}, count=count,
+                                      block=block_ms)
         except redis.ResponseError as err:
-            # The stream or group vanished (FLUSHALL, a Redis restart without persistence): make it again.
+            # The group vanished (FLUSHALL, a Redis restart without persistence): make it again.
             if "NOGROUP" not in str(err):
                 raise
             self.ensure_group()
@@ -91,26 +84,16 @@ class JobQueue:
                 raise
             self.ensure_group()
             return "0-0", []
-        next_cursor, items = _str(reply[0]), reply[1]
-        # Entries deleted from the stream but still pending come back empty (Redis 7 also drops them from
-        # the PEL in the same call); there is nothing to run.
-        entries = [_entry(eid, fields) for eid, fields in items if fields]
-        return next_cursor, entries
+        # Entries deleted from the stream but still pending come back without fields (and Redis 7 drops
+        # them from the PEL in the same call): nothing to run.
+        return _str(reply[0]), [_entry(eid, fields) for eid, fields in reply[1] if fields]
 
-    def start(self, job_id: str, entry_id: str, max_attempts: int) -> StartResult:
-        reply = self._start(
-            keys=[self.keys.job(job_id), self.keys.jobs],
-            args=[GROUP, entry_id, self.consumer, repr(time.time()), max_attempts],
-        )
-        outcome = _str(reply[0])
-        if outcome == "terminal":
-            return StartResult(outcome, status=_str(reply[1]))
-        if outcome in ("run", "exhausted"):
-            return StartResult(outcome, attempts=int(reply[1]))
-        return StartResult(outcome)
+    def start(self, job_id: str, entry_id: str) -> tuple[str, int]:
+        """('running', attempts) to run it; else its terminal status or 'missing' (entry acked already)."""
+        return shared.start_job(self.r, self.keys, job_id, entry_id, self.consumer)
 
-    def ack(self, entry_id: str) -> None:
-        """Drop an entry that names no job (nothing else to write)."""
+    def drop_entry(self, entry_id: str) -> None:
+        """Acknowledge and delete an entry that names no job: there is no record to end."""
         pipe = self.r.pipeline(transaction=True)
         pipe.xack(self.keys.jobs, GROUP, entry_id)
         pipe.xdel(self.keys.jobs, entry_id)
@@ -122,62 +105,46 @@ class JobQueue:
         """Renew the leases of entries this worker holds; returns the ids it no longer holds."""
         if not entry_ids:
             return []
-        lost = self._renew(keys=[self.keys.jobs], args=[GROUP, self.consumer, *entry_ids])
+        lost = self._renew(keys=[self.keys.jobs], args=[GROUP, self.consumer, *entry_ids], client=self.r)
         return [_str(x) for x in lost]
 
-    def hand_back(self, job_id: str, entry_id: str, count_attempt: bool) -> bool:
-        handed = self._hand_back(
+    def hand_back(self, pipe: redis.client.Pipeline, job_id: str, entry_id: str, count_attempt: bool) -> None:
+        self._hand_back(
             keys=[self.keys.job(job_id), self.keys.jobs],
             args=[GROUP, self.consumer, entry_id, HAND_BACK_IDLE_MS, "0" if count_attempt else "1"],
+            client=pipe,
         )
-        return bool(handed)
 
     def cancel_requests(self) -> set[str]:
         return {_str(x) for x in self.r.smembers(self.keys.cancel)}
 
-    # ---- endings ------------------------------------------------------------------------------------
+    # ---- endings (queued on a pipeline; the caller executes it) ----------------------------------------
 
-    def finish_many(self, endings: list[Ending]) -> list[bool]:
-        """Write each job's ending + event + XACK atomically (one script per job, one pipeline for all).
-        True where this call ended the job; False where it had ended already (left untouched)."""
-        pipe = self.r.pipeline(transaction=False)
-        for e in endings:
-            self._finish(
-                keys=[self.keys.job(e.job_id), self.keys.jobs, self.keys.events, self.keys.cancel],
-                args=[
-                    GROUP,
-                    e.entry_id or "",
-                    e.job_id,
-                    e.status,
-                    json.dumps(e.result) if e.result is not None else "",
-                    e.error or "",
-                    e.error_code or "",
-                    repr(e.finished_at or time.time()),
-                    repr(e.first_token_at) if e.first_token_at is not None else "",
-                    self.result_ttl_s,
-                    EVENTS_MAXLEN,
-                    self.consumer,
-                ],
-                client=pipe,
-            )
-        return [bool(x) for x in pipe.execute()]
+    def finish(self, pipe: redis.client.Pipeline, e: Ending) -> None:
+        shared.finish_job(
+            pipe, self.keys, e.job_id, e.status, entry_id=e.entry_id, result=e.result, error=e.error,
+            error_code=e.error_code, now=e.finished_at, result_ttl=self.result_ttl_s,
+        )
 
-    def dead_letter(self, job_id: str, reason: str, attempts: int, request: str) -> None:
-        self.r.xadd(
+    def first_token(self, pipe: redis.client.Pipeline, job_id: str, at: float) -> None:
+        shared.mark_first_token(pipe, self.keys, job_id, at)
+
+    def dead_letter(self, pipe: redis.client.Pipeline | redis.Redis, job_id: str, reason: str, attempts: int,
+                    request: str) -> None:
+        pipe.xadd(
             self.keys.dead,
-            {"job_id": job_id, "reason": reason, "attempts": attempts, "request": request, "at": repr(time.time())},
+            {"job_id": job_id, "reason": reason, "attempts": attempts, "request": request,
+             "worker": self.consumer, "at": repr(time.time())},
             maxlen=EVENTS_MAXLEN,
             approximate=True,
         )
 
-    def publish_tokens(self, parts: list[tuple[str, list[int], str, bool]], ttl_s: int) -> None:
-        """Partial output of streaming jobs: (job_id, new token ids, new text, done) per job."""
-        pipe = self.r.pipeline(transaction=False)
-        for job_id, token_ids, text, done in parts:
-            key = self.keys.job(job_id) + ":tokens"
-            pipe.xadd(key, {"token_ids": json.dumps(token_ids), "text": text, "done": int(done)})
-            pipe.expire(key, ttl_s)
-        pipe.execute()
+    def publish_tokens(self, pipe: redis.client.Pipeline, job_id: str, offset: int, token_ids: list[int],
+                       text: str, done: bool) -> None:
+        key = tokens_key(self.keys, job_id)
+        fields = {"offset": offset, "token_ids": json.dumps(token_ids), "text": text, "done": int(done)}
+        pipe.xadd(key, fields)
+        pipe.expire(key, self.result_ttl_s)
 
     # ---- presence -----------------------------------------------------------------------------------
 
@@ -190,12 +157,15 @@ class JobQueue:
     def sign_off(self) -> None:
         self.r.delete(self.keys.worker(self.consumer))
 
-    def queue_depth(self) -> tuple[int, int]:
+    def depth(self) -> tuple[int, int]:
         """(entries in the stream, delivered but unacknowledged) for the metrics."""
         pipe = self.r.pipeline(transaction=False)
         pipe.xlen(self.keys.jobs)
         pipe.xpending(self.keys.jobs, GROUP)
-        depth, pending = pipe.execute()
+        try:
+            depth, pending = pipe.execute()
+        except redis.ResponseError:  # no group yet
+            return 0, 0
         return int(depth), int(pending["pending"]) if pending else 0
 
 
@@ -204,7 +174,6 @@ def _str(x: Any) -> str:
 
 
 def _entry(entry_id: Any, fields: dict[Any, Any] | None) -> Entry:
-    decoded: dict[str, str] = {}
-    for k, v in (fields or {}).items():
-        decoded[_str(k)] = v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+    decoded = {_str(k): (v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v))
+               for k, v in (fields or {}).items()}
     return Entry(_str(entry_id), decoded)

@@ -1,28 +1,6 @@
-"""Lua the worker alone runs (the producer owns submit, cancel and finish). Each one is atomic in Redis, so a
-job's record and its stream entry never disagree, whatever crashes between two calls."""
-
-# start: a job leaves the queue for this worker's engine.
-# KEYS: record, jobs stream. ARGV: group, entry id, consumer, now, max_attempts.
-# Returns {"run", attempts} | {"terminal", status} (entry acked and deleted: nothing to do) |
-#         {"missing"} (no record) | {"exhausted", attempts} (the caller dead-letters it).
-START = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then
-  return {'missing'}
-end
-if status == 'finished' or status == 'failed' or status == 'cancelled' then
-  redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
-  redis.call('XDEL', KEYS[2], ARGV[2])
-  return {'terminal', status}
-end
-local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
-if attempts > tonumber(ARGV[5]) then
-  return {'exhausted', attempts}
-end
-redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[3], 'started_at', ARGV[4])
-redis.call('HDEL', KEYS[1], 'first_token_at')
-return {'run', attempts}
-"""
+"""Lua only the worker runs (start, first token and finish are shared with the producer: producer/scripts.py).
+Each script is atomic in Redis, so a job's record and its stream entry never disagree, whatever crashes
+between two calls."""
 
 # renew: reset the idle time (the lease) of the entries this consumer still owns; report the others as lost
 # (reclaimed by another worker after our lease lapsed, or acknowledged already). XCLAIM alone would steal an
@@ -49,7 +27,8 @@ return lost
 # KEYS: record, jobs stream. ARGV: group, consumer, entry id, idle ms, uncount (1/0).
 # Returns 1 when the entry was handed back, 0 when this consumer no longer owned it.
 HAND_BACK = """
-if redis.call('HGET', KEYS[1], 'status') == 'running' and redis.call('HGET', KEYS[1], 'worker') == ARGV[2] then
+local rec = redis.call('HMGET', KEYS[1], 'status', 'worker')
+if rec[1] == 'running' and rec[2] == ARGV[2] then
   redis.call('HSET', KEYS[1], 'status', 'queued')
   redis.call('HDEL', KEYS[1], 'worker', 'started_at', 'first_token_at')
   if ARGV[5] == '1' then

@@ -27,7 +27,7 @@ class WorkerSettings(BaseSettings):
     max_num_seqs: int = Field(64, gt=0, description="most sequences in one batch")
     max_num_batched_tokens: int = Field(2048, gt=0, description="token budget of one engine step")
     kv_cache_gb: float | None = Field(
-        None, gt=0, description="KV-cache size in GiB; unset = derive from gpu_memory_utilization (cuda) or 1 GiB"
+        None, gt=0, description="KV-cache size in GiB; unset = from gpu_memory_utilization (cuda) or 1 GiB"
     )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="share of GPU memory the worker may use (weights + KV cache)"
@@ -56,18 +56,6 @@ class WorkerSettings(BaseSettings):
         if v not in ("debug", "info", "warning", "error", "critical"):
             raise ValueError(f"unknown log level {v!r}")
         return v
-
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-
-    def resolved_dtype(self) -> str:
-        if self.dtype != "auto":
-            return self.dtype
-        return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"
 
 
 def _flag_type(annotation: Any):

@@ -217,7 +217,7 @@ _FUSED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: LlamaArch, hf_config: Any, max_positions: int) -> None:
+    def __init__(self, arch: LlamaArch) -> None:
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
@@ -226,7 +226,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = RotaryEmbedding(hf_config, arch.head_dim, max_positions)
+        self.rotary: RotaryEmbedding | None = None  # attached by the engine, sized to its context
+
+    def attach_rotary(self, rotary: RotaryEmbedding) -> None:
+        self.rotary = rotary
 
     def forward(
         self,

@@ -1,0 +1,235 @@
+"""The `tokenbus` command: submit, get, wait, cancel, info, and batch submit|status|wait|export|cancel."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import redis
+import structlog
+
+from producer import batches
+from producer.client import Client
+from producer.errors import TokenbusError
+from producer.protocol import DEFAULT_NAMESPACE, GenerationParams, Job, JobStatus, QueueInfo
+
+EXIT_ERROR = 1
+EXIT_JOB_NOT_FINISHED = 3  # wait: the job ended failed or cancelled
+
+EPILOG = """exit status: 0 ok; 1 error (printed on stderr); 2 bad arguments; 3 `wait` saw the job end failed
+or cancelled. The Redis URL and namespace default to $TOKENBUS_URL and $TOKENBUS_NAMESPACE."""
+
+
+def _json_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {text!r}") from None
+
+
+def _int_list(text: str) -> list[int]:
+    value = _json_value(text) if text.lstrip().startswith("[") else [int(t) for t in text.split(",") if t]
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError(f"expected a list of ints like 1,2,3 or [1,2,3], got {text!r}")
+    return value
+
+
+def _add_generation_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per generation field (--max-tokens ...), typed after the pydantic field."""
+    g = p.add_argument_group("generation (SamplingParams fields; omitted = the default)")
+    for name, field in GenerationParams.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        kind = field.annotation
+        if name == "stop":
+            g.add_argument(flag, action="append", dest=name, metavar="TEXT", help="stop string (repeatable)")
+        elif name == "stop_token_ids":
+            g.add_argument(flag, type=_int_list, dest=name, metavar="IDS", help="1,2,3 or [1,2,3]")
+        elif kind is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, dest=name, default=None)
+        elif "float" in str(kind):
+            g.add_argument(flag, type=float, dest=name, metavar="X")
+        else:
+            g.add_argument(flag, type=int, dest=name, metavar="N")
+    g.add_argument("--model", help="must equal the worker's model")
+    g.add_argument("--metadata", type=_json_value, help='JSON object of strings, e.g. \'{"run": "a"}\'')
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tokenbus", description="Bulk LLM generation jobs over Redis streams.",
+                                epilog=EPILOG)
+    p.add_argument("--url", default=os.environ.get("TOKENBUS_URL", "redis://localhost:6379/0"))
+    p.add_argument("--namespace", default=os.environ.get("TOKENBUS_NAMESPACE", DEFAULT_NAMESPACE))
+    p.add_argument("-v", "--verbose", action="store_true", help="log at info level (stderr)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("submit", help="queue one job and print its id")
+    s.add_argument("prompt", nargs="?", help="the prompt text")
+    s.add_argument("--messages", type=_json_value,
+                   help='JSON list, e.g. \'[{"role":"user","content":"hi"}]\'')
+    s.add_argument("--prompt-token-ids", type=_int_list, metavar="IDS")
+    s.add_argument("--request", type=_json_value, help="a whole JobRequest as JSON (flags override it)")
+    s.add_argument("--job-id", help="your own id: submitting it again yields the same job")
+    s.add_argument("--wait", action="store_true", help="then wait and print the job")
+    s.add_argument("--timeout", type=float, help="seconds for --wait")
+    _add_generation_flags(s)
+
+    for name, helptext in (("get", "print a job record as JSON"), ("wait", "wait for a job to end"),
+                           ("cancel", "cancel a job (queued: at once; running: its worker aborts it)")):
+        c = sub.add_parser(name, help=helptext)
+        c.add_argument("job_id")
+        if name == "wait":
+            c.add_argument("--timeout", type=float)
+
+    i = sub.add_parser("info", help="queue depth, pending, workers, dead letters")
+    i.add_argument("--json", action="store_true")
+
+    b = sub.add_parser("batch", help="OpenAI Batch API JSONL files").add_subparsers(dest="batch_command",
+                                                                                     required=True)
+    bs = b.add_parser("submit", help="validate a JSONL file and queue one job per line")
+    bs.add_argument("file")
+    bs.add_argument("--batch-id", help="your own id: re-running completes an interrupted submit")
+    bs.add_argument("--model", help="replace each line's body.model ('' = drop it: any worker model)")
+    bs.add_argument("--wait", action="store_true", help="then wait with a progress bar")
+    for name in ("status", "wait", "cancel"):
+        c = b.add_parser(name, help=f"batch {name}")
+        c.add_argument("batch_id")
+        if name == "wait":
+            c.add_argument("--timeout", type=float)
+    be = b.add_parser("export", help="write OpenAI Batch output lines")
+    be.add_argument("batch_id")
+    be.add_argument("out")
+    be.add_argument("--partial", action="store_true",
+                    help="export a batch that has not ended (its ended jobs only)")
+    return p
+
+
+def _print_json(model: Any) -> None:
+    print(model.model_dump_json(indent=2))
+
+
+def _submit(c: Client, a: argparse.Namespace) -> int:
+    fields: dict[str, Any] = dict(a.request or {})
+    names = ("prompt", "messages", "prompt_token_ids", "model", "metadata", *GenerationParams.model_fields)
+    for name in names:
+        value = getattr(a, name, None)
+        if value is not None:
+            fields[name] = value
+    jid = c.submit(job_id=a.job_id, **fields)
+    print(jid)
+    if a.wait:
+        return _show_ended(c.wait(jid, timeout=a.timeout))
+    return 0
+
+
+def _show_ended(job: Job) -> int:
+    _print_json(job)
+    return 0 if job.status == JobStatus.finished else EXIT_JOB_NOT_FINISHED
+
+
+def format_info(info: QueueInfo) -> str:
+    lines = [
+        f"namespace       {info.namespace}",
+        f"queue depth     {info.queue_depth}  (waiting {info.waiting}, pending {info.pending}; "
+        f"max {info.max_queue_len or 'unlimited'})",
+        f"consumers       {info.consumers}",
+        f"dead letters    {info.dead_letters}",
+        f"cancel requests {info.cancel_requested}",
+        f"result ttl      {info.result_ttl} s",
+        f"workers         {len(info.workers)} ({sum(w.alive for w in info.workers)} alive)",
+    ]
+    now = time.time()
+    for w in info.workers:
+        hb = w.heartbeat
+        if hb is None:
+            lines.append(f"  {w.name:<24} {'alive' if w.alive else 'gone':<6}")
+            continue
+        seen = f"{now - hb.last_seen:.1f}s ago" if hb.last_seen else "never"
+        lines.append(f"  {w.name:<24} {'alive' if w.alive else 'gone':<6} model={hb.model} last_seen={seen} "
+                     f"running={hb.running} waiting={hb.waiting} free_blocks={hb.free_blocks} "
+                     f"jobs_done={hb.jobs_done}")
+    return "\n".join(lines)
+
+
+def _batch_wait(c: Client, batch_id: str, timeout: float | None) -> int:
+    from tqdm import tqdm
+
+    bar = None
+
+    def progress(rec: Any) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=rec.total, desc=batch_id, unit="job", file=sys.stderr)
+        bar.set_postfix_str(f"{rec.status.value} failed={rec.failed} cancelled={rec.cancelled}",
+                            refresh=False)
+        bar.update(rec.done - bar.n)
+
+    try:
+        record = batches.wait_batch(c, batch_id, timeout=timeout, on_progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    _print_json(record)
+    return 0
+
+
+def _batch(c: Client, a: argparse.Namespace) -> int:
+    cmd = a.batch_command
+    if cmd == "submit":
+        record = batches.submit_batch(c, a.file, batch_id=a.batch_id, model=a.model)
+        print(record.id)
+        return _batch_wait(c, record.id, None) if a.wait else 0
+    if cmd == "status":
+        _print_json(batches.get_batch(c, a.batch_id))
+    elif cmd == "wait":
+        return _batch_wait(c, a.batch_id, a.timeout)
+    elif cmd == "cancel":
+        _print_json(batches.cancel_batch(c, a.batch_id))
+    elif cmd == "export":
+        n = batches.export_batch(c, a.batch_id, a.out, allow_partial=a.partial)
+        print(f"wrote {n} lines to {a.out}", file=sys.stderr)
+    return 0
+
+
+def run(a: argparse.Namespace) -> int:
+    with Client(a.url, namespace=a.namespace) as c:
+        if a.command == "submit":
+            return _submit(c, a)
+        if a.command == "get":
+            _print_json(c.get(a.job_id))
+        elif a.command == "wait":
+            return _show_ended(c.wait(a.job_id, timeout=a.timeout))
+        elif a.command == "cancel":
+            print(c.cancel(a.job_id))
+        elif a.command == "info":
+            info = c.info()
+            print(info.model_dump_json(indent=2) if a.json else format_info(info))
+        elif a.command == "batch":
+            return _batch(c, a)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    structlog.configure(
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO if a.verbose else logging.WARNING),
+    )
+    try:
+        return run(a)
+    except TokenbusError as err:
+        print(f"error: {err}", file=sys.stderr)
+    except redis.ConnectionError as err:
+        print(f"error: cannot reach Redis at {a.url}: {err}. Is redis-server running? "
+              "(--url / $TOKENBUS_URL)", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+    return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

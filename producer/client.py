@@ -1,0 +1,339 @@
+"""Client: submit jobs to the Redis stream, read their records, wait for them, cancel them."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import redis
+import structlog
+
+from producer import scripts
+from producer.errors import InvalidJob, JobNotFound, QueueFull, TokenbusError, WaitTimeout
+from producer.protocol import (
+    DEFAULT_MAX_QUEUE_LEN,
+    DEFAULT_NAMESPACE,
+    DEFAULT_RESULT_TTL,
+    GROUP,
+    TERMINAL_STATUSES,
+    Heartbeat,
+    Job,
+    JobRequest,
+    Keys,
+    QueueInfo,
+    WorkerInfo,
+    check_job_id,
+    validate_request,
+)
+
+if TYPE_CHECKING:
+    from producer.protocol import BatchRecord
+
+log = structlog.get_logger("tokenbus.producer")
+
+CHUNK = 1000  # jobs per pipeline round trip
+MAX_ERRORS_SHOWN = 20
+
+
+@dataclass
+class PendingJob:
+    """A validated job about to be written: what the submit script needs."""
+
+    job_id: str
+    request_json: str
+    batch_id: str = ""
+    custom_id: str = ""
+
+
+class Client:
+    """A producer handle on one Redis database and namespace.
+
+    max_queue_len / result_ttl: explicit values win, then the `{ns}:config` hash, then the defaults.
+    """
+
+    def __init__(
+        self,
+        url: str = "redis://localhost:6379/0",
+        *,
+        namespace: str = DEFAULT_NAMESPACE,
+        max_queue_len: int | None = None,
+        result_ttl: int | None = None,
+        redis_client: redis.Redis | None = None,
+    ) -> None:
+        self.redis = redis_client or redis.Redis.from_url(url, decode_responses=True)
+        if not self.redis.get_encoder().decode_responses:
+            raise TokenbusError("Client needs a redis client made with decode_responses=True")
+        self.keys = Keys(namespace)
+        self._max_queue_len = max_queue_len
+        self._result_ttl = result_ttl
+        self._config_read = False
+        self._group_ready = False
+
+    # ---- configuration -------------------------------------------------------------------------
+    def _read_config(self) -> None:
+        if self._config_read:
+            return
+        cfg = self.redis.hgetall(self.keys.config)
+        if self._max_queue_len is None:
+            self._max_queue_len = int(cfg.get("max_queue_len", DEFAULT_MAX_QUEUE_LEN))
+        if self._result_ttl is None:
+            self._result_ttl = int(cfg.get("result_ttl", DEFAULT_RESULT_TTL))
+        self._config_read = True
+
+    @property
+    def max_queue_len(self) -> int:
+        self._read_config()
+        return self._max_queue_len
+
+    @property
+    def result_ttl(self) -> int:
+        self._read_config()
+        return self._result_ttl
+
+    # ---- submit --------------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        job_id: str | None = None,
+        **params: Any,
+    ) -> str:
+        """Queue one job; returns its id. The same job_id twice yields one job (the first request wins)."""
+        fields = {"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids}
+        fields = {k: v for k, v in fields.items() if v is not None} | params
+        return self.submit_many([fields], job_ids=[job_id])[0]
+
+    def submit_many(
+        self, requests: Iterable[dict[str, Any] | JobRequest], *, job_ids: Iterable[str | None] | None = None
+    ) -> list[str]:
+        """Validate every request, then queue them all, pipelined. Nothing is written if any is invalid.
+
+        A dict may carry its own "job_id"; otherwise ids come from job_ids or are generated.
+        """
+        requests = list(requests)
+        ids = list(job_ids) if job_ids is not None else [None] * len(requests)
+        if len(ids) != len(requests):
+            raise InvalidJob(f"job_ids has {len(ids)} ids for {len(requests)} requests")
+        pending, errors = [], []
+        for i, (req, jid) in enumerate(zip(requests, ids, strict=True)):
+            if isinstance(req, dict) and "job_id" in req:
+                req = dict(req)
+                jid = req.pop("job_id")
+            try:
+                jid = check_job_id(jid) if jid is not None else uuid.uuid4().hex
+                pending.append(PendingJob(jid, validate_request(req).to_json()))
+            except InvalidJob as err:
+                errors.append(f"request {i}: {err}" if len(requests) > 1 else str(err))
+        if errors:
+            raise InvalidJob(_many_errors(errors, len(requests)))
+        return self.enqueue(pending)
+
+    def enqueue(self, jobs: list[PendingJob]) -> list[str]:
+        """Write validated jobs (SUBMIT_JOB per job, EVALSHA pipelined in chunks). Returns their ids."""
+        if not jobs:
+            return []
+        self._ensure_group()
+        if len(jobs) > 1:  # one job: the script's own check is exact (and lets an idempotent resubmit in)
+            self.check_capacity(len(jobs))
+        limit = self.max_queue_len
+        submit = scripts.script(scripts.SUBMIT_JOB)
+        accepted: list[str] = []
+        for start in range(0, len(jobs), CHUNK):
+            chunk = jobs[start:start + CHUNK]
+            now = time.time()
+            pipe = self.redis.pipeline(transaction=False)
+            for job in chunk:
+                submit(keys=[self.keys.job(job.job_id), self.keys.jobs],
+                       args=[job.job_id, job.request_json, now, limit, self.result_ttl, job.batch_id,
+                             job.custom_id], client=pipe)
+            for job, (code, value) in zip(chunk, pipe.execute(), strict=True):
+                if int(code) == -1:
+                    log.warning("queue_full", queue=self.keys.jobs, depth=int(value), limit=limit,
+                                accepted=len(accepted), refused=len(jobs) - len(accepted))
+                    raise QueueFull(
+                        f"queue full: {value} jobs in {self.keys.jobs} >= max_queue_len {limit}; "
+                        f"{len(jobs) - len(accepted)} of {len(jobs)} jobs were refused (not queued), "
+                        f"{len(accepted)} were queued (see .accepted). Wait for the workers to drain the "
+                        f"queue or raise max_queue_len",
+                        accepted=accepted,
+                    )
+                accepted.append(job.job_id)
+        return accepted
+
+    def check_capacity(self, n: int) -> None:
+        """QueueFull unless n more jobs fit under max_queue_len now (checked before writing anything)."""
+        limit = self.max_queue_len
+        depth = self.redis.xlen(self.keys.jobs)
+        if limit > 0 and depth + n > limit:
+            raise QueueFull(
+                f"queue full: {depth} jobs in {self.keys.jobs}, max_queue_len {limit}, so {n} more "
+                f"do not fit; nothing was submitted. Wait for the workers to drain the queue, submit fewer, "
+                f"or raise max_queue_len (Client(max_queue_len=...) or "
+                f"HSET {self.keys.config} max_queue_len N)"
+            )
+
+    def _ensure_group(self) -> None:
+        if not self._group_ready:
+            scripts.ensure_group(self.redis, self.keys)
+            self._group_ready = True
+
+    # ---- read ----------------------------------------------------------------------------------
+    def get(self, job_id: str) -> Job:
+        job = self.get_many([job_id])[0]
+        if job is None:
+            raise JobNotFound(self._not_found(job_id))
+        return job
+
+    def get_many(self, job_ids: Iterable[str]) -> list[Job | None]:
+        """Records in the order asked; None where there is no record (never submitted, or expired)."""
+        job_ids = list(job_ids)
+        out: list[Job | None] = []
+        for start in range(0, len(job_ids), CHUNK):
+            pipe = self.redis.pipeline(transaction=False)
+            for jid in job_ids[start:start + CHUNK]:
+                pipe.hgetall(self.keys.job(jid))
+            out.extend(Job.from_record(rec) if rec else None for rec in pipe.execute())
+        return out
+
+    def _not_found(self, job_id: str) -> str:
+        return (f"job {job_id!r} not found in namespace {self.keys.ns!r}: it was never submitted, "
+                f"or it ended more than result_ttl seconds ago and its record expired")
+
+    # ---- wait ----------------------------------------------------------------------------------
+    def wait(self, job_id: str, timeout: float | None = None) -> Job:
+        """Block until the job ends (finished, failed or cancelled); WaitTimeout after `timeout` seconds."""
+        for job in self.as_completed([job_id], timeout=timeout):
+            return job
+        raise AssertionError("unreachable")
+
+    def as_completed(
+        self, job_ids: Iterable[str], timeout: float | None = None, resync_every: float = 5.0
+    ) -> Iterator[Job]:
+        """Yield each job once it has ended, in the order they end (already-ended ones first).
+
+        Blocks on XREAD of `{ns}:events`, not by polling records; every `resync_every` seconds it also
+        re-reads the statuses, in case events were trimmed before it read them.
+        """
+        remaining = dict.fromkeys(job_ids)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        # The position before reading statuses: an end between the two is then seen as an event.
+        last_id = self.events_last_id()
+        yield from self._collect_ended(remaining, list(remaining), initial=True)
+        next_resync = time.monotonic() + resync_every
+        while remaining:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise WaitTimeout(
+                    f"{len(remaining)} job(s) had not ended after {timeout} s "
+                    f"(first: {next(iter(remaining))!r})", pending=list(remaining))
+            wait_s = min(next_resync - now, (deadline - now) if deadline is not None else resync_every)
+            resp = self.redis.xread({self.keys.events: last_id}, count=1000, block=max(1, int(wait_s * 1000)))
+            ended = []
+            for _stream, entries in resp or []:
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    if fields.get("job_id") in remaining:
+                        ended.append(fields["job_id"])
+            if time.monotonic() >= next_resync:
+                ended = list(remaining)
+                next_resync = time.monotonic() + resync_every
+            yield from self._collect_ended(remaining, list(dict.fromkeys(ended)))
+
+    def _collect_ended(self, remaining: dict[str, None], candidates: list[str],
+                       initial: bool = False) -> Iterator[Job]:
+        for jid, job in zip(candidates, self.get_many(candidates), strict=True):
+            if job is None:
+                if initial:
+                    raise JobNotFound(self._not_found(jid))
+                raise JobNotFound(f"job {jid!r} ended but its record expired before it was read "
+                                  f"(result_ttl {self.result_ttl} s is too short for this reader)")
+            if job.status in TERMINAL_STATUSES and jid in remaining:
+                del remaining[jid]
+                yield job
+
+    def events_last_id(self) -> str:
+        last = self.redis.xrevrange(self.keys.events, count=1)
+        return last[0][0] if last else "0-0"
+
+    # ---- cancel --------------------------------------------------------------------------------
+    def cancel(self, job_id: str) -> str:
+        """'cancelled' (it was queued), 'cancelling' (running: its worker aborts it), or its final status."""
+        status = scripts.cancel_job(self.redis, self.keys, job_id, result_ttl=self.result_ttl)
+        if status == "":
+            raise JobNotFound(self._not_found(job_id))
+        return status
+
+    # ---- info ----------------------------------------------------------------------------------
+    def info(self) -> QueueInfo:
+        k = self.keys
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xlen(k.jobs).xlen(k.dead).scard(k.cancel).smembers(k.workers)
+        depth, dead, cancel_requested, names = pipe.execute()
+        pending, consumers = 0, 0
+        try:
+            pending = int(self.redis.xpending(k.jobs, GROUP)["pending"])
+            for group in self.redis.xinfo_groups(k.jobs):
+                if group["name"] == GROUP:
+                    consumers = int(group["consumers"])
+        except redis.ResponseError:  # no stream or no group yet
+            pass
+        names = sorted(names)
+        beats = self.redis.mget([k.worker(n) for n in names]) if names else []
+        workers = [
+            WorkerInfo(name=n, alive=raw is not None, heartbeat=_heartbeat(raw))
+            for n, raw in zip(names, beats, strict=True)
+        ]
+        return QueueInfo(namespace=k.ns, queue_depth=depth, pending=pending, waiting=max(0, depth - pending),
+                         consumers=consumers, workers=workers, dead_letters=dead,
+                         cancel_requested=cancel_requested, max_queue_len=self.max_queue_len,
+                         result_ttl=self.result_ttl)
+
+    # ---- batches (see producer/batches.py) -----------------------------------------------------
+    def submit_batch(self, source: str | Path | Iterable[str], **kwargs: Any) -> BatchRecord:
+        from producer import batches
+        return batches.submit_batch(self, source, **kwargs)
+
+    def get_batch(self, batch_id: str) -> BatchRecord:
+        from producer import batches
+        return batches.get_batch(self, batch_id)
+
+    def cancel_batch(self, batch_id: str) -> BatchRecord:
+        from producer import batches
+        return batches.cancel_batch(self, batch_id)
+
+    def export_batch(self, batch_id: str, out: str | Path, **kwargs: Any) -> int:
+        from producer import batches
+        return batches.export_batch(self, batch_id, out, **kwargs)
+
+    def close(self) -> None:
+        self.redis.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _heartbeat(raw: str | None) -> Heartbeat | None:
+    if raw is None:
+        return None
+    try:
+        return Heartbeat.model_validate(json.loads(raw))
+    except (ValueError, TypeError):
+        return None
+
+
+def _many_errors(errors: list[str], total: int) -> str:
+    shown = "\n  ".join(errors[:MAX_ERRORS_SHOWN])
+    more = f"\n  ... and {len(errors) - MAX_ERRORS_SHOWN} more" if len(errors) > MAX_ERRORS_SHOWN else ""
+    if total == 1:
+        return errors[0]
+    return f"{len(errors)} of {total} requests are invalid; nothing was submitted:\n  {shown}{more}"

@@ -1,0 +1,175 @@
+"""OpenAI Batch API lines <-> tokenbus jobs: input line -> JobRequest dict, job -> output line."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from producer.errors import InvalidJob
+from producer.protocol import Job, JobRequest, JobStatus, describe_validation_error, validate_request
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+# Body fields passed through under the same name (OpenAI's and the engine's extras, as vLLM accepts them).
+_SAME_NAME = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
+              "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+              "stop_token_ids", "skip_special_tokens"}
+_IGNORED = {"user"}  # accepted, no effect on generation
+_CHAT_FIELDS = _SAME_NAME | _IGNORED | {"messages", "max_completion_tokens", "n", "logprobs", "top_logprobs",
+                                        "stream", "metadata"}
+_COMPLETION_FIELDS = _SAME_NAME | _IGNORED | {"prompt", "n", "logprobs", "stream", "echo", "best_of",
+                                              "suffix"}
+
+
+class InputLine(BaseModel):
+    """One line of an OpenAI Batch input file."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    custom_id: str
+    method: Literal["POST"]
+    url: Literal["/v1/chat/completions", "/v1/completions"]
+    body: dict[str, Any]
+
+
+def parse_line(text: str) -> tuple[InputLine, dict[str, Any]]:
+    """One input line -> (the line, a JobRequest dict). Raises InvalidJob with a readable reason."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InvalidJob(f"not valid JSON ({err.msg} at column {err.colno})") from None
+    try:
+        line = InputLine.model_validate(raw)
+    except ValidationError as err:
+        raise InvalidJob(describe_validation_error(err)) from None
+    if not line.custom_id:
+        raise InvalidJob("custom_id must not be empty")
+    fields = _chat_fields(line.body) if line.url == CHAT else _completion_fields(line.body)
+    try:
+        validate_request(fields)
+    except InvalidJob as err:
+        raise InvalidJob("body: " + str(err).removeprefix("invalid job: ")) from None
+    return line, fields
+
+
+def _check_known(body: dict[str, Any], allowed: set[str], url: str) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise InvalidJob(f"body: unknown field(s) {', '.join(unknown)} for {url} "
+                         f"(supported: {', '.join(sorted(allowed))})")
+
+
+def _common(body: dict[str, Any]) -> dict[str, Any]:
+    if body.get("n", 1) != 1:
+        raise InvalidJob(f"body.n: only n=1 is supported (got {body['n']!r}); write one line per sample")
+    if body.get("stream", False) is not False:
+        raise InvalidJob("body.stream: streaming is not available in a batch; leave it out or set false")
+    return {k: v for k, v in body.items() if k in _SAME_NAME}
+
+
+def _chat_fields(body: dict[str, Any]) -> dict[str, Any]:
+    _check_known(body, _CHAT_FIELDS, CHAT)
+    fields = _common(body)
+    if "max_completion_tokens" in body:
+        if "max_tokens" in body:
+            raise InvalidJob("body: give max_tokens or max_completion_tokens, not both")
+        fields["max_tokens"] = body["max_completion_tokens"]
+    top = body.get("top_logprobs")
+    if body.get("logprobs"):
+        fields["logprobs"] = 0 if top is None else top
+    elif top is not None:
+        raise InvalidJob("body.top_logprobs: needs logprobs: true")
+    if body.get("metadata") is not None:
+        fields["metadata"] = body["metadata"]
+    if "messages" not in body:
+        raise InvalidJob("body.messages: required for /v1/chat/completions")
+    fields["messages"] = [_message(i, m) for i, m in enumerate(body["messages"] or [])] \
+        if isinstance(body["messages"], list) else body["messages"]
+    return fields
+
+
+def _message(i: int, m: Any) -> Any:
+    """Flatten OpenAI content parts ([{type: text, text}]) to a string; 'developer' is a system message."""
+    if not isinstance(m, dict):
+        return m
+    m = dict(m)
+    if m.get("role") == "developer":
+        m["role"] = "system"
+    content = m.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            is_text = isinstance(part, dict) and part.get("type") == "text"
+            if not (is_text and isinstance(part.get("text"), str)):
+                raise InvalidJob(f"body.messages.{i}.content: only text parts are supported "
+                                 f"(got {json.dumps(part)[:60]})")
+            texts.append(part["text"])
+        m["content"] = "".join(texts)
+    return m
+
+
+def _completion_fields(body: dict[str, Any]) -> dict[str, Any]:
+    _check_known(body, _COMPLETION_FIELDS, COMPLETIONS)
+    fields = _common(body)
+    for name, ok in (("echo", False), ("best_of", 1), ("suffix", None)):
+        if name in body and body[name] != ok:
+            raise InvalidJob(f"body.{name}: only {json.dumps(ok)} is supported (got {body[name]!r})")
+    if body.get("logprobs") is not None:
+        fields["logprobs"] = body["logprobs"]
+    if "prompt" not in body:
+        raise InvalidJob("body.prompt: required for /v1/completions")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool)
+                                                   for p in prompt):
+        fields["prompt_token_ids"] = prompt
+        return fields
+    if isinstance(prompt, list):  # a list of prompts (or of token lists) is n jobs in one line: not here
+        if len(prompt) != 1:
+            raise InvalidJob(f"body.prompt: one prompt per line (got a list of {len(prompt)})")
+        prompt = prompt[0]
+        if isinstance(prompt, list):
+            fields["prompt_token_ids"] = prompt
+            return fields
+    fields["prompt"] = prompt
+    return fields
+
+
+def output_line(job: Job | None, job_id: str, endpoint: str) -> dict[str, Any]:
+    """The OpenAI Batch output line for one ended job (or one whose record expired)."""
+    if job is None:
+        return {"id": f"batch_req_{job_id}", "custom_id": None, "response": None,
+                "error": {"code": "expired", "message": f"the record of job {job_id} expired (result_ttl)"}}
+    line: dict[str, Any] = {"id": f"batch_req_{job_id}", "custom_id": job.custom_id}
+    if job.status != JobStatus.finished or job.result is None:
+        code = job.error_code or ("cancelled" if job.status == JobStatus.cancelled else "failed")
+        message = job.error or f"job ended with status {job.status.value}"
+        return line | {"response": None, "error": {"code": code, "message": message}}
+    response = {"status_code": 200, "request_id": job.id, "body": response_body(job, endpoint)}
+    return line | {"response": response, "error": None}
+
+
+def response_body(job: Job, endpoint: str) -> dict[str, Any]:
+    result = job.result
+    model = result.model or (job.request or {}).get("model") or "unknown"
+    created = int(job.finished_at or job.created_at or 0)
+    usage = result.usage.model_dump()
+    if endpoint == CHAT:
+        choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
+                  "finish_reason": result.finish_reason}
+        return {"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": created, "model": model,
+                "choices": [choice], "usage": usage}
+    choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
+    return {"id": f"cmpl-{job.id}", "object": "text_completion", "created": created, "model": model,
+            "choices": [choice], "usage": usage}
+
+
+def request_json(fields: dict[str, Any], model: str | None) -> str:
+    """The JobRequest JSON for a parsed line; model: None keeps the line's, "" drops it, else replaces it."""
+    if model == "":
+        fields = {k: v for k, v in fields.items() if k != "model"}
+    elif model is not None:
+        fields = fields | {"model": model}
+    return JobRequest.model_validate(fields).to_json()

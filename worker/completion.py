@@ -1,0 +1,216 @@
+"""The completion writer: the thread that writes every job's ending back to Redis the moment it is known.
+
+The engine thread only puts messages on a queue.Queue; this thread batches whatever is waiting into one
+pipeline (finish scripts, hand-backs, partial tokens) and retries it with backoff while Redis is away. The
+finish script is idempotent, so re-sending a pipeline whose outcome is unknown never ends a job twice.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from worker.backoff import REDIS_DOWN, Backoff
+from worker.leases import Leases
+from worker.messages import DeadLetter, HandBack, Partial
+from worker.queue import Ending, JobQueue
+
+log = structlog.get_logger("tokenbus.worker")
+
+MAX_BATCH = 256  # messages per pipeline
+
+
+@dataclass
+class EndMsg:
+    ending: Ending
+    dead: DeadLetter | None = None  # dead-letter it too (attempts exhausted)
+    orphan: DeadLetter | None = None  # dead-letter it only if it has no record to fail
+    started_at: float | None = None
+    first_token_at: float | None = None
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+
+
+@dataclass
+class FirstToken:
+    job_id: str
+    at: float
+
+
+@dataclass
+class _Chunk:
+    """A Partial with its text, ready to write (text is decoded once, not again on a retry)."""
+
+    job_id: str
+    offset: int
+    token_ids: list[int]
+    text: str
+    done: bool
+
+
+class CompletionWriter(threading.Thread):
+    def __init__(
+        self,
+        jobs: JobQueue,
+        leases: Leases,
+        decode: Callable[[list[int]], str] | None = None,
+        metrics: Any | None = None,
+    ) -> None:
+        super().__init__(name="tokenbus-writer", daemon=True)
+        self.jobs = jobs
+        self.leases = leases
+        self.decode = decode
+        self.metrics = metrics
+        self.inbox: queue.Queue = queue.Queue()
+        self.stop_event = threading.Event()
+        self._close_deadline: float | None = None
+        self._streams: dict[str, tuple[list[int], int]] = {}  # job -> (tokens so far, chars published)
+        self.jobs_done = 0
+
+    # ---- called from other threads ------------------------------------------------------------------
+
+    def end(self, ending: Ending, dead: DeadLetter | None = None, orphan: DeadLetter | None = None,
+            **stats: Any) -> None:
+        self.inbox.put(EndMsg(ending, dead, orphan, **stats))
+
+    def put(self, msg: HandBack | Partial | FirstToken) -> None:
+        self.inbox.put(msg)
+
+    def close(self, timeout: float) -> bool:
+        """Write what is queued (waiting up to `timeout` for Redis), then stop. True if all was written."""
+        self._close_deadline = time.monotonic() + timeout
+        self.inbox.put(None)
+        self.join(timeout + 5)
+        return self.inbox.empty() and not self.is_alive()
+
+    # ---- the thread ---------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        backoff = Backoff("writing results", self.stop_event)
+        pending: list[Any] = []
+        closing = False
+        while True:
+            closing = self._gather(pending, block=not pending) or closing
+            if pending:
+                try:
+                    self._write(pending)
+                    pending = []
+                    backoff.succeeded()
+                except REDIS_DOWN as err:
+                    if closing and time.monotonic() > (self._close_deadline or 0):
+                        log.error("results_not_written", count=len(pending), error=str(err))
+                        return
+                    backoff.failed(err)
+                except Exception:
+                    # A message Redis refuses (a bug, not an outage) must not wedge every later result.
+                    log.exception("write_error", messages=len(pending))
+                    pending = []
+            if closing and not pending and self.inbox.empty():
+                return
+
+    def _gather(self, pending: list[Any], block: bool) -> bool:
+        """Move waiting messages into `pending`; True once the close marker was seen."""
+        closing = False
+        try:
+            msg = self.inbox.get(timeout=0.2) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return False
+        while True:
+            if msg is None:
+                closing = True
+            else:
+                self._add(pending, msg)
+            if len(pending) >= MAX_BATCH:
+                break
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+        return closing
+
+    def _add(self, pending: list[Any], msg: Any) -> None:
+        if not isinstance(msg, Partial):
+            pending.append(msg)
+            return
+        tokens, sent = self._streams.get(msg.job_id, ([], 0))
+        tokens = tokens + msg.token_ids
+        text = self.decode(tokens) if self.decode else ""
+        # Hold back a trailing replacement char: the next token may complete that character.
+        ready = len(text.rstrip("\ufffd")) if not msg.done else len(text)
+        self._streams[msg.job_id] = (tokens, max(sent, ready))
+        if msg.done:
+            self._streams.pop(msg.job_id, None)
+        pending.append(_Chunk(msg.job_id, msg.offset, msg.token_ids, text[sent:ready], msg.done))
+
+    def _write(self, pending: list[Any]) -> None:
+        pipe = self.jobs.r.pipeline(transaction=False)
+        finish_at: list[tuple[int, EndMsg]] = []
+        n = 0
+        for msg in pending:
+            if isinstance(msg, EndMsg):
+                if msg.dead is not None:
+                    self.jobs.dead_letter(pipe, msg.ending.job_id, msg.dead.reason, msg.dead.attempts,
+                                          msg.dead.request)
+                    n += 1
+                self.jobs.finish(pipe, msg.ending)
+                finish_at.append((n, msg))
+                n += 1
+            elif isinstance(msg, HandBack):
+                self.jobs.hand_back(pipe, msg.job_id, msg.entry_id, msg.count_attempt)
+                n += 1
+            elif isinstance(msg, FirstToken):
+                self.jobs.first_token(pipe, msg.job_id, msg.at)
+                n += 1
+            elif isinstance(msg, _Chunk):
+                self.jobs.publish_tokens(pipe, msg.job_id, msg.offset, msg.token_ids, msg.text, msg.done)
+                n += 2
+        # Per-command errors come back as values: one refused message must not hold up the others.
+        replies = pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, REDIS_DOWN):
+                raise reply
+        for i, reply in enumerate(replies):
+            if isinstance(reply, Exception):
+                log.error("write_refused", error=str(reply), reply_index=i)
+                replies[i] = -2
+        orphans = [m for i, m in finish_at if int(replies[i]) == -1 and m.orphan is not None]
+        if orphans:
+            pipe = self.jobs.r.pipeline(transaction=False)
+            for m in orphans:
+                dead = m.orphan
+                self.jobs.dead_letter(pipe, m.ending.job_id, dead.reason, dead.attempts, dead.request)
+            pipe.execute()
+        for i, m in finish_at:
+            self._ended(m, int(replies[i]))
+        for msg in pending:
+            if isinstance(msg, HandBack):
+                self.leases.release(msg.job_id, msg.entry_id)
+                log.info("job_handed_back", job_id=msg.job_id, entry_id=msg.entry_id, why=msg.why)
+
+    def _ended(self, m: EndMsg, outcome: int) -> None:
+        e = m.ending
+        self.leases.release(e.job_id, e.entry_id)
+        if outcome != 1:
+            what = {0: "job_already_ended", -1: "job_without_record"}.get(outcome, "job_end_refused")
+            log.info(what, job_id=e.job_id, entry_id=e.entry_id, status=e.status)
+            return
+        self.jobs_done += 1
+        fields: dict[str, Any] = {"job_id": e.job_id, "entry_id": e.entry_id}
+        if e.status == "failed":
+            log.warning("job_failed", **fields, error=e.error, error_code=e.error_code)
+        else:
+            fields.update(finish_reason=m.finish_reason, completion_tokens=m.completion_tokens)
+            if m.started_at is not None and e.finished_at is not None:
+                fields["run_s"] = round(e.finished_at - m.started_at, 4)
+            log.info("job_" + e.status, **fields)
+        if self.metrics is not None:
+            reason = m.finish_reason if e.status != "failed" else (e.error_code or "error")
+            latency = e.finished_at - m.started_at if m.started_at and e.finished_at else None
+            ttft = m.first_token_at - m.started_at if m.started_at and m.first_token_at else None
+            self.metrics.job_finished(e.status, reason or "", latency, ttft, m.completion_tokens)

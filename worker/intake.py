@@ -1,0 +1,217 @@
+"""Intake: the thread that reads jobs from the stream, only as many as the engine can seat soon.
+
+Per entry: validate (protocol, model, sampling params) -> start script (record `running`, attempts + 1) ->
+hand the job to the engine thread. Bad entries end here, failed with the reason; they never reach the engine.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+import structlog
+
+from producer.errors import InvalidJob
+from producer.protocol import GROUP, JOB_ID_RE, ErrorCode, JobRequest, parse_request
+from worker.backoff import REDIS_DOWN, Backoff
+from worker.completion import CompletionWriter
+from worker.leases import Leases
+from worker.messages import DeadLetter, StartedJob
+from worker.queue import Ending, Entry, JobQueue
+from worker.sampling_params import SamplingParams
+
+log = structlog.get_logger("tokenbus.worker")
+
+BLOCK_MS = 500  # longest XREADGROUP wait: bounds how late intake notices a stop
+
+
+class ModelMismatch(InvalidJob):
+    """The job names a model this worker does not serve."""
+
+
+class IntakeBudget:
+    """How many more jobs intake may read: the engine's room (seats + look-ahead - running - waiting), set
+    by the engine thread after every step, minus the jobs read and not yet taken by the engine."""
+
+    def __init__(self, room: int) -> None:
+        self._cond = threading.Condition()
+        self._room = room
+        self._in_transit = 0
+        self.engine_idle = True
+
+    def set_room(self, room: int, engine_idle: bool) -> None:
+        with self._cond:
+            self._room = room
+            self.engine_idle = engine_idle
+            if room - self._in_transit > 0:
+                self._cond.notify_all()
+
+    def wait(self, timeout: float) -> int:
+        with self._cond:
+            self._cond.wait_for(lambda: self._room - self._in_transit > 0, timeout)
+            return max(0, self._room - self._in_transit)
+
+    def sent(self, n: int = 1) -> None:
+        with self._cond:
+            self._in_transit += n
+
+    def taken(self, n: int = 1) -> None:
+        with self._cond:
+            self._in_transit -= n
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+class Intake(threading.Thread):
+    def __init__(
+        self,
+        jobs: JobQueue,
+        leases: Leases,
+        budget: IntakeBudget,
+        engine_inbox: queue.Queue,
+        writer: CompletionWriter,
+        model_names: set[str],
+        lease_ms: int,
+        max_attempts: int,
+        stream_tokens: bool,
+        metrics: Any | None = None,
+    ) -> None:
+        super().__init__(name="tokenbus-intake", daemon=True)
+        self.jobs = jobs
+        self.leases = leases
+        self.budget = budget
+        self.engine_inbox = engine_inbox
+        self.writer = writer
+        self.model_names = model_names
+        self.lease_ms = lease_ms
+        self.max_attempts = max_attempts
+        self.stream_tokens = stream_tokens
+        self.metrics = metrics
+        # Look for lapsed leases a few times per lease: a dead worker's jobs wait at most ~1.25 leases.
+        self.claim_every_s = min(max(lease_ms / 4000, 0.2), 10.0)
+        self.stop_event = threading.Event()
+        self._claim_cursor = "0-0"
+        self._next_claim = 0.0
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.budget.wake()
+
+    def run(self) -> None:
+        backoff = Backoff("intake", self.stop_event)
+        while not self.stop_event.is_set():
+            allowance = self.budget.wait(timeout=0.5)
+            if allowance <= 0 or self.stop_event.is_set():
+                continue
+            try:
+                entries = self._read(allowance)
+                for entry in entries:
+                    self._admit(entry, backoff)
+                backoff.succeeded()
+            except REDIS_DOWN as err:
+                backoff.failed(err)
+            except Exception:  # a bug in one entry's handling must not end intake for good
+                log.exception("intake_error")
+                self.stop_event.wait(1.0)
+
+    def _read(self, allowance: int) -> list[Entry]:
+        entries: list[Entry] = []
+        now = time.monotonic()
+        if now >= self._next_claim:
+            self._claim_cursor, entries = self.jobs.claim_lapsed(self.lease_ms, allowance, self._claim_cursor)
+            if self._claim_cursor == "0-0":  # scanned the whole pending list: rest until the next round
+                self._next_claim = now + self.claim_every_s
+            for e in entries:
+                log.info("entry_reclaimed", entry_id=e.entry_id, job_id=e.fields.get("job_id"))
+        if len(entries) < allowance:
+            # Blocking here holds up only this thread; the engine keeps stepping.
+            block = BLOCK_MS if not entries else None
+            entries += self.jobs.read_new(allowance - len(entries), block)
+        return entries
+
+    # ---- one entry ----------------------------------------------------------------------------------
+
+    def _admit(self, entry: Entry, backoff: Backoff) -> None:
+        job_id = entry.fields.get("job_id", "")
+        raw = entry.fields.get("request", "")
+        if not JOB_ID_RE.match(job_id):
+            reason = f"malformed entry: job_id {job_id!r} missing or invalid (fields: {sorted(entry.fields)})"
+            log.warning("entry_dropped", entry_id=entry.entry_id, reason=reason)
+            self._retry(backoff, lambda: self._drop(entry, job_id, reason, raw))
+            return
+        held = self.leases.entry_of(job_id)
+        if held is not None:
+            if held != entry.entry_id:
+                # A second entry for a job running here (a manual re-XADD): the running one answers it.
+                log.warning("entry_duplicate", job_id=job_id, entry_id=entry.entry_id, running_entry=held)
+                self._retry(backoff, lambda: self.jobs.drop_entry(entry.entry_id))
+            # else: our own entry, reclaimed by our XAUTOCLAIM after an outage outlived the lease: keep going
+            return
+        try:
+            request, params = self._validate(raw)
+        except InvalidJob as err:
+            code = ErrorCode.model_mismatch if isinstance(err, ModelMismatch) else ErrorCode.invalid_request
+            self._fail(entry, job_id, str(err), code, raw)
+            return
+        status, attempts = self._retry(backoff, lambda: self.jobs.start(job_id, entry.entry_id))
+        if status != "running":
+            # Ended while queued (cancelled) or no record (expired, never submitted): the script acked it.
+            log.info("job_skipped", job_id=job_id, entry_id=entry.entry_id, status=status)
+            if status == "missing":
+                self._retry(backoff, lambda: self.jobs.dead_letter(
+                    self.jobs.r, job_id, "no job record (expired or never submitted)", 0, raw))
+            return
+        if attempts > self.max_attempts:
+            reason = (f"gave up after {attempts - 1} attempts: every worker that ran this job stopped "
+                      f"before finishing it (max_attempts={self.max_attempts})")
+            log.error("job_dead_lettered", job_id=job_id, attempts=attempts - 1)
+            self.writer.end(
+                Ending(job_id, entry.entry_id, "failed", error=reason, error_code=ErrorCode.max_attempts),
+                dead=DeadLetter(reason, attempts - 1, raw),
+            )
+            return
+        self.leases.add(job_id, entry.entry_id)
+        job = StartedJob(job_id, entry.entry_id, request, params, attempts, time.time(),
+                         stream=request.stream and self.stream_tokens)
+        self.budget.sent()
+        self.engine_inbox.put(job)
+        if self.metrics is not None:
+            self.metrics.job_started()
+        log.info("job_started", job_id=job_id, entry_id=entry.entry_id, attempt=attempts)
+
+    def _validate(self, raw: str) -> tuple[JobRequest, SamplingParams]:
+        request = parse_request(raw)
+        if request.model is not None and request.model not in self.model_names:
+            raise ModelMismatch(f"this job asks for model {request.model!r}; this worker serves "
+                             f"{sorted(self.model_names)[0]!r}")
+        try:
+            params = SamplingParams(**request.sampling_fields())
+        except (ValueError, TypeError) as err:
+            raise InvalidJob(f"invalid job: {err}") from None
+        return request, params
+
+    def _fail(self, entry: Entry, job_id: str, reason: str, code: str, raw: str) -> None:
+        log.warning("job_rejected", job_id=job_id, entry_id=entry.entry_id, reason=reason)
+        self.writer.end(Ending(job_id, entry.entry_id, "failed", error=reason, error_code=code),
+                        orphan=DeadLetter(reason, 0, raw))
+
+    def _drop(self, entry: Entry, job_id: str, reason: str, raw: str) -> None:
+        pipe = self.jobs.r.pipeline(transaction=True)
+        self.jobs.dead_letter(pipe, job_id, reason, 0, raw)
+        pipe.xack(self.jobs.keys.jobs, GROUP, entry.entry_id)
+        pipe.xdel(self.jobs.keys.jobs, entry.entry_id)
+        pipe.execute()
+
+    def _retry(self, backoff: Backoff, op):
+        """Run one Redis write until it goes through: a job read from the stream is never just dropped."""
+        while True:
+            try:
+                return op()
+            except REDIS_DOWN as err:
+                if self.stop_event.is_set():
+                    raise  # the entry stays pending; its lease lapses and a worker reclaims it
+                backoff.failed(err)

@@ -1,0 +1,140 @@
+"""Leases: the stream entries this worker holds, and the housekeeper thread that keeps them alive.
+
+A lease is the entry's idle time in the consumer group's pending list. The housekeeper resets it every
+lease_ms/3 for every entry held here; when this process dies the idle time grows past lease_ms and any
+worker's XAUTOCLAIM takes the entry over. The same thread polls cancel requests and writes the heartbeat,
+so none of that Redis traffic ever waits on (or holds up) a forward pass.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from worker.backoff import REDIS_DOWN, Backoff
+from worker.messages import Revoke
+from worker.queue import JobQueue
+
+log = structlog.get_logger("tokenbus.worker")
+
+CANCEL_POLL_S = 0.2
+
+
+class Leases:
+    """job id -> entry id of every job this worker has started and not yet ended or handed back."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[str, str] = {}
+
+    def add(self, job_id: str, entry_id: str) -> None:
+        with self._lock:
+            self._held[job_id] = entry_id
+
+    def release(self, job_id: str, entry_id: str | None = None) -> None:
+        with self._lock:
+            if entry_id is None or self._held.get(job_id) == entry_id:
+                self._held.pop(job_id, None)
+
+    def entry_of(self, job_id: str) -> str | None:
+        with self._lock:
+            return self._held.get(job_id)
+
+    def snapshot(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._held)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+
+class Housekeeper(threading.Thread):
+    def __init__(
+        self,
+        jobs: JobQueue,
+        leases: Leases,
+        engine_inbox: queue.Queue,
+        lease_ms: int,
+        heartbeat_s: float,
+        status: Callable[[], dict[str, Any]],
+        metrics: Any | None = None,
+    ) -> None:
+        super().__init__(name="tokenbus-housekeeper", daemon=True)
+        self.jobs = jobs
+        self.leases = leases
+        self.engine_inbox = engine_inbox
+        self.renew_every_s = lease_ms / 3000
+        self.heartbeat_s = heartbeat_s
+        self.status = status  # the engine thread's latest numbers for the heartbeat
+        self.metrics = metrics
+        self.stop_event = threading.Event()
+        self._cancels_sent: set[str] = set()
+        self.started_at = time.time()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def run(self) -> None:
+        backoff = Backoff("housekeeping", self.stop_event)
+        next_renew = next_beat = 0.0
+        while not self.stop_event.is_set():
+            now = time.monotonic()
+            try:
+                if now >= next_renew:
+                    self.renew()
+                    next_renew = now + self.renew_every_s
+                self.poll_cancels()
+                if now >= next_beat:
+                    self.beat()
+                    next_beat = now + self.heartbeat_s
+                backoff.succeeded()
+            except REDIS_DOWN as err:
+                backoff.failed(err)
+                continue
+            except Exception:  # a bug here must not kill the thread that keeps the leases alive
+                log.exception("housekeeping_error")
+                self.stop_event.wait(1.0)
+                continue
+            self.stop_event.wait(min(CANCEL_POLL_S, self.renew_every_s))
+
+    def renew(self) -> None:
+        held = self.leases.snapshot()
+        if not held:
+            return
+        lost = set(self.jobs.renew(list(held.values())))
+        for job_id, entry_id in held.items():
+            if entry_id in lost and self.leases.entry_of(job_id) == entry_id:
+                # Another worker reclaimed it (our lease lapsed during an outage or a stall), or it was
+                # acknowledged meanwhile: either way it is no longer ours to run.
+                self.leases.release(job_id, entry_id)
+                log.warning("job_lease_lost", job_id=job_id, entry_id=entry_id)
+                self.engine_inbox.put(Revoke(job_id, "lost"))
+
+    def poll_cancels(self) -> None:
+        requested = self.jobs.cancel_requests()
+        held = self.leases.snapshot()
+        self._cancels_sent &= held.keys()
+        for job_id in requested & held.keys() - self._cancels_sent:
+            self._cancels_sent.add(job_id)
+            log.info("job_cancel_requested", job_id=job_id)
+            self.engine_inbox.put(Revoke(job_id, "cancel"))
+
+    def beat(self) -> None:
+        status = self.status()
+        payload = {
+            "name": self.jobs.consumer,
+            "pid": os.getpid(),
+            "started_at": self.started_at,
+            "last_seen": time.time(),
+            **status,
+        }
+        self.jobs.heartbeat(payload, ttl_s=max(3 * int(self.heartbeat_s + 0.999), 10))
+        if self.metrics is not None:
+            self.metrics.observe_queue(*self.jobs.depth())

@@ -1,0 +1,72 @@
+"""What the serve loop's threads hand each other through queue.Queue: plain dataclasses, no Redis, no torch.
+
+    intake thread ──StartedJob──▶ engine thread ──Ending / HandBack / Partial──▶ completion writer
+    housekeeper   ──Revoke─────▶ engine thread
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from producer.protocol import JobRequest
+from worker.sampling_params import SamplingParams
+
+
+@dataclass
+class StartedJob:
+    """A validated job whose record is `running` on this worker and whose stream entry this worker holds."""
+
+    job_id: str
+    entry_id: str
+    request: JobRequest
+    params: SamplingParams
+    attempts: int
+    started_at: float  # unix time the start script ran
+    stream: bool = False  # publish partial tokens
+    # owned by the engine thread once the job is in the engine
+    first_token_at: float | None = None
+    published: int = 0  # tokens already sent as Partials
+
+
+@dataclass
+class Revoke:
+    """Take a job out of the engine: the client cancelled it, or this worker's lease on it was lost."""
+
+    job_id: str
+    reason: str  # "cancel" | "lost"
+
+
+@dataclass
+class HandBack:
+    """Give a started job back to the queue unfinished (drain, or a failed engine step)."""
+
+    job_id: str
+    entry_id: str
+    count_attempt: bool
+    why: str
+
+
+@dataclass
+class Partial:
+    """New tokens of a streaming job since its last Partial; `offset` = tokens published before these."""
+
+    job_id: str
+    token_ids: list[int]
+    offset: int
+    done: bool = False
+
+
+@dataclass
+class DeadLetter:
+    """Goes to {ns}:dead together with the job's failed ending."""
+
+    reason: str
+    attempts: int
+    request: str
+
+
+@dataclass
+class Wake:
+    """Wakes the engine thread from its idle wait (a signal arrived)."""
+
+    why: str = ""

@@ -1,0 +1,297 @@
+"""The serve loop: the engine steps in this (main) thread; Redis I/O lives in three helper threads.
+
+    Intake ──StartedJob──▶ inbox ──▶ Server.run: add_request / abort / step ──▶ CompletionWriter ──▶ Redis
+    Housekeeper (leases, cancels, heartbeat) ──Revoke──▶ inbox
+
+The loop never touches Redis itself, so an outage or a slow round trip never delays a forward pass: while
+Redis is away the engine finishes what it holds and the writer keeps the endings until Redis is back.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import threading
+import time
+from typing import Any
+
+import structlog
+
+from producer.protocol import ErrorCode
+from worker.backoff import REDIS_DOWN, Backoff
+from worker.completion import CompletionWriter, FirstToken
+from worker.intake import BLOCK_MS, Intake, IntakeBudget
+from worker.leases import Housekeeper, Leases
+from worker.messages import HandBack, Partial, Revoke, StartedJob, Wake
+from worker.queue import Ending, JobQueue
+from worker.settings import WorkerSettings
+
+log = structlog.get_logger("tokenbus.worker")
+
+IDLE_WAIT_S = 0.2  # how long an idle loop waits for a message before it beats the health check
+MAX_STEP_FAILURES = 3  # consecutive failed steps before the worker gives up (exit 1, supervisor restarts it)
+REVOKE_MEMORY_S = 300.0  # how long a revoke for a job not yet in the engine is remembered
+
+
+class Server:
+    def __init__(self, settings: WorkerSettings, engine: Any, client: Any,
+                 metrics: Any | None = None) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.metrics = metrics
+        self.jobs = JobQueue(client, settings.namespace, settings.worker_name, settings.result_ttl_s)
+        self.leases = Leases()
+        self.inbox: queue.Queue = queue.Queue()
+        self.capacity = settings.max_num_seqs + settings.intake_lookahead
+        self.budget = IntakeBudget(self.capacity)
+
+        def decode(ids: list[int]) -> str:
+            return engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+        self.writer = CompletionWriter(self.jobs, self.leases, decode=decode, metrics=metrics)
+        self.intake = Intake(
+            self.jobs, self.leases, self.budget, self.inbox, self.writer,
+            model_names={settings.model, engine.model_name}, lease_ms=settings.lease_ms,
+            max_attempts=settings.max_attempts, stream_tokens=settings.stream_tokens, metrics=metrics,
+        )
+        self.housekeeper = Housekeeper(
+            self.jobs, self.leases, self.inbox, settings.lease_ms, settings.heartbeat_s, self._status, metrics
+        )
+        self.running: dict[str, StartedJob] = {}  # jobs inside the engine
+        self.revoked: dict[str, tuple[str, float]] = {}  # job -> (reason, when) for jobs not yet seen here
+        self.stop_requested = threading.Event()
+        self.drain_deadline: float | None = None
+        self.step_failures = 0
+        self.exit_code = 0
+        self._snapshot: dict[str, Any] = {"model": engine.model_name, "running": 0, "waiting": 0}
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+
+    def request_stop(self, why: str = "") -> None:
+        """Begin the drain (thread-safe; a second call ends the grace period at once)."""
+        if self.stop_requested.is_set():
+            self.drain_deadline = time.monotonic()
+        self.stop_requested.set()
+        self.inbox.put(Wake(why))
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, _frame: Any) -> None:
+            self.request_stop(signal.Signals(signum).name)
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def run(self) -> int:
+        if not self._connect():
+            return 0
+        for t in (self.writer, self.housekeeper, self.intake):
+            t.start()
+        log.info("worker_ready", worker=self.jobs.consumer, model=self.engine.model_name,
+                 namespace=self.settings.namespace, capacity=self.capacity)
+        while True:
+            self._take_messages(block=not self.engine.has_unfinished_requests())
+            if self.stop_requested.is_set() and self.drain_deadline is None:
+                self._begin_drain()
+            if self.engine.has_unfinished_requests():
+                self._step()
+            stats = self.engine.stats()
+            self.budget.set_room(self.capacity - stats.running - stats.waiting,
+                                 engine_idle=not self.engine.has_unfinished_requests())
+            if self.exit_code:
+                break
+            if self.drain_deadline is not None:
+                idle = not self.engine.has_unfinished_requests() and self.inbox.empty()
+                if idle and not self.intake.is_alive():
+                    break
+                if time.monotonic() >= self.drain_deadline:
+                    self._hand_back_all("drain grace period over", count_attempt=False)
+                    break
+        return self._shutdown()
+
+    def _connect(self) -> bool:
+        backoff = Backoff("connecting", self.stop_requested)
+        while not self.stop_requested.is_set():
+            try:
+                self.jobs.ensure_group()
+                backoff.succeeded()
+                return True
+            except REDIS_DOWN as err:
+                backoff.failed(err)
+        return False
+
+    def _begin_drain(self) -> None:
+        self.drain_deadline = time.monotonic() + self.settings.drain_grace_s
+        log.info("drain_started", running=len(self.running), grace_s=self.settings.drain_grace_s)
+        self.intake.stop()
+
+    def _shutdown(self) -> int:
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic()
+        self.intake.stop()
+        self.intake.join(timeout=BLOCK_MS / 1000 + 10)
+        self._take_messages(block=False)  # jobs intake handed over while stopping go back (draining)
+        self._hand_back_all("worker stopping", count_attempt=self.exit_code != 0)
+        written = self.writer.close(timeout=max(5.0, self.settings.lease_ms / 1000))
+        self.housekeeper.stop()
+        self.housekeeper.join(timeout=5)
+        try:
+            self.jobs.sign_off()
+        except REDIS_DOWN:
+            pass
+        log.info("worker_stopped", exit_code=self.exit_code, results_written=written,
+                 jobs_done=self.writer.jobs_done)
+        return self.exit_code
+
+    def _status(self) -> dict[str, Any]:
+        return dict(self._snapshot, jobs_done=self.writer.jobs_done, draining=self.drain_deadline is not None)
+
+    # ---- messages -----------------------------------------------------------------------------------
+
+    def _take_messages(self, block: bool) -> None:
+        try:
+            msg = self.inbox.get(timeout=IDLE_WAIT_S) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            if block and self.metrics is not None:
+                self.metrics.heartbeat()  # idle, not wedged: observe_step beats only while stepping
+            return
+        while True:
+            self._handle(msg)
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, StartedJob):
+            self.budget.taken()
+            self._add(msg)
+        elif isinstance(msg, Revoke):
+            self._revoke(msg)
+
+    def _add(self, job: StartedJob) -> None:
+        if self.drain_deadline is not None:
+            self.writer.put(HandBack(job.job_id, job.entry_id, count_attempt=False, why="draining"))
+            return
+        revoked = self.revoked.pop(job.job_id, None)
+        if revoked is not None:
+            if revoked[0] == "cancel":
+                self._end(job, "cancelled", error="cancelled before it ran", error_code=ErrorCode.cancelled)
+            return  # "lost": another worker holds it now
+        try:
+            self.engine.add_request(job.job_id, job.request.engine_prompt(), job.params)
+        except ValueError as err:  # the engine's own checks: prompt too long, can never fit the cache, ...
+            self._end(job, "failed", error=f"invalid job: {err}", error_code=ErrorCode.invalid_request)
+            return
+        except Exception as err:
+            log.exception("add_request_error", job_id=job.job_id)
+            self._end(job, "failed", error=f"worker error: {type(err).__name__}: {err}",
+                      error_code=ErrorCode.worker_error)
+            return
+        self.running[job.job_id] = job
+
+    def _revoke(self, msg: Revoke) -> None:
+        job = self.running.pop(msg.job_id, None)
+        if job is None:
+            # Not in the engine yet (its StartedJob is still queued behind us) or ended already.
+            now = time.monotonic()
+            self.revoked = {k: v for k, v in self.revoked.items() if now - v[1] < REVOKE_MEMORY_S}
+            self.revoked[msg.job_id] = (msg.reason, now)
+            return
+        out = self.engine.abort(msg.job_id)  # frees its KV blocks now; it leaves the next step's batch
+        if msg.reason == "cancel" and out is not None:
+            self._end_with_output(job, out)
+        else:
+            log.info("job_dropped", job_id=msg.job_id, why="lease lost")
+
+    # ---- stepping -----------------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        try:
+            finished = self.engine.step()
+        except Exception:
+            self._step_failed()
+            return
+        elapsed = time.perf_counter() - started
+        self.step_failures = 0
+        stats = self.engine.stats()
+        self._snapshot = {"model": self.engine.model_name, "running": stats.running, "waiting": stats.waiting,
+                          "free_blocks": stats.free_blocks}
+        if self.metrics is not None:
+            self.metrics.observe_step(elapsed, stats.running, stats.waiting, stats.used_blocks,
+                                      stats.free_blocks, stats.preemptions)
+        now = time.time()
+        for job_id, tokens in self.engine.new_tokens.items():
+            job = self.running.get(job_id)
+            if job is None:
+                continue
+            if job.first_token_at is None:
+                job.first_token_at = now
+                self.writer.put(FirstToken(job_id, now))
+            if job.stream:
+                self.writer.put(Partial(job_id, list(tokens), job.published))
+                job.published += len(tokens)
+        for out in finished:
+            job = self.running.pop(out.request_id, None)
+            if job is not None:
+                self._end_with_output(job, out)
+
+    def _step_failed(self) -> None:
+        self.step_failures += 1
+        jobs = list(self.running.values())
+        log.exception("engine_step_failed", jobs=[j.job_id for j in jobs], consecutive=self.step_failures)
+        if len(jobs) == 1:
+            # Alone in the batch: it is the one that broke the step. Fail it rather than crash every worker.
+            job = jobs[0]
+            self._abort_quietly(job.job_id)
+            self.running.clear()
+            self._end(job, "failed", error="worker error: the engine failed while running this job",
+                      error_code=ErrorCode.worker_error)
+        else:
+            # Cannot tell which one: give them all back; each counts an attempt, so a job that keeps
+            # breaking steps ends in the dead letters instead of looping forever.
+            self._hand_back_all("engine step failed", count_attempt=True)
+        if self.step_failures >= MAX_STEP_FAILURES:
+            log.error("engine_broken", consecutive_failures=self.step_failures)
+            self.exit_code = 1
+
+    def _hand_back_all(self, why: str, count_attempt: bool) -> None:
+        for job in list(self.running.values()):
+            self._abort_quietly(job.job_id)
+            self.writer.put(HandBack(job.job_id, job.entry_id, count_attempt=count_attempt, why=why))
+        self.running.clear()
+
+    def _abort_quietly(self, job_id: str) -> None:
+        try:
+            self.engine.abort(job_id)
+        except Exception:
+            log.exception("abort_error", job_id=job_id)
+
+    # ---- endings ------------------------------------------------------------------------------------
+
+    def _end_with_output(self, job: StartedJob, out: Any) -> None:
+        if job.stream:
+            self.writer.put(Partial(job.job_id, [], job.published, done=True))
+        cancelled = out.finish_reason == "abort"
+        prompt_tokens, completion_tokens = len(out.prompt_token_ids), len(out.token_ids)
+        result = {
+            "text": out.text,
+            "token_ids": list(out.token_ids),
+            "finish_reason": out.finish_reason,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
+            "logprobs": out.logprobs,
+            "model": self.engine.model_name,
+        }
+        self._end(job, "cancelled" if cancelled else "finished", result=result,
+                  error="cancelled while running" if cancelled else None,
+                  error_code=ErrorCode.cancelled if cancelled else None,
+                  finished_at=out.finish_time, finish_reason=out.finish_reason,
+                  first_token_at=out.first_token_time, completion_tokens=completion_tokens)
+
+    def _end(self, job: StartedJob, status: str, result: dict[str, Any] | None = None,
+             error: str | None = None, error_code: str | None = None, finished_at: float | None = None,
+             **stats: Any) -> None:
+        ending = Ending(job.job_id, job.entry_id, status, result=result, error=error, error_code=error_code,
+                        finished_at=finished_at or time.time())
+        self.writer.end(ending, started_at=job.started_at, **stats)
