@@ -42,7 +42,7 @@ def _decode_partition_kernel(
     stride_bt,
     stride_os, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, SINGLE_PARTITION: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SINGLE_PARTITION: tl.constexpr, DOT_FP32: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -77,7 +77,7 @@ def _decode_partition_kernel(
         k = tl.load(k_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
         if DOT_FP32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=FP32_DOT)
         else:
             s = tl.dot(q, tl.trans(k))
         s = tl.where(tok_ok[None, :], s, float("-inf"))
@@ -87,7 +87,7 @@ def _decode_partition_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if DOT_FP32:
             # Round p as the GPU path does before the PV product, then multiply in fp32.
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=FP32_DOT)
         else:
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
@@ -101,7 +101,7 @@ def _decode_partition_kernel(
         )
     else:
         # partials are contiguous [num_seqs, num_q_heads, num_partitions(, HEAD_DIM)]
-        slot = (seq * (GROUP * tl.num_programs(1)) + q_heads) * num_partitions + part
+        slot = (seq * (GROUP * tl.num_programs(1)) + q_heads).to(tl.int64) * num_partitions + part
         tl.store(part_max_ptr + slot, m_i, mask=row_ok)
         tl.store(part_sum_ptr + slot, l_i, mask=row_ok)
         tl.store(part_acc_ptr + slot[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
@@ -118,7 +118,7 @@ def _decode_reduce_kernel(
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     used = tl.cdiv(seq_len, partition_size)
-    base = (seq * tl.num_programs(1) + head) * num_partitions
+    base = (seq * tl.num_programs(1) + head).to(tl.int64) * num_partitions
     dims = tl.arange(0, HEAD_DIM)
 
     m_run = float("-inf")
@@ -167,6 +167,8 @@ def plan_decode(
         raise ValueError(f"decode: head_dim {head_dim} must be a power of two >= 16")
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError("decode: k_cache and v_cache must share shape and strides")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"decode: q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} must share a dtype")
     if block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
         raise ValueError("decode: block_tables / seq_lens do not match q's num_seqs")
     if out.shape != q.shape or out.stride(2) != 1:
@@ -200,8 +202,9 @@ def plan_decode(
         ),
         {
             "GROUP": group, "GROUP_PAD": group_pad, "HEAD_DIM": head_dim,
-            "BLOCK_N": min(128, 8192 // head_dim) if on_gpu else 64, "BLOCK_SIZE": block_size,
+            "BLOCK_N": min(128, 16384 // (head_dim * q.element_size())) if on_gpu else 64, "BLOCK_SIZE": block_size,
             "SINGLE_PARTITION": single, "DOT_FP32": (not on_gpu) or q.dtype == torch.float32,
+            "FP32_DOT": "tf32x3" if on_gpu else "ieee",
             "num_warps": 4, "num_stages": 3,
         },
     )

@@ -38,7 +38,7 @@ def _prefill_kernel(
     stride_bt,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -89,7 +89,7 @@ def _prefill_kernel(
         k = tl.load(k_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
         if DOT_FP32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=FP32_DOT)
         else:
             s = tl.dot(q, tl.trans(k))
         visible = tok_ok[None, :] & (tokens[None, :] <= q_pos[:, None])
@@ -100,7 +100,7 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if DOT_FP32:
             # Round p as the GPU path does before the PV product, then multiply in fp32.
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=FP32_DOT)
         else:
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
@@ -119,8 +119,8 @@ def _tile_shape(head_dim: int, group: int, dtype: torch.dtype, on_gpu: bool) -> 
     BLOCK_M always holds >= 1 token of the whole group."""
     if not on_gpu:
         block_m, block_n, warps = 64, 32, 1  # interpreter: moderate numpy tiles
-    elif dtype == torch.float32:  # fp32 tiles are twice the bytes and the dots run without tensor-core fp16
-        block_m, block_n, warps = 64, (32 if head_dim <= 64 else 16), 4
+    elif dtype == torch.float32:  # twice the bytes per tile, and 3xTF32 dots hold more registers
+        block_m, block_n, warps = (64, 32, 4) if head_dim <= 64 else (64 if head_dim <= 128 else 32, 16, 8)
     elif head_dim <= 64:
         block_m, block_n, warps = 128, 64, 4
     elif head_dim <= 128:
@@ -150,6 +150,8 @@ def plan_prefill(
         raise ValueError(f"prefill: head_dim {head_dim} must be a power of two >= 16")
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError("prefill: k_cache and v_cache must share shape and strides")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"prefill: q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} must share a dtype")
     if cu_seqlens_q.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
         raise ValueError("prefill: cu_seqlens_q / block_tables do not match seq_lens")
     if out.shape != q.shape or out.stride(2) != 1:
@@ -167,6 +169,7 @@ def plan_prefill(
     meta = {
         "GROUP": group, "HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_Q": block_q, "BLOCK_N": block_n,
         "BLOCK_SIZE": block_size, "DOT_FP32": (not on_gpu) or q.dtype == torch.float32,
+        "FP32_DOT": "tf32x3" if on_gpu else "ieee",
         "num_warps": warps, "num_stages": 2,
     }
     return [Launch(_prefill_kernel, (num_tokens // block_q + num_seqs, num_kv_heads), args, meta)]

@@ -172,7 +172,7 @@ def wait_batch(
         if deadline is not None and now >= deadline:
             raise WaitTimeout(f"batch {batch_id} is still {record.status.value} after {timeout} s "
                               f"({record.done}/{record.total} jobs ended)")
-        block = 1.0 if deadline is None else min(1.0, deadline - now)
+        block = client.max_block_s if deadline is None else min(client.max_block_s, deadline - now)
         resp = client.redis.xread({client.keys.events: last_id}, count=10_000,
                                   block=max(1, int(block * 1000)))
         for _stream, entries in resp or []:

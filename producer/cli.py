@@ -22,7 +22,7 @@ EXIT_ERROR = 1
 EXIT_JOB_NOT_FINISHED = 3  # wait: the job ended failed or cancelled
 
 EPILOG = """exit status: 0 ok; 1 error (printed on stderr); 2 bad arguments; 3 `wait` saw the job end failed
-or cancelled. The Redis URL and namespace default to $TOKENBUS_URL and $TOKENBUS_NAMESPACE."""
+or cancelled. The Redis URL and namespace default to $TOKENBUS_REDIS_URL (or $TOKENBUS_URL) and $TOKENBUS_NAMESPACE."""
 
 
 def _json_value(text: str) -> Any:
@@ -62,7 +62,8 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenbus", description="Bulk LLM generation jobs over Redis streams.",
                                 epilog=EPILOG)
-    p.add_argument("--url", default=os.environ.get("TOKENBUS_URL", "redis://localhost:6379/0"))
+    default_url = os.environ.get("TOKENBUS_REDIS_URL") or os.environ.get("TOKENBUS_URL", "redis://localhost:6379/0")
+    p.add_argument("--url", default=default_url)
     p.add_argument("--namespace", default=os.environ.get("TOKENBUS_NAMESPACE", DEFAULT_NAMESPACE))
     p.add_argument("-v", "--verbose", action="store_true", help="log at info level (stderr)")
     sub = p.add_subparsers(dest="command", required=True)
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
     except redis.ConnectionError as err:
         print(f"error: cannot reach Redis at {a.url}: {err}. Is redis-server running? "
-              "(--url / $TOKENBUS_URL)", file=sys.stderr)
+              "(--url / $TOKENBUS_REDIS_URL)", file=sys.stderr)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
     return EXIT_ERROR

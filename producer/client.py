@@ -111,7 +111,11 @@ class Client:
         return self.submit_many([fields], job_ids=[job_id])[0]
 
     def submit_many(
-        self, requests: Iterable[dict[str, Any] | JobRequest], *, job_ids: Iterable[str | None] | None = None
+        self,
+        requests: Iterable[dict[str, Any] | JobRequest],
+        *,
+        job_ids: Iterable[str | None] | None = None,
+        chunk_size: int = CHUNK,
     ) -> list[str]:
         """Validate every request, then queue them all, pipelined. Nothing is written if any is invalid.
 
@@ -133,9 +137,9 @@ class Client:
                 errors.append(f"request {i}: {err}" if len(requests) > 1 else str(err))
         if errors:
             raise InvalidJob(_many_errors(errors, len(requests)))
-        return self.enqueue(pending)
+        return self.enqueue(pending, chunk_size=chunk_size)
 
-    def enqueue(self, jobs: list[PendingJob]) -> list[str]:
+    def enqueue(self, jobs: list[PendingJob], chunk_size: int = CHUNK) -> list[str]:
         """Write validated jobs (SUBMIT_JOB per job, EVALSHA pipelined in chunks). Returns their ids."""
         if not jobs:
             return []
@@ -145,8 +149,8 @@ class Client:
         limit = self.max_queue_len
         submit = scripts.script(scripts.SUBMIT_JOB)
         accepted: list[str] = []
-        for start in range(0, len(jobs), CHUNK):
-            chunk = jobs[start:start + CHUNK]
+        for start in range(0, len(jobs), chunk_size):
+            chunk = jobs[start:start + chunk_size]
             now = time.time()
             pipe = self.redis.pipeline(transaction=False)
             for job in chunk:
@@ -233,7 +237,8 @@ class Client:
                 raise WaitTimeout(
                     f"{len(remaining)} job(s) had not ended after {timeout} s "
                     f"(first: {next(iter(remaining))!r})", pending=list(remaining))
-            wait_s = min(next_resync - now, (deadline - now) if deadline is not None else resync_every)
+            wait_s = min(next_resync - now, self.max_block_s,
+                         (deadline - now) if deadline is not None else resync_every)
             resp = self.redis.xread({self.keys.events: last_id}, count=1000, block=max(1, int(wait_s * 1000)))
             ended = []
             for _stream, entries in resp or []:
@@ -257,6 +262,12 @@ class Client:
             if job.status in TERMINAL_STATUSES and jid in remaining:
                 del remaining[jid]
                 yield job
+
+    @property
+    def max_block_s(self) -> float:
+        """Longest XREAD BLOCK: under the socket timeout (redis-py 8 defaults to 5 s), at most 1 s."""
+        timeout = self.redis.connection_pool.connection_kwargs.get("socket_timeout")
+        return 1.0 if timeout is None else max(0.01, min(1.0, 0.5 * timeout))
 
     def events_last_id(self) -> str:
         last = self.redis.xrevrange(self.keys.events, count=1)

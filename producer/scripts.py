@@ -38,6 +38,8 @@ local function bump_batch(ns, batch_id, status, now, ttl)
     end
   end
 end
+"""
+_IS_TERMINAL_FN = """
 local function is_terminal(s) return s == 'finished' or s == 'failed' or s == 'cancelled' end
 """
 
@@ -61,7 +63,7 @@ if ARGV[7] ~= '' then redis.call('HSET', KEYS[1], 'custom_id', ARGV[7]) end
 return {1, entry}
 """
 
-START_JOB = _BUMP_BATCH_FN + """
+START_JOB = _IS_TERMINAL_FN + """
 -- KEYS: 1 record, 2 stream {ns}:jobs
 -- ARGV: 1 group, 2 entry_id, 3 worker name, 4 now
 -- returns {'running', attempts} (run it) | {status, 0} terminal: skip (entry acked+deleted)
@@ -87,7 +89,7 @@ end
 return 0
 """
 
-FINISH_JOB = _BUMP_BATCH_FN + """
+FINISH_JOB = _IS_TERMINAL_FN + _BUMP_BATCH_FN + """
 -- KEYS: 1 record, 2 stream {ns}:jobs, 3 stream {ns}:events, 4 set {ns}:cancel
 -- ARGV: 1 group, 2 entry_id ('' = the record's entry_id), 3 job_id, 4 status (finished|failed|cancelled),
 --       5 result JSON ('' = none), 6 error message ('' = none), 7 error_code ('' = none), 8 now,
@@ -122,7 +124,7 @@ ack()
 return 1
 """
 
-CANCEL_JOB = _BUMP_BATCH_FN + """
+CANCEL_JOB = _IS_TERMINAL_FN + _BUMP_BATCH_FN + """
 -- KEYS: 1 record, 2 stream {ns}:jobs, 3 stream {ns}:events, 4 set {ns}:cancel
 -- ARGV: 1 group, 2 job_id, 3 now, 4 default result_ttl, 5 namespace, 6 events maxlen
 -- returns 'cancelled' (was queued: ended now, entry removed) | 'cancelling' (running: the worker aborts it)

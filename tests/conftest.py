@@ -37,16 +37,13 @@ def serve_model_dir(tmp_path_factory):
     return make_tiny_model(str(tmp_path_factory.mktemp("serve-tiny")), "llama", rope_scaling=None)
 
 
-SERVE_ENGINE_OPTIONS = dict(device="cpu", dtype="float32", block_size=16, max_num_seqs=16,
-                            max_num_batched_tokens=256, kv_cache_gb=0.05)
-
-
 @pytest.fixture(scope="module")
 def serve_engine(serve_model_dir):
     """One tiny Engine per test module; each Server leaves it empty when it stops."""
     from worker import Engine
 
-    return Engine(serve_model_dir, **SERVE_ENGINE_OPTIONS)
+    return Engine(serve_model_dir, device="cpu", dtype="float32", block_size=16, max_num_seqs=16,
+                  max_num_batched_tokens=256, kv_cache_gb=0.05)
 
 
 @pytest.fixture

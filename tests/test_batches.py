@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def chat_line(cid: str, text: str = "hi", **body) -> str:
     body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": text}], "max_tokens": 8} | body
+    body = {k: v for k, v in body.items() if v is not None}  # None: leave the field out
     return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body})
 
 
@@ -62,7 +63,8 @@ def test_parse_line_maps_openai_fields():
                                 seed=1, n=1, user="u", stop="END"))
     assert f["max_tokens"] == 12 and f["logprobs"] == 3 and f["seed"] == 1 and f["stop"] == "END"
     assert "user" not in f and "n" not in f
-    parts = [{"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]}]
+    content = [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]
+    parts = [{"role": "developer", "content": content}]
     _, f = parse_line(chat_line("b", messages=parts))
     assert f["messages"] == [{"role": "system", "content": "be brief"}]
     _, f = parse_line(completion_line("c", [1, 2, 3], logprobs=2, echo=False))
@@ -76,7 +78,8 @@ def test_batch_round_trip_counts_and_export(client, tmp_path):
     src.write_text("\n".join([chat_line("req-a", "one"), "", chat_line("req-b", "two", temperature=0.0),
                               chat_line("req-c", "three", max_completion_tokens=4, max_tokens=None)]) + "\n")
     rec = client.submit_batch(src)
-    assert (rec.status, rec.total, rec.done, rec.endpoint) == (BatchStatus.in_progress, 3, 0, "/v1/chat/completions")
+    assert (rec.status, rec.total, rec.done) == (BatchStatus.in_progress, 3, 0)
+    assert rec.endpoint == "/v1/chat/completions"
     assert rec.input_file == str(src)
     jobs = client.get_many([f"{rec.id}-{i}" for i in range(3)])
     assert [j.custom_id for j in jobs] == ["req-a", "req-b", "req-c"]
@@ -89,7 +92,7 @@ def test_batch_round_trip_counts_and_export(client, tmp_path):
         export_batch(client, rec.id, tmp_path / "out.jsonl")
     assert export_batch(client, rec.id, tmp_path / "partial.jsonl", allow_partial=True) == 2
 
-    run_jobs(client, {"req-c": "finished"})  # nothing delivered twice: req-c was started already
+    # req-c was started by run_jobs above; end it without an entry id (the record's is used).
     finish_job(client.redis, client.keys, f"{rec.id}-2", "finished",
                result=JobResult(text="three!", finish_reason="length", usage={"completion_tokens": 4}))
     rec = get_batch(client, rec.id)
@@ -223,8 +226,19 @@ def test_cli_batch_submit_status_wait_export(redis_server, tmp_path):
     assert "2/2" in waited.stderr  # the progress bar
     exported = cli("batch", "export", "b1", str(tmp_path / "out.jsonl"))
     assert exported.returncode == 0 and "wrote 2 lines" in exported.stderr
-    assert [json.loads(x)["custom_id"] for x in (tmp_path / "out.jsonl").read_text().splitlines()] == ["a", "b"]
+    out_lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    assert [json.loads(x)["custom_id"] for x in out_lines] == ["a", "b"]
     (tmp_path / "bad.jsonl").write_text(chat_line("a", n=3) + "\n")
     bad = cli("batch", "submit", str(tmp_path / "bad.jsonl"))
     assert bad.returncode == 1 and "line 1: body.n" in bad.stderr and "Traceback" not in bad.stderr
     assert c.get("b1-0").status == JobStatus.finished
+
+
+def test_cancel_batch_counts_jobs_that_were_never_submitted(client):
+    rec = client.submit_batch([chat_line(f"c{i}") for i in range(3)])
+    # As if the submit was interrupted before job 2 was written.
+    lost = f"{rec.id}-2"
+    client.redis.xdel(client.keys.jobs, client.get(lost).entry_id)
+    client.redis.delete(client.keys.job(lost))
+    rec = cancel_batch(client, rec.id)
+    assert (rec.status, rec.cancelled, rec.done) == (BatchStatus.cancelled, 3, 3)

@@ -191,9 +191,9 @@ def test_worker_service_gets_one_gpu_drains_and_configures_the_worker(compose, m
 class LocalRedis:
     """redis-server with a compose command, on a free loopback port in tmp_path (never 6379)."""
 
-    def __init__(self, command: list[str], tmp: Path, port_flag: str = "--port", paths: dict | None = None):
+    def __init__(self, command: list[str], tmp: Path, port_flag: str = "--port", tls_dir: str = ""):
         self.port = free_port()
-        self.args = [a.replace(k, v) for a in command for k, v in (paths or {"": ""}).items()]
+        self.args = [a.replace("/tls/", tls_dir) if tls_dir else a for a in command]
         self.args += [port_flag, str(self.port), "--bind", "127.0.0.1", "--dir", str(tmp),
                       "--logfile", str(tmp / "redis.log")]
         self.tmp = tmp
@@ -218,10 +218,9 @@ class LocalRedis:
             self.proc.wait(timeout=10)
 
 
-def healthcheck_rc(test: list[str], port: int, password: str, **paths: str) -> int:
+def healthcheck_rc(test: list[str], port: int, password: str, tls_dir: str = "") -> int:
     cmd = test[1].replace("redis-cli", f"redis-cli -p {port}")
-    for k, v in paths.items():
-        cmd = cmd.replace(k, v)
+    cmd = cmd.replace("/tls/", tls_dir) if tls_dir else cmd
     return subprocess.run(["sh", "-c", cmd], env={"PATH": "/usr/bin:/bin", "REDISCLI_AUTH": password},
                           capture_output=True, timeout=30).returncode
 
@@ -316,7 +315,7 @@ def test_tls_recipe_in_the_docs(compose, tmp_path):
     base = compose["services"]["redis"]["command"]
     assert command[:len(base)] == base, "the TLS override's redis command drifted from compose.yaml's"
     tls = str(tmp_path / "tls") + "/"
-    srv = LocalRedis(command, tmp_path, port_flag="--tls-port", paths={"/tls/": tls})
+    srv = LocalRedis(command, tmp_path, port_flag="--tls-port", tls_dir=tls)
     url = app_url(srv.port, REDIS_HOST="localhost", REDIS_SCHEME="rediss",
                   REDIS_URL_QUERY=f"?ssl_ca_certs={tls}ca.crt")
     assert url.startswith("rediss://tokenbus:")
@@ -327,7 +326,7 @@ def test_tls_recipe_in_the_docs(compose, tmp_path):
         with pytest.raises(redis.ConnectionError):  # plain text to the TLS port
             redis.Redis(port=srv.port, password=ENV["REDIS_PASSWORD"], socket_timeout=2).ping()
         test = override["services"]["redis"]["healthcheck"]["test"]
-        assert healthcheck_rc(test, srv.port, ENV["REDIS_PASSWORD"], **{"/tls/": tls}) == 0
+        assert healthcheck_rc(test, srv.port, ENV["REDIS_PASSWORD"], tls_dir=tls) == 0
     finally:
         app.close()
         srv.kill()

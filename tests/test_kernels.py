@@ -116,7 +116,10 @@ PREFILL_CASES = [
     (torch.bfloat16, 32, 8, 1, 64),
     (torch.float16, 64, 24, 8, 32),
     (torch.bfloat16, 16, 3, 1, 128),
-] + [(dtype, block_size, 2 * group, 2, 32) for dtype, block_size, group in itertools.product(TOL, (16, 32, 64), (1, 3, 8))]
+] + [
+    (dtype, block_size, 2 * group, 2, 32)
+    for dtype, block_size, group in itertools.product(TOL, (16, 32, 64), (1, 3, 8))
+]
 
 
 @needs_kernels

@@ -92,7 +92,8 @@ class CompletionWriter(threading.Thread):
     # ---- the thread ---------------------------------------------------------------------------------
 
     def run(self) -> None:
-        backoff = Backoff("writing results", self.stop_event)
+        # Short backoff: results wait in memory, and they should reach Redis soon after it is back.
+        backoff = Backoff("writing results", self.stop_event, max_s=1.0)
         pending: list[Any] = []
         closing = False
         while True:

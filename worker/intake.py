@@ -102,7 +102,7 @@ class Intake(threading.Thread):
         self.budget.wake()
 
     def run(self) -> None:
-        backoff = Backoff("intake", self.stop_event)
+        backoff = Backoff("intake", self.stop_event, max_s=2.0)
         while not self.stop_event.is_set():
             allowance = self.budget.wait(timeout=0.5)
             if allowance <= 0 or self.stop_event.is_set():
@@ -126,7 +126,7 @@ class Intake(threading.Thread):
             if self._claim_cursor == "0-0":  # scanned the whole pending list: rest until the next round
                 self._next_claim = now + self.claim_every_s
             for e in entries:
-                log.info("entry_reclaimed", entry_id=e.entry_id, job_id=e.fields.get("job_id"))
+                e.reclaimed = True
         if len(entries) < allowance:
             # Blocking here holds up only this thread; the engine keeps stepping.
             block = BLOCK_MS if not entries else None
@@ -151,6 +151,8 @@ class Intake(threading.Thread):
                 self._retry(backoff, lambda: self.jobs.drop_entry(entry.entry_id))
             # else: our own entry, reclaimed by our XAUTOCLAIM after an outage outlived the lease: keep going
             return
+        if entry.reclaimed:
+            log.info("entry_reclaimed", job_id=job_id, entry_id=entry.entry_id)
         try:
             request, params = self._validate(raw)
         except InvalidJob as err:

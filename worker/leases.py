@@ -82,7 +82,7 @@ class Housekeeper(threading.Thread):
         self.stop_event.set()
 
     def run(self) -> None:
-        backoff = Backoff("housekeeping", self.stop_event)
+        backoff = Backoff("housekeeping", self.stop_event, max_s=1.0)
         next_renew = next_beat = 0.0
         while not self.stop_event.is_set():
             now = time.monotonic()

@@ -26,6 +26,7 @@ class Entry:
 
     entry_id: str
     fields: dict[str, str]
+    reclaimed: bool = False  # taken over from a worker whose lease lapsed
 
 
 @dataclass

@@ -1,0 +1,24 @@
+"""The benchmark workload shared by bench_engine.py and bench_e2e.py: 64 chat prompts with long-tailed
+output lengths (8–256 tokens), greedy, EOS ignored, so every system generates exactly the same count."""
+
+from __future__ import annotations
+
+import random
+
+TOPICS = ["the ocean", "volcanoes", "a small bakery", "the history of tea", "black holes", "chess openings",
+          "bees", "the Roman roads", "rainforests", "solar panels", "jazz", "glaciers", "the printing press",
+          "octopuses", "desert plants", "lighthouses"]
+TASKS = ["Write a short story about {t}.", "Explain {t} to a ten-year-old.", "List five facts about {t}.",
+         "Write a poem about {t}, with a title and at least three verses, and then explain the imagery you chose "
+         "line by line so that a student could follow it."]
+
+
+def workload(num_prompts: int = 64, seed: int = 0, min_tokens: int = 8, max_tokens: int = 256):
+    """[(messages, max_tokens)]: output lengths follow a Pareto tail clipped to [min_tokens, max_tokens]."""
+    rng = random.Random(seed)
+    items = []
+    for i in range(num_prompts):
+        task = TASKS[i % len(TASKS)].format(t=TOPICS[(i * 7) % len(TOPICS)])
+        length = int(min(max_tokens, max(min_tokens, min_tokens * rng.paretovariate(0.9))))
+        items.append(([{"role": "user", "content": task}], length))
+    return items

@@ -1,0 +1,90 @@
+"""The engine with the Triton kernels forced on (CPU, TRITON_INTERPRET=1) equals Hugging Face `generate`.
+
+The engine run happens in a child process because Triton reads TRITON_INTERPRET when the kernel modules
+are first imported (see tests/test_kernels.py); the child refuses the PyTorch references outright, so a
+pass means every attention call and KV write went through the Triton kernels. The HF reference runs here.
+Run directly, this file is the child: `python tests/test_engine_triton.py MODEL_DIR` prints JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# chunked prefill (prompts longer than the 16-token step budget), block boundaries (block_size 16),
+# sequences joining and leaving a running decode batch
+PROMPTS = [
+    "Hello there",
+    "The capital of France is a city that many people like to visit because of its museums and food",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,",
+    "def f(x):\n    return",
+]
+MAX_TOKENS = [20, 9, 14, 24]
+
+
+def run_engine_with_triton(directory: str) -> dict:
+    """Child side: the engine on CPU with the interpreted Triton kernels; the references would raise."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    import kernels
+    import kernels.decode_attention as decode
+    import kernels.kv_write as kv_write
+    import kernels.prefill_attention as prefill
+    from worker import Engine, SamplingParams
+
+    calls = {"write_kv": 0, "decode": 0, "prefill": 0}
+
+    def counted(module, attr, key):
+        inner = getattr(module, attr)
+
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            return inner(*args, **kwargs)
+
+        setattr(module, attr, wrapper)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a PyTorch reference ran although TRITON_INTERPRET=1")
+
+    for name in ("write_kv_ref", "paged_decode_attention_ref", "paged_prefill_attention_ref"):
+        setattr(kernels, name, refuse)
+    counted(kv_write, "write_kv_triton", "write_kv")
+    counted(decode, "paged_decode_attention_triton", "decode")
+    counted(prefill, "paged_prefill_attention_triton", "prefill")
+
+    engine = Engine(directory, device="cpu", dtype="float32", block_size=16, max_num_seqs=3,
+                    max_num_batched_tokens=16, kv_cache_gb=0.01)
+    for i, (prompt, max_tokens) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = {"prompt": out.prompt_token_ids, "tokens": out.token_ids}
+    return {"outputs": outputs, "calls": calls}
+
+
+def test_engine_with_triton_kernels_equals_hf(tmp_path):
+    from hf_reference import hf_greedy, load_hf
+    from tiny_models import make_tiny_model
+
+    directory = make_tiny_model(str(tmp_path / "llama"), "llama")  # 4 q / 2 kv heads, head_dim 32
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, __file__, directory], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, f"engine child failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(n > 0 for n in result["calls"].values()), result["calls"]
+
+    hf = load_hf(directory)
+    for i, max_tokens in enumerate(MAX_TOKENS):
+        out = result["outputs"][str(i)]
+        expected = hf_greedy(hf, out["prompt"], max_tokens, ignore_eos=True)
+        assert out["tokens"] == expected, f"prompt {PROMPTS[i]!r}: Triton engine {out['tokens']} != HF {expected}"
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    print(json.dumps(run_engine_with_triton(sys.argv[1])))

@@ -1,0 +1,162 @@
+"""The worker's Redis operations (leases, hand-back, reclaim) and its settings, on a real redis-server."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from producer import scripts
+from producer.protocol import GROUP, Keys
+from worker.intake import IntakeBudget
+from worker.queue import JobQueue
+from worker.settings import WorkerSettings, load_settings
+
+NS = "tokenbus"
+
+
+def submit(r, job_id: str, request: dict | None = None) -> str:
+    request = request or {"prompt": "hi", "max_tokens": 4}
+    code, entry = scripts.script(scripts.SUBMIT_JOB)(
+        keys=[Keys(NS).job(job_id), Keys(NS).jobs],
+        args=[job_id, json.dumps(request), time.time(), 0, 60, "", ""], client=r)
+    assert int(code) == 1
+    return entry.decode()
+
+
+@pytest.fixture
+def r(redis_server):
+    client = redis_server.client(socket_timeout=5)
+    scripts.ensure_group(client, Keys(NS))
+    return client
+
+
+def test_renew_keeps_own_leases_and_reports_reclaimed_ones(r):
+    a = JobQueue(r, NS, "worker-a", 60)
+    b = JobQueue(r, NS, "worker-b", 60)
+    e1, e2 = submit(r, "j1"), submit(r, "j2")
+    assert [e.entry_id for e in a.read_new(10, None)] == [e1, e2]
+    time.sleep(0.15)
+    # j2's lease lapses (min idle 100 ms) and b takes it; a renews j1 in time
+    assert a.renew([e1]) == []
+    _, claimed = b.claim_lapsed(100, 10, "0-0")
+    assert [e.entry_id for e in claimed] == [e2]
+    assert claimed[0].fields["job_id"] == "j2"
+    # a no longer holds e2: renewing must say so and must not steal it back from b
+    assert a.renew([e1, e2]) == [e2]
+    owners = {p["message_id"].decode(): p["consumer"].decode() for p in r.xpending_range(Keys(NS).jobs, GROUP,
+                                                                                          "-", "+", 10)}
+    assert owners == {e1: "worker-a", e2: "worker-b"}
+
+
+def test_renew_resets_the_idle_time(r):
+    a = JobQueue(r, NS, "worker-a", 60)
+    b = JobQueue(r, NS, "worker-b", 60)
+    e1 = submit(r, "j1")
+    a.read_new(10, None)
+    for _ in range(4):  # renewed every 60 ms, it never gets 150 ms idle
+        time.sleep(0.06)
+        assert a.renew([e1]) == []
+        assert b.claim_lapsed(150, 10, "0-0")[1] == []
+    time.sleep(0.2)
+    assert [e.entry_id for e in b.claim_lapsed(150, 10, "0-0")[1]] == [e1]
+
+
+def test_hand_back_requeues_without_counting_an_attempt(r):
+    a = JobQueue(r, NS, "worker-a", 60)
+    b = JobQueue(r, NS, "worker-b", 60)
+    e1 = submit(r, "j1")
+    a.read_new(1, None)
+    assert a.start("j1", e1) == ("running", 1)
+    pipe = r.pipeline()
+    a.hand_back(pipe, "j1", e1, count_attempt=False)
+    assert pipe.execute() == [1]
+    rec = {k.decode(): v.decode() for k, v in r.hgetall(Keys(NS).job("j1")).items()}
+    assert rec["status"] == "queued" and rec["attempts"] == "0" and "worker" not in rec
+    # claimable at once by anyone, however long their lease
+    _, claimed = b.claim_lapsed(3_600_000, 10, "0-0")
+    assert [e.entry_id for e in claimed] == [e1]
+    assert b.start("j1", e1) == ("running", 1)
+
+
+def test_stale_hand_back_changes_nothing(r):
+    a = JobQueue(r, NS, "worker-a", 60)
+    b = JobQueue(r, NS, "worker-b", 60)
+    e1 = submit(r, "j1")
+    a.read_new(1, None)
+    a.start("j1", e1)
+    time.sleep(0.05)
+    b.claim_lapsed(10, 10, "0-0")
+    b.start("j1", e1)  # b runs it now (attempt 2)
+    pipe = r.pipeline()
+    a.hand_back(pipe, "j1", e1, count_attempt=True)
+    assert pipe.execute() == [0]
+    rec = {k.decode(): v.decode() for k, v in r.hgetall(Keys(NS).job("j1")).items()}
+    assert rec["status"] == "running" and rec["worker"] == "worker-b" and rec["attempts"] == "2"
+
+
+def test_hand_back_after_a_failed_step_counts_the_attempt(r):
+    a = JobQueue(r, NS, "worker-a", 60)
+    e1 = submit(r, "j1")
+    a.read_new(1, None)
+    a.start("j1", e1)
+    pipe = r.pipeline()
+    a.hand_back(pipe, "j1", e1, count_attempt=True)
+    pipe.execute()
+    assert r.hget(Keys(NS).job("j1"), "attempts") == b"1"
+
+
+def test_claim_lapsed_skips_deleted_entries(r):
+    a = JobQueue(r, NS, "worker-a", 60)
+    b = JobQueue(r, NS, "worker-b", 60)
+    e1, e2 = submit(r, "j1"), submit(r, "j2")
+    a.read_new(10, None)
+    r.xdel(Keys(NS).jobs, e1)
+    time.sleep(0.05)
+    _, claimed = b.claim_lapsed(10, 10, "0-0")
+    assert [e.entry_id for e in claimed] == [e2]
+
+
+def test_read_new_recreates_a_vanished_group(r):
+    a = JobQueue(r, NS, "worker-a", 60)
+    r.flushall()
+    assert a.read_new(5, None) == []  # NOGROUP -> group made again
+    e1 = submit(r, "j1")
+    assert [e.entry_id for e in a.read_new(5, None)] == [e1]
+
+
+def test_intake_budget_counts_jobs_in_transit():
+    budget = IntakeBudget(room=3)
+    assert budget.wait(0) == 3
+    budget.sent(3)
+    assert budget.wait(0.01) == 0  # all read, none taken by the engine yet
+    budget.taken(3)
+    budget.set_room(1, engine_idle=False)  # the engine seated them: one seat left
+    assert budget.wait(0) == 1
+    budget.sent(1)
+    woke = []
+    t = threading.Thread(target=lambda: woke.append(budget.wait(5)))
+    t.start()
+    time.sleep(0.05)
+    assert not woke
+    budget.taken(1)
+    budget.set_room(4, engine_idle=True)  # jobs ended: intake wakes at once
+    t.join(2)
+    assert woke == [4]
+
+
+def test_settings_env_then_cli(monkeypatch):
+    monkeypatch.setenv("TOKENBUS_LEASE_MS", "5000")
+    monkeypatch.setenv("TOKENBUS_MODEL", "from-env")
+    s = load_settings(["--model", "from-cli", "--max-num-seqs", "8", "--stream-tokens", "false"])
+    assert (s.lease_ms, s.model, s.max_num_seqs, s.stream_tokens) == (5000, "from-cli", 8, False)
+    assert s.redis_url == "redis://127.0.0.1:6379/0"
+    with pytest.raises(ValidationError, match="lease_ms"):
+        WorkerSettings(lease_ms=1)
+    with pytest.raises(SystemExit):
+        load_settings(["--no-such-flag"])
+    # every setting documents itself
+    assert all(f.description for f in WorkerSettings.model_fields.values())
