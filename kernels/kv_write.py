@@ -50,6 +50,7 @@ def _write_kv_kernel(
     num_kv_heads, block_size,
     BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
+    """Grid (num_tokens,): token i's k, v [num_kv_heads, HEAD_DIM] -> caches[slot // block_size, slot % block_size]."""
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:

@@ -40,6 +40,8 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
+    """Grid (num_tokens // BLOCK_Q + num_seqs, num_kv_heads): BLOCK_Q query tokens of one sequence x the GROUP
+    q heads of one KV head, as BLOCK_M rows (token r // GROUP, head r % GROUP) -> out rows."""
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
 

@@ -90,14 +90,14 @@ def serve(redis_server):
 
     started: list[ServeThread] = []
 
-    def start(engine, url: str | None = None, **overrides) -> ServeThread:
+    def start(engine, url: str | None = None, metrics=None, **overrides) -> ServeThread:
         values = dict(redis_url=url or redis_server.url, model=engine.model_name, lease_ms=2000,
                       heartbeat_s=0.5, drain_grace_s=10, max_num_seqs=engine.config.max_num_seqs,
                       worker_name=f"test-worker-{len(started)}")
         values.update(overrides)
         settings = WorkerSettings(**values)
         client = redis.Redis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=2)
-        handle = ServeThread(Server(settings, engine, client))
+        handle = ServeThread(Server(settings, engine, client, metrics))
         handle.thread.start()
         started.append(handle)
         return handle

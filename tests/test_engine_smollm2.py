@@ -218,3 +218,29 @@ def test_duplicate_request_id_is_refused(engine):
     with pytest.raises(ValueError, match="already"):
         engine.add_request("dup", "hello", SamplingParams(max_tokens=2))
     engine.abort("dup")
+
+
+def test_penalties_and_filters_change_what_is_sampled(engine):
+    prompt = "1, 2, 3, 4,"
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))[0].token_ids
+    # top_k=1 keeps only the argmax: sampling at any temperature is then greedy
+    top1 = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=1.5, top_k=1, seed=3))[0]
+    assert top1.token_ids == greedy
+    # a tiny top_p keeps only the top token too
+    nucleus = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=1.0, top_p=1e-6, seed=3))[0]
+    assert nucleus.token_ids == greedy
+    # min_p = 1 keeps only tokens as likely as the best one
+    assert engine.generate([prompt], SamplingParams(max_tokens=24, temperature=1.0, min_p=1.0, seed=5))[0] \
+        .token_ids == greedy
+    # counting "," repeats: penalties must push the counting pattern away
+    comma = engine.tokenizer.encode(",")[0]
+    repeats = greedy.count(comma)
+    for field in ({"repetition_penalty": 1.8}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
+        out = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, **field))[0].token_ids
+        assert out != greedy and out.count(comma) < repeats, field
+
+
+def test_unseeded_sampling_varies(engine):
+    params = SamplingParams(max_tokens=16, temperature=1.2)
+    outs = engine.generate(["Once upon a time"] * 4, [params] * 4)
+    assert len({tuple(o.token_ids) for o in outs}) > 1

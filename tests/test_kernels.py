@@ -258,6 +258,8 @@ def stack_bytes(cubin: bytes, tmp_path: Path) -> int:
     import triton.backends.nvidia
 
     cuobjdump = Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        pytest.skip(f"{cuobjdump} is missing: this triton build has no bundled CUDA tools")
     path = tmp_path / "kernel.cubin"
     path.write_bytes(cubin)
     usage = subprocess.run([str(cuobjdump), "-res-usage", str(path)], capture_output=True, text=True, check=True)
@@ -317,3 +319,19 @@ def test_interpreter_suite():
     assert proc.returncode == 0, f"interpreted kernel tests failed:\n{tail}"
     passed = re.search(r"(\d+) passed", proc.stdout)
     assert passed and int(passed.group(1)) >= len(DECODE_CASES) + len(PREFILL_CASES) + 3, tail
+
+
+@pytest.mark.skipif(INTERPRETED, reason="runs the benchmark script in its own processes")
+def test_bench_script_smoke():
+    """scripts/bench_kernels.py stays runnable: its correctness part passes under the interpreter, and
+    without a GPU the benchmark itself stops with a clear message."""
+    root = Path(__file__).resolve().parent.parent
+    script = str(root / "scripts" / "bench_kernels.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    smoke = subprocess.run([sys.executable, script, "--cpu-smoke"], cwd=root, env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert smoke.returncode == 0 and smoke.stdout.count(" ok ") == 6, smoke.stdout + smoke.stderr
+    if not torch.cuda.is_available():
+        bench = subprocess.run([sys.executable, script, "--no-doc"], cwd=root, env=env, capture_output=True,
+                               text=True, timeout=60)
+        assert bench.returncode == 2 and "no CUDA device" in bench.stderr

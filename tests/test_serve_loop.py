@@ -257,3 +257,52 @@ def test_two_workers_share_the_group(serve_engine, serve_model_dir, serve, make_
     by_worker = Counter(j.worker for j in jobs)
     assert set(by_worker) == {"test-worker-0", "test-worker-1"}, by_worker
     assert events_per_job(redis_server.client()) == Counter(ids)
+
+
+def test_a_job_that_breaks_the_engine_step_fails_alone(serve_engine, serve, make_client, monkeypatch):
+    # Fault injection on the real engine: any step whose batch holds a "breaks-" job raises, as a kernel
+    # fault would. The loop must find that job, fail it, and finish the ones batched with it.
+    real_step = serve_engine.step
+
+    def step():
+        if any(rid.startswith("breaks-") for rid in serve_engine.requests):
+            raise RuntimeError("simulated kernel fault")
+        return real_step()
+
+    monkeypatch.setattr(serve_engine, "step", step)
+    client = make_client()
+    good = client.submit_many([{"prompt": f"fine {i}", "max_tokens": 5, "ignore_eos": True} for i in range(4)])
+    client.submit("poisons the batch", job_id="breaks-1", max_tokens=5)
+    good += client.submit_many([{"prompt": f"after {i}", "max_tokens": 5, "ignore_eos": True}
+                                for i in range(2)])
+    handle = serve(serve_engine)
+    jobs = {j.id: j for j in client.as_completed([*good, "breaks-1"], timeout=120)}
+    bad = jobs.pop("breaks-1")
+    assert bad.status == "failed" and bad.error_code == "worker_error"
+    assert "simulated kernel fault" in bad.error
+    assert all(j.status == "finished" and j.attempts == 1 for j in jobs.values())
+    assert handle.stop() == 0, "one broken job does not stop the worker"
+
+
+def test_metrics_and_queue_config(serve_engine, serve, make_client, redis_server):
+    from worker.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics(model="tiny", worker="test-worker-0")
+    client = make_client()
+    ids = client.submit_many([{"prompt": f"count {i}", "max_tokens": 3, "ignore_eos": True} for i in range(3)])
+    bad = client.submit("too long", max_tokens=5000)
+    serve(serve_engine, metrics=metrics, max_queue_len=500)
+    list(client.as_completed([*ids, bad], timeout=120))
+    value = metrics.registry.get_sample_value
+    deadline = time.monotonic() + 5  # the writer counts a job right after its ending is written
+    while value("tokenbus_generated_tokens_total") < 9 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert value("tokenbus_jobs_started_total") == 3
+    assert value("tokenbus_jobs_finished_total", {"reason": "length"}) == 3
+    assert value("tokenbus_jobs_failed_total", {"reason": "invalid_request"}) == 1
+    assert value("tokenbus_generated_tokens_total") == 9
+    assert value("tokenbus_job_latency_seconds_count") == 4  # the failed job had started too
+    assert metrics.health()[0]
+    # an explicitly configured limit reaches the producers through {ns}:config
+    assert redis_server.client().hget(K.config, "max_queue_len") == b"500"
+    assert make_client().max_queue_len == 500

@@ -76,7 +76,7 @@ class Engine:
             self.model.lm_head.weight = self.model.embed_tokens.weight
         self.model.attach_rotary(RotaryEmbedding(hf_config, arch.head_dim, self.max_model_len).to(self.device))
         self.model.load_weights(loader.iter_weights(source))
-        self.model.eval()
+        self.model.eval().requires_grad_(False)
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)

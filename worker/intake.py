@@ -9,7 +9,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any
 
 import structlog
 
@@ -78,7 +77,6 @@ class Intake(threading.Thread):
         lease_ms: int,
         max_attempts: int,
         stream_tokens: bool,
-        metrics: Any | None = None,
     ) -> None:
         super().__init__(name="tokenbus-intake", daemon=True)
         self.jobs = jobs
@@ -90,7 +88,6 @@ class Intake(threading.Thread):
         self.lease_ms = lease_ms
         self.max_attempts = max_attempts
         self.stream_tokens = stream_tokens
-        self.metrics = metrics
         # Look for lapsed leases a few times per lease: a dead worker's jobs wait at most ~1.25 leases.
         self.claim_every_s = min(max(lease_ms / 4000, 0.2), 10.0)
         self.stop_event = threading.Event()
@@ -181,8 +178,6 @@ class Intake(threading.Thread):
                          stream=request.stream and self.stream_tokens)
         self.budget.sent()
         self.engine_inbox.put(job)
-        if self.metrics is not None:
-            self.metrics.job_started()
         log.info("job_started", job_id=job_id, entry_id=entry.entry_id, attempt=attempts)
 
     def _validate(self, raw: str) -> tuple[JobRequest, SamplingParams]:

@@ -155,6 +155,10 @@ class JobQueue:
         pipe.sadd(self.keys.workers, self.consumer)
         pipe.execute()
 
+    def publish_config(self, values: dict[str, int]) -> None:
+        if values:
+            self.r.hset(self.keys.config, mapping=values)
+
     def sign_off(self) -> None:
         self.r.delete(self.keys.worker(self.consumer))
 

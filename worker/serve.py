@@ -13,6 +13,7 @@ import queue
 import signal
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import structlog
@@ -52,12 +53,17 @@ class Server:
         self.intake = Intake(
             self.jobs, self.leases, self.budget, self.inbox, self.writer,
             model_names={settings.model, engine.model_name}, lease_ms=settings.lease_ms,
-            max_attempts=settings.max_attempts, stream_tokens=settings.stream_tokens, metrics=metrics,
+            max_attempts=settings.max_attempts, stream_tokens=settings.stream_tokens,
         )
         self.housekeeper = Housekeeper(
             self.jobs, self.leases, self.inbox, settings.lease_ms, settings.heartbeat_s, self._status, metrics
         )
         self.running: dict[str, StartedJob] = {}  # jobs inside the engine
+        # After a failed step with several jobs: they re-run one at a time (suspects), so the one that
+        # breaks the engine fails alone; jobs arriving meanwhile wait in `held`.
+        self.suspects: deque[StartedJob] = deque()
+        self.isolating: StartedJob | None = None
+        self.held: list[StartedJob] = []
         self.revoked: dict[str, tuple[str, float]] = {}  # job -> (reason, when) for jobs not yet seen here
         self.stop_requested = threading.Event()
         self.drain_deadline: float | None = None
@@ -92,15 +98,18 @@ class Server:
             self._take_messages(block=not self.engine.has_unfinished_requests())
             if self.stop_requested.is_set() and self.drain_deadline is None:
                 self._begin_drain()
+            self._seat_set_aside()
             if self.engine.has_unfinished_requests():
                 self._step()
             stats = self.engine.stats()
-            self.budget.set_room(self.capacity - stats.running - stats.waiting,
+            outside = len(self.suspects) + len(self.held) + (self.isolating is not None)
+            self.budget.set_room(self.capacity - stats.running - stats.waiting - outside,
                                  engine_idle=not self.engine.has_unfinished_requests())
             if self.exit_code:
                 break
             if self.drain_deadline is not None:
-                idle = not self.engine.has_unfinished_requests() and self.inbox.empty()
+                idle = not (self.engine.has_unfinished_requests() or self.suspects or self.held
+                            or not self.inbox.empty())
                 if idle and not self.intake.is_alive():
                     break
                 if time.monotonic() >= self.drain_deadline:
@@ -113,6 +122,7 @@ class Server:
         while not self.stop_requested.is_set():
             try:
                 self.jobs.ensure_group()
+                self.jobs.publish_config(self.settings.queue_config())
                 backoff.succeeded()
                 return True
             except REDIS_DOWN as err:
@@ -174,9 +184,14 @@ class Server:
             return
         revoked = self.revoked.pop(job.job_id, None)
         if revoked is not None:
-            if revoked[0] == "cancel":
-                self._end(job, "cancelled", error="cancelled before it ran", error_code=ErrorCode.cancelled)
-            return  # "lost": another worker holds it now
+            self._drop_unseated(job, revoked[0])
+            return
+        if self.suspects or self.isolating is not None:
+            self.held.append(job)
+            return
+        self._seat(job)
+
+    def _seat(self, job: StartedJob) -> None:
         try:
             self.engine.add_request(job.job_id, job.request.engine_prompt(), job.params)
         except ValueError as err:  # the engine's own checks: prompt too long, can never fit the cache, ...
@@ -188,8 +203,21 @@ class Server:
                       error_code=ErrorCode.worker_error)
             return
         self.running[job.job_id] = job
+        if self.metrics is not None:
+            self.metrics.job_started()
+
+    def _drop_unseated(self, job: StartedJob, reason: str) -> None:
+        if reason == "cancel":
+            self._end(job, "cancelled", error="cancelled before it ran", error_code=ErrorCode.cancelled)
+        # "lost": another worker holds it now; nothing to write
 
     def _revoke(self, msg: Revoke) -> None:
+        for waiting in (self.suspects, self.held):
+            for job in list(waiting):
+                if job.job_id == msg.job_id:
+                    waiting.remove(job)
+                    self._drop_unseated(job, msg.reason)
+                    return
         job = self.running.pop(msg.job_id, None)
         if job is None:
             # Not in the engine yet (its StartedJob is still queued behind us) or ended already.
@@ -209,8 +237,8 @@ class Server:
         started = time.perf_counter()
         try:
             finished = self.engine.step()
-        except Exception:
-            self._step_failed()
+        except Exception as err:
+            self._step_failed(err)
             return
         elapsed = time.perf_counter() - started
         self.step_failures = 0
@@ -236,30 +264,49 @@ class Server:
             if job is not None:
                 self._end_with_output(job, out)
 
-    def _step_failed(self) -> None:
+    def _step_failed(self, err: Exception) -> None:
         self.step_failures += 1
         jobs = list(self.running.values())
         log.exception("engine_step_failed", jobs=[j.job_id for j in jobs], consecutive=self.step_failures)
-        if len(jobs) == 1:
-            # Alone in the batch: it is the one that broke the step. Fail it rather than crash every worker.
-            job = jobs[0]
+        for job in jobs:
             self._abort_quietly(job.job_id)
-            self.running.clear()
-            self._end(job, "failed", error="worker error: the engine failed while running this job",
-                      error_code=ErrorCode.worker_error)
+        self.running.clear()
+        if len(jobs) == 1:
+            # Alone in the batch, so it is the one that broke the step: it fails, every other job goes on.
+            self._end(jobs[0], "failed", error_code=ErrorCode.worker_error,
+                      error=f"worker error: the engine failed while running this job ({type(err).__name__}: "
+                            f"{err})")
         else:
-            # Cannot tell which one: give them all back; each counts an attempt, so a job that keeps
-            # breaking steps ends in the dead letters instead of looping forever.
-            self._hand_back_all("engine step failed", count_attempt=True)
+            log.warning("isolating_jobs", jobs=[j.job_id for j in jobs])
+            self.suspects.extend(jobs)
         if self.step_failures >= MAX_STEP_FAILURES:
+            # Several failures in a row, whatever ran: the engine itself is broken (a lost GPU, say).
             log.error("engine_broken", consecutive_failures=self.step_failures)
             self.exit_code = 1
+
+    def _seat_set_aside(self) -> None:
+        """Re-run suspects one at a time in an otherwise empty engine, then seat the jobs held meanwhile."""
+        if self.isolating is not None and self.isolating.job_id not in self.running:
+            self.isolating = None  # it ended (finished, failed or cancelled)
+        if self.isolating is not None or self.engine.has_unfinished_requests():
+            return
+        if self.suspects:
+            self.isolating = self.suspects.popleft()
+            self._seat(self.isolating)
+        elif self.held:
+            held, self.held = self.held, []
+            for job in held:
+                self._seat(job)
 
     def _hand_back_all(self, why: str, count_attempt: bool) -> None:
         for job in list(self.running.values()):
             self._abort_quietly(job.job_id)
+        for job in [*self.running.values(), *self.suspects, *self.held]:
             self.writer.put(HandBack(job.job_id, job.entry_id, count_attempt=count_attempt, why=why))
         self.running.clear()
+        self.suspects.clear()
+        self.held.clear()
+        self.isolating = None
 
     def _abort_quietly(self, job_id: str) -> None:
         try:

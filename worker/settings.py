@@ -10,6 +10,8 @@ from typing import Any
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from producer.protocol import DEFAULT_MAX_QUEUE_LEN, DEFAULT_RESULT_TTL
+
 
 def _default_worker_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
@@ -37,8 +39,14 @@ class WorkerSettings(BaseSettings):
         30_000, ge=100, description="an in-flight job whose lease is not renewed for this long is reclaimed"
     )
     max_attempts: int = Field(3, ge=1, description="deliveries of one job before it goes to the dead letters")
-    result_ttl_s: int = Field(86_400, gt=0, description="seconds a finished job record is kept")
-    max_queue_len: int = Field(100_000, gt=0, description="queue depth above which submits are refused")
+    result_ttl_s: int = Field(
+        DEFAULT_RESULT_TTL, gt=0,
+        description="seconds an ended job's record is kept (when set, also published to {ns}:config for clients)",
+    )
+    max_queue_len: int = Field(
+        DEFAULT_MAX_QUEUE_LEN, gt=0,
+        description="queue depth at which submits are refused (when set, published to {ns}:config for clients)",
+    )
     intake_lookahead: int = Field(4, ge=0, description="jobs read beyond the free seats, so none sit idle")
     drain_grace_s: float = Field(
         30.0, ge=0, description="on SIGTERM: seconds to finish in-flight jobs before handing them back"
@@ -56,6 +64,12 @@ class WorkerSettings(BaseSettings):
         if v not in ("debug", "info", "warning", "error", "critical"):
             raise ValueError(f"unknown log level {v!r}")
         return v
+
+
+    def queue_config(self) -> dict[str, int]:
+        """The queue limits the operator set explicitly (env or flag): the producers' {ns}:config."""
+        names = {"max_queue_len": "max_queue_len", "result_ttl_s": "result_ttl"}
+        return {key: getattr(self, name) for name, key in names.items() if name in self.model_fields_set}
 
 
 def _flag_type(annotation: Any):
