@@ -134,7 +134,7 @@ def test_intake_budget_counts_jobs_in_transit():
     budget.sent(3)
     assert budget.wait(0.01) == 0  # all read, none taken by the engine yet
     budget.taken(3)
-    budget.set_room(1, engine_idle=False)  # the engine seated them: one seat left
+    budget.set_room(1)  # the engine seated them: one seat left
     assert budget.wait(0) == 1
     budget.sent(1)
     woke = []
@@ -143,7 +143,7 @@ def test_intake_budget_counts_jobs_in_transit():
     time.sleep(0.05)
     assert not woke
     budget.taken(1)
-    budget.set_room(4, engine_idle=True)  # jobs ended: intake wakes at once
+    budget.set_room(4)  # jobs ended: intake wakes at once
     t.join(2)
     assert woke == [4]
 
@@ -160,3 +160,32 @@ def test_settings_env_then_cli(monkeypatch):
         load_settings(["--no-such-flag"])
     # every setting documents itself
     assert all(f.description for f in WorkerSettings.model_fields.values())
+
+
+def test_intake_never_restarts_a_job_it_is_running(r):
+    """After an outage longer than the lease, XAUTOCLAIM hands a worker its own in-flight entries back:
+    intake must recognise them (the lease registry) and not start them a second time."""
+    import queue as queue_mod
+
+    from worker.completion import CompletionWriter
+    from worker.intake import Intake
+    from worker.leases import Leases
+
+    jobs = JobQueue(r, NS, "worker-a", 60)
+    leases = Leases()
+    inbox: queue_mod.Queue = queue_mod.Queue()
+    writer = CompletionWriter(jobs, leases)
+    intake = Intake(jobs, leases, IntakeBudget(8), inbox, writer, model_names={"m"}, lease_ms=100,
+                    max_attempts=3, stream_tokens=True)
+    e1 = submit(r, "j1")
+    entry = jobs.read_new(1, None)[0]
+    intake._admit(entry, backoff=None)
+    started = inbox.get_nowait()
+    assert (started.job_id, started.attempts) == ("j1", 1) and leases.entry_of("j1") == e1
+    time.sleep(0.15)  # the lease lapses (no housekeeper here) and our own XAUTOCLAIM takes it again
+    _, again = jobs.claim_lapsed(100, 10, "0-0")
+    assert [e.entry_id for e in again] == [e1]
+    intake._admit(again[0], backoff=None)
+    assert inbox.empty(), "the running job was handed to the engine a second time"
+    assert r.hget(Keys(NS).job("j1"), "attempts") == b"1"
+    assert writer.inbox.empty()

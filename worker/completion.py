@@ -71,7 +71,9 @@ class CompletionWriter(threading.Thread):
         self.stop_event = threading.Event()
         self._close_deadline: float | None = None
         self._streams: dict[str, tuple[list[int], int]] = {}  # job -> (tokens so far, chars published)
+        self._unwritten: dict[str, _Chunk] = {}  # job -> its chunk in `pending`, still growing
         self.jobs_done = 0
+        self.gave_up = False  # closed with results unwritten (Redis away): their leases lapse, they re-run
 
     # ---- called from other threads ------------------------------------------------------------------
 
@@ -87,7 +89,7 @@ class CompletionWriter(threading.Thread):
         self._close_deadline = time.monotonic() + timeout
         self.inbox.put(None)
         self.join(timeout + 5)
-        return self.inbox.empty() and not self.is_alive()
+        return self.inbox.empty() and not self.is_alive() and not self.gave_up
 
     # ---- the thread ---------------------------------------------------------------------------------
 
@@ -102,16 +104,19 @@ class CompletionWriter(threading.Thread):
                 try:
                     self._write(pending)
                     pending = []
+                    self._unwritten.clear()
                     backoff.succeeded()
                 except REDIS_DOWN as err:
                     if closing and time.monotonic() > (self._close_deadline or 0):
                         log.error("results_not_written", count=len(pending), error=str(err))
+                        self.gave_up = True
                         return
                     backoff.failed(err)
                 except Exception:
                     # A message Redis refuses (a bug, not an outage) must not wedge every later result.
                     log.exception("write_error", messages=len(pending))
                     pending = []
+                    self._unwritten.clear()
             if closing and not pending and self.inbox.empty():
                 return
 
@@ -147,7 +152,16 @@ class CompletionWriter(threading.Thread):
         self._streams[msg.job_id] = (tokens, max(sent, ready))
         if msg.done:
             self._streams.pop(msg.job_id, None)
-        pending.append(_Chunk(msg.job_id, msg.offset, msg.token_ids, text[sent:ready], msg.done))
+        new_text = text[sent:ready]
+        chunk = self._unwritten.get(msg.job_id)
+        if chunk is not None:  # Redis is behind (or away): one entry per job per write, not per step
+            chunk.token_ids = chunk.token_ids + msg.token_ids
+            chunk.text += new_text
+            chunk.done = msg.done
+            return
+        chunk = _Chunk(msg.job_id, msg.offset, list(msg.token_ids), new_text, msg.done)
+        self._unwritten[msg.job_id] = chunk
+        pending.append(chunk)
 
     def _write(self, pending: list[Any]) -> None:
         pipe = self.jobs.r.pipeline(transaction=False)

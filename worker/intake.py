@@ -38,12 +38,10 @@ class IntakeBudget:
         self._cond = threading.Condition()
         self._room = room
         self._in_transit = 0
-        self.engine_idle = True
 
-    def set_room(self, room: int, engine_idle: bool) -> None:
+    def set_room(self, room: int) -> None:
         with self._cond:
             self._room = room
-            self.engine_idle = engine_idle
             if room - self._in_transit > 0:
                 self._cond.notify_all()
 

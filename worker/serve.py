@@ -102,9 +102,8 @@ class Server:
             if self.engine.has_unfinished_requests():
                 self._step()
             stats = self.engine.stats()
-            outside = len(self.suspects) + len(self.held) + (self.isolating is not None)
-            self.budget.set_room(self.capacity - stats.running - stats.waiting - outside,
-                                 engine_idle=not self.engine.has_unfinished_requests())
+            set_aside = len(self.suspects) + len(self.held)
+            self.budget.set_room(self.capacity - stats.running - stats.waiting - set_aside)
             if self.exit_code:
                 break
             if self.drain_deadline is not None:
