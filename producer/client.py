@@ -50,6 +50,16 @@ class PendingJob:
     custom_id: str = ""
 
 
+@dataclass
+class TokenChunk:
+    """Part of a streaming job's output: `token_ids` starting at output position `offset`."""
+
+    offset: int
+    token_ids: list[int]
+    text: str
+    done: bool
+
+
 class Client:
     """A producer handle on one Redis database and namespace.
 
@@ -272,6 +282,39 @@ class Client:
     def events_last_id(self) -> str:
         last = self.redis.xrevrange(self.keys.events, count=1)
         return last[0][0] if last else "0-0"
+
+    # ---- streaming ------------------------------------------------------------------------------
+    def stream(self, job_id: str, timeout: float | None = None) -> Iterator[TokenChunk]:
+        """Yield a `stream=True` job's output as the worker publishes it; ends with the chunk marked done.
+
+        Each chunk holds the new token ids and the text they complete. A chunk re-sent after a Redis outage
+        is skipped by its offset. A job that ends without streaming (failed, cancelled while queued) just
+        ends the iteration: read the record with `get` for why.
+        """
+        key = self.keys.tokens(job_id)
+        last_id, next_offset = "0-0", 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        job_ended = False
+        while True:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeout(f"job {job_id!r} streamed nothing new for {timeout} s", pending=[job_id])
+            block = None if job_ended else max(1, int(self.max_block_s * 1000))
+            resp = self.redis.xread({key: last_id}, count=100, block=block)
+            entries = [e for _stream, batch in resp or [] for e in batch]
+            for entry_id, fields in entries:
+                last_id = entry_id
+                offset, token_ids = int(fields["offset"]), json.loads(fields["token_ids"])
+                if offset + len(token_ids) <= next_offset and token_ids:
+                    continue
+                next_offset = offset + len(token_ids)
+                done = fields.get("done") == "1"
+                yield TokenChunk(offset=offset, token_ids=token_ids, text=fields.get("text", ""), done=done)
+                if done:
+                    return
+            if not entries:
+                if job_ended:  # ended, and the stream read once more after that: nothing else will come
+                    return
+                job_ended = self.get(job_id).status in TERMINAL_STATUSES
 
     # ---- cancel --------------------------------------------------------------------------------
     def cancel(self, job_id: str) -> str:

@@ -91,6 +91,10 @@ class Keys:
     def job(self, job_id: str) -> str:
         return f"{self.ns}:job:{job_id}"
 
+    def tokens(self, job_id: str) -> str:
+        """Stream of a `stream: true` job's partial output: entries {offset, token_ids (JSON), text, done}."""
+        return f"{self.ns}:job:{job_id}:tokens"
+
     def worker(self, name: str) -> str:
         return f"{self.ns}:worker:{name}"
 

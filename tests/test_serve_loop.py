@@ -175,6 +175,11 @@ def test_streamed_tokens_add_up_to_the_result(serve_engine, serve, make_client, 
     assert "".join(c["text"] for c in chunks) == job.result.text
     assert r.ttl(tokens_key(K, job_id)) > 0
     assert r.exists(tokens_key(K, plain)) == 0
+    # the client's reader gives the same, ending on the done chunk; a non-streaming job just ends
+    streamed = list(client.stream(job_id, timeout=30))
+    assert [t for c in streamed for t in c.token_ids] == job.result.token_ids and streamed[-1].done
+    assert "".join(c.text for c in streamed) == job.result.text
+    assert list(client.stream(plain, timeout=30)) == []
 
 
 def test_exhausted_attempts_go_to_dead_letters(serve_engine, serve, make_client, redis_server):

@@ -45,7 +45,7 @@ class Ending:
 def tokens_key(keys: Keys, job_id: str) -> str:
     """Stream of a streaming job's partial output: entries {offset, token_ids (JSON), text, done}.
     A write retried after an outage may repeat an entry: readers skip offsets they already have."""
-    return f"{keys.job(job_id)}:tokens"
+    return keys.tokens(job_id)
 
 
 class JobQueue:

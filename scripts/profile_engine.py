@@ -1,0 +1,267 @@
+"""Where does an engine step's time go? The offline engine on the bench workload, each part timed.
+
+The script wraps (from outside, nothing in worker/ changes) the scheduler, the batch-tensor preparation, every
+linear layer, the paged-attention kernels, RoPE, the norms, lm_head and the sampler with an exclusive-time
+timer (CPU ops are synchronous, so wall time per call is the op's time). What is left of a step is Python:
+the model's residual adds / SiLU·mul / views, the runner's row picking, the engine's stop checks and outputs.
+Steps are split into pure decode steps and steps that also carry prefill tokens. Then, optionally, a
+torch.profiler window over decode steps lists the top aten ops.
+
+    .venv/bin/python scripts/profile_engine.py [--num-prompts 64] [--threads 2] [--torch-ops 20] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import write_section  # noqa: E402
+from bench_workload import workload  # noqa: E402
+
+CATEGORIES = [
+    ("linear", "linear layers (qkv, o, gate_up, down)"),
+    ("attention", "paged attention (decode + prefill kernels)"),
+    ("kv_write", "KV-cache write"),
+    ("lm_head", "lm_head (576 → 49152)"),
+    ("sampling", "sampling (argmax, .tolist())"),
+    ("norm", "RMSNorm"),
+    ("rope", "RoPE"),
+    ("embed", "embedding"),
+    ("model_other", "other model tensor ops (SiLU·mul, residual adds, splits, views)"),
+    ("prepare", "batch tensors (positions, slots, block tables)"),
+    ("scheduler", "scheduler"),
+    ("runner_other", "runner Python (sample rows, indexing)"),
+    ("engine_other", "engine Python (append tokens, stop checks, outputs)"),
+]
+
+
+class ExclusiveTimer:
+    """Per-category exclusive wall time: a wrapped call's time minus that of wrapped calls inside it."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self._stack: list[list[float]] = []  # per open call: [child seconds]
+
+    def wrap(self, category: str, fn):
+        def timed(*args, **kwargs):
+            self._stack.append([0.0])
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                children = self._stack.pop()[0]
+                self.totals[category] += elapsed - children
+                if self._stack:
+                    self._stack[-1][0] += elapsed
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        out, self.totals = dict(self.totals), defaultdict(float)
+        return out
+
+
+def instrument(engine, timer: ExclusiveTimer) -> dict:
+    """Wrap the engine's parts; returns a dict the schedule wrapper fills with the current batch's shape."""
+    import kernels
+
+    model = engine.model
+    for layer in model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            lin.forward = timer.wrap("linear", lin.forward)
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.forward = timer.wrap("norm", norm.forward)
+    model.norm.forward = timer.wrap("norm", model.norm.forward)
+    model.rotary.forward = timer.wrap("rope", model.rotary.forward)
+    model.embed_tokens.forward = timer.wrap("embed", model.embed_tokens.forward)
+    model.forward = timer.wrap("model_other", model.forward)
+    model.compute_logits = timer.wrap("lm_head", model.compute_logits)
+    kernels.write_kv = timer.wrap("kv_write", kernels.write_kv)
+    kernels.paged_decode_attention = timer.wrap("attention", kernels.paged_decode_attention)
+    kernels.paged_prefill_attention = timer.wrap("attention", kernels.paged_prefill_attention)
+    engine.runner.sampler = timer.wrap("sampling", engine.runner.sampler)
+    engine.runner._prepare = timer.wrap("prepare", engine.runner._prepare)
+    engine.runner.run = timer.wrap("runner_other", engine.runner.run)
+
+    shape: dict = {}
+    schedule = engine.scheduler.schedule
+
+    def schedule_and_record():
+        batch = schedule()
+        shape["seqs"] = len(batch.seqs)
+        shape["prefill_tokens"] = sum(n for n in batch.num_new_tokens if n > 1)
+        return batch
+
+    engine.scheduler.schedule = timer.wrap("scheduler", schedule_and_record)
+    engine.step = timer.wrap("engine_other", engine.step)
+    return shape
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--torch-ops", type=int, default=15, help="top aten ops over a decode window (0 = off)")
+    ap.add_argument("--linear-batches", default="1,8,16,64",
+                    help="batch sizes for the linear-layer comparison ('' = off)")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from worker import Engine, SamplingParams
+
+    engine = Engine("smollm2-135m", device="cpu", dtype="float32", max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=512)
+    items = workload(args.num_prompts, max_tokens=args.max_tokens)
+    engine.generate([items[0][0]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+    timer = ExclusiveTimer()
+    shape = instrument(engine, timer)
+    for i, (messages, m) in enumerate(items):
+        engine.add_request(f"p{i}", messages, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
+
+    kinds = {"decode": defaultdict(float), "mixed": defaultdict(float)}
+    steps = {"decode": 0, "mixed": 0}
+    step_wall = {"decode": 0.0, "mixed": 0.0}
+    by_batch: dict[int, list[float]] = defaultdict(list)  # decode batch size -> step seconds
+    tokens = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - t
+        kind = "mixed" if shape["prefill_tokens"] else "decode"
+        steps[kind] += 1
+        step_wall[kind] += wall
+        tokens += len(engine.new_tokens)
+        for cat, sec in timer.take().items():
+            kinds[kind][cat] += sec
+        if kind == "decode":
+            by_batch[shape["seqs"]].append(wall)
+    total = time.perf_counter() - start
+
+    ops_table = torch_ops(engine, items, args.torch_ops) if args.torch_ops else ""
+    batches = [int(b) for b in args.linear_batches.split(",") if b]
+    linear_table = linear_paths(engine.model, batches) if batches else ""
+    text = render(args, kinds, steps, step_wall, by_batch, tokens, total, ops_table, linear_table)
+    print(text)
+    if not args.no_write:
+        print("\nwritten to", write_section("benchmarks.md", "profile", text))
+
+
+def torch_ops(engine, items, top: int) -> str:
+    """torch.profiler over 20 decode steps with 16 running sequences: the top aten ops by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from worker import SamplingParams
+
+    for i, (messages, _) in enumerate(items[:16]):
+        engine.add_request(f"ops{i}", messages, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    for _ in range(8):  # past the prefill
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(20):
+            engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    whole = sum(e.self_cpu_time_total for e in prof.key_averages()) or 1
+    lines = ["| aten op | calls per step | self ms per step | share |", "|---|---:|---:|---:|"]
+    for e in rows:
+        lines.append(f"| `{e.key}` | {e.count / 20:.0f} | {e.self_cpu_time_total / 20 / 1000:.2f} | "
+                     f"{e.self_cpu_time_total / whole:.1%} |")
+    return "\n".join(lines)
+
+
+def linear_paths(model, batches: list[int], repeats: int = 3) -> str:
+    """The model's own weights through three GEMM paths: what the linear layers could cost per step."""
+    import torch.nn.functional as F
+
+    weights = [m.weight for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    weights.append(model.lm_head.weight)
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    paths = {"F.linear fp32 (what the engine runs)": (lambda x, w: F.linear(x, w), weights, torch.float32)}
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
+        paths["oneDNN-packed fp32 (same math, blocked weight layout)"] = (
+            lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), packed, torch.float32)
+    paths["F.linear bf16 weights"] = (lambda x, w: F.linear(x, w), [w.to(torch.bfloat16) for w in weights],
+                                      torch.bfloat16)
+    in_dims = [w.shape[1] for w in weights]
+    lines = ["| GEMM path | " + " | ".join(f"batch {b}: ms" for b in batches) + " |",
+             "|---|" + "---:|" * len(batches)]
+    with torch.inference_mode():
+        for name, (fn, ws, dtype) in paths.items():
+            cells = []
+            for b in batches:
+                xs = {d: torch.randn(b, d, dtype=dtype) for d in set(in_dims)}
+                best = float("inf")
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    for w, d in zip(ws, in_dims, strict=True):
+                        fn(xs[d], w)
+                    best = min(best, time.perf_counter() - t)
+                cells.append(f"{best * 1000:.1f}")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(f"All 120 layer linears + lm_head of one step ({nbytes / 1e6:.0f} MB of fp32 weights), best of "
+                 f"{repeats}.")
+    return "\n".join(lines)
+
+
+def render(args, kinds, steps, step_wall, by_batch, tokens, total, ops_table, linear_table) -> str:
+    lines = [
+        "## Where an engine step's time goes (CPU)", "",
+        f"`scripts/profile_engine.py`: the offline engine on the bench workload ({args.num_prompts} prompts, "
+        f"max_tokens up to {args.max_tokens}, greedy, EOS ignored), max_num_seqs {args.max_num_seqs}, "
+        f"max_num_batched_tokens 512, {args.threads} threads; {tokens} tokens in {total:.1f} s "
+        f"({tokens / total:.1f} tok/s), {steps['decode']} decode steps and {steps['mixed']} steps with prefill; "
+        f"run {time.strftime('%Y-%m-%d %H:%M')}. Exclusive wall time per part, wrapped from outside the engine "
+        "(the wrappers add ~0.3 ms a step).", "",
+        "| part | decode step: ms | share | prefill/mixed step: ms | share |", "|---|---:|---:|---:|---:|",
+    ]
+    for cat, label in CATEGORIES:
+        cells = []
+        for kind in ("decode", "mixed"):
+            n = max(steps[kind], 1)
+            whole = step_wall[kind] or 1
+            sec = kinds[kind].get(cat, 0.0)
+            cells += [f"{sec / n * 1000:.2f}", f"{sec / whole:.1%}"]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    cells = []
+    for kind in ("decode", "mixed"):
+        n = max(steps[kind], 1)
+        cells += [f"{step_wall[kind] / n * 1000:.2f}", "100%"]
+    lines.append("| **whole step** | " + " | ".join(f"**{c}**" for c in cells) + " |")
+    lines += ["", "Decode steps by batch size (long tail: the last requests decode in small batches):", "",
+              "| running sequences | steps | ms per step | tok/s in these steps | share of decode time |",
+              "|---:|---:|---:|---:|---:|"]
+    buckets = [(1, 1), (2, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 10_000)]
+    decode_total = sum(sum(v) for v in by_batch.values()) or 1
+    for lo, hi in buckets:
+        walls = [w for b, ws in by_batch.items() if lo <= b <= hi for w in ws]
+        toks = sum(b * len(ws) for b, ws in by_batch.items() if lo <= b <= hi)
+        if walls:
+            label = str(lo) if lo == hi else f"{lo}–{hi}"
+            lines.append(f"| {label} | {len(walls)} | {sum(walls) / len(walls) * 1000:.1f} | "
+                         f"{toks / sum(walls):.0f} | {sum(walls) / decode_total:.0%} |")
+    if ops_table:
+        lines += ["", "Top aten ops by self CPU time (torch.profiler, 20 decode steps with 16 sequences):", "",
+                  ops_table]
+    if linear_table:
+        lines += ["", "The linear layers through other GEMM paths (the model's weights, random activations):", "",
+                  linear_table]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
