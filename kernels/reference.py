@@ -19,15 +19,16 @@ def write_kv_ref(
     """Scatter k, v [num_tokens, num_kv_heads, head_dim] into the caches at slot_mapping (in place)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[keep].to(v_cache.dtype)
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def _gather_context(
     cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int
 ) -> torch.Tensor:
-    """[num_seqs, num_blocks * block_size, num_kv_heads, head_dim] view of each sequence's first blocks."""
+    """[num_seqs, num_blocks * block_size, num_kv_heads, head_dim] copy of each sequence's first blocks."""
     table = block_tables[:, :num_blocks].long().clamp(0, cache.shape[0] - 1)
     gathered = cache[table]  # [S, nb, bs, Hk, D]
     s, nb, bs, hk, d = gathered.shape
@@ -51,18 +52,21 @@ def paged_decode_attention_ref(
     group = num_q_heads // num_kv_heads
     max_len = int(seq_lens.max().item()) if num_seqs else 0
     num_blocks = max(1, -(-max_len // block_size))
+    # whole blocks are gathered (contiguous copies); each KV head then reads its strided [S, T, D] view
     keys = _gather_context(k_cache, block_tables, num_blocks).float()  # [S, T, Hk, D]
     values = _gather_context(v_cache, block_tables, num_blocks).float()
-    qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("skgd,stkd->skgt", qg, keys) * scale
     positions = torch.arange(keys.shape[1], device=q.device)
     invalid = positions[None, :] >= seq_lens.to(q.device).long()[:, None]  # [S, T]
-    scores = scores.masked_fill(invalid[:, None, None, :], float("-inf"))
-    # slots past a sequence's end hold whatever was there (even NaN): 0 * NaN would poison the sum
-    values = values.masked_fill(invalid[:, :, None, None], 0.0)
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("skgt,stkd->skgd", probs, values)
-    return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
+    # slots past a sequence's end hold whatever was there (even NaN): 0 * NaN would poison the sum,
+    # so they are zeroed in our own gathered copy
+    values.masked_fill_(invalid[:, :, None, None], 0.0)
+    qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    out = torch.empty(num_seqs, num_kv_heads, group, head_dim, device=q.device)
+    for h in range(num_kv_heads):
+        scores = torch.bmm(qg[:, h], keys[:, :, h].transpose(1, 2)) * scale  # [S, G, T]
+        scores.masked_fill_(invalid[:, None, :], float("-inf"))  # also overwrites NaN from junk keys
+        out[:, h] = torch.bmm(torch.softmax(scores, dim=-1), values[:, :, h])
+    return out.view(num_seqs, num_q_heads, head_dim).to(q.dtype)
 
 
 def paged_prefill_attention_ref(

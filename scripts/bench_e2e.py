@@ -14,7 +14,7 @@ then a sweep of the offline engine over max_num_seqs 1, 4, 16, 64. Redis is a th
 port. Prints the tables and writes docs/benchmarks.md (sections e2e, sweep), docs/e2e_throughput.png,
 docs/e2e_latency_cdf.png, docs/sweep.png.
 
-    .venv/bin/python scripts/bench_e2e.py                       # the full run (~15-25 min on 2 quiet cores)
+    .venv/bin/python scripts/bench_e2e.py                       # the full run (~12 min on 2 quiet cores)
     .venv/bin/python scripts/bench_e2e.py --num-prompts 8 --max-tokens 32 --sweep-prompts 8 --no-write  # smoke
 """
 
@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256, help="the workload's longest output")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--skip", default="", help=f"comma list of phases to leave out: {','.join(PHASES)}")
-    ap.add_argument("--sweep-prompts", type=int, default=32)
+    ap.add_argument("--sweep-prompts", type=int, default=64)
     ap.add_argument("--sweep-seqs", default="1,4,16,64")
     ap.add_argument("--vllm-python", default=os.path.join(ROOT, ".venv-vllm", "bin", "python"))
     ap.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (faster start)")

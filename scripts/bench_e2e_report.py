@@ -110,7 +110,7 @@ def plot_throughput(rows: list[Row], path: str = os.path.join(DOCS, "e2e_through
         ax.text(bar.get_width() + max(values) * 0.01, bar.get_y() + bar.get_height() / 2, text, va="center",
                 fontsize=9)
     ax.invert_yaxis()
-    ax.set_xlim(0, max(values) * 1.3)
+    ax.set_xlim(0, max(values) * 1.4)
     ax.set_xlabel("output tokens per second (higher is better)")
     ax.set_title(f"Same {len(done[0].run.outputs)} requests, greedy, equal CPU threads")
     fig.tight_layout()
