@@ -59,7 +59,8 @@ def test_sigkill_mid_batch_then_another_worker_finishes_everything(
 def test_sigterm_drains_then_exits_zero(redis_server, serve_model_dir, worker_process, make_client):
     client = make_client()
     medium = client.submit("medium", max_tokens=30, ignore_eos=True, temperature=0.0)
-    long_ids = client.submit_many([{"prompt": f"long {i}", "max_tokens": 1000, "ignore_eos": True}
+    # 8000 tokens take the tiny model tens of seconds: far past the grace period
+    long_ids = client.submit_many([{"prompt": f"long {i}", "max_tokens": 8000, "ignore_eos": True}
                                    for i in range(2)])
     grace = 6.0
     a = worker_process(*worker_args(redis_server.url, serve_model_dir, "worker-a", "--drain-grace-s",
