@@ -33,10 +33,8 @@ def serve_model_dir(tmp_path_factory):
     """A tiny random-weight Llama checkpoint (SmolLM2 tokenizer) for fast serve-loop tests."""
     from tiny_models import make_tiny_model
 
-    # plain RoPE: the serve tests exercise the loop, not the rope variants (test_engine_families does);
-    # a long context, so a "long" job really outlasts a drain's grace period even on a fast CPU
-    return make_tiny_model(str(tmp_path_factory.mktemp("serve-tiny")), "llama", rope_scaling=None,
-                           max_position_embeddings=8192)
+    # plain RoPE: the serve tests exercise the loop, not the rope variants (test_engine_families does)
+    return make_tiny_model(str(tmp_path_factory.mktemp("serve-tiny")), "llama", rope_scaling=None)
 
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,12 @@ def test_sigkill_mid_batch_then_another_worker_finishes_everything(
     assert len(b.events()) > 0 and any(e.get("event") == "entry_reclaimed" for e in b.events())
 
 
-def test_sigterm_drains_then_exits_zero(redis_server, serve_model_dir, worker_process, make_client):
+def test_sigterm_drains_then_exits_zero(redis_server, worker_process, make_client, tmp_path):
+    from tiny_models import make_tiny_model
+
+    # a long context, so the "long" jobs really outlast the grace period even on a fast CPU
+    serve_model_dir = make_tiny_model(str(tmp_path / "long-context"), "llama", rope_scaling=None,
+                                      max_position_embeddings=8192)
     client = make_client()
     medium = client.submit("medium", max_tokens=30, ignore_eos=True, temperature=0.0)
     # 8000 tokens take the tiny model tens of seconds: far past the grace period
