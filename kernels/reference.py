@@ -30,9 +30,11 @@ def _gather_context(
 ) -> torch.Tensor:
     """[num_seqs, num_blocks * block_size, num_kv_heads, head_dim] copy of each sequence's first blocks."""
     table = block_tables[:, :num_blocks].long().clamp(0, cache.shape[0] - 1)
-    gathered = cache[table]  # [S, nb, bs, Hk, D]
-    s, nb, bs, hk, d = gathered.shape
-    return gathered.reshape(s, nb * bs, hk, d)
+    s, nb = table.shape
+    _, bs, hk, d = cache.shape
+    # index_select copies whole blocks as rows: several times faster here than cache[table]
+    gathered = torch.index_select(cache, 0, table.reshape(-1))  # [S * nb, bs, Hk, D]
+    return gathered.view(s, nb * bs, hk, d)
 
 
 def paged_decode_attention_ref(
