@@ -8,37 +8,11 @@ Grid: (num_tokens,). Each program moves one token's [num_kv_heads, head_dim] til
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
-
-class Launch(NamedTuple):
-    """One planned kernel launch. The wrappers plan, then run; tests compile the GPU plan ahead of time."""
-
-    kernel: Any
-    grid: tuple[int, ...]
-    args: tuple
-    meta: dict[str, Any]  # constexpr parameters and launch options (num_warps, num_stages)
-
-    def __call__(self) -> None:
-        self.kernel[self.grid](*self.args, **self.meta)
-
-
-def check_launchable(kernel: object, t: torch.Tensor) -> None:
-    """A compiled (non-interpreted) kernel cannot touch CPU memory: say why instead of crashing.
-
-    Triton reads TRITON_INTERPRET when a @triton.jit function is defined, i.e. when this module is
-    first imported, so the flag must be set before anything imports kernels.kv_write & co.
-    """
-    if not t.is_cuda and isinstance(kernel, JITFunction):
-        raise RuntimeError(
-            "Triton kernels got CPU tensors but were compiled for the GPU: set TRITON_INTERPRET=1 in the "
-            "environment before the kernels modules are first imported, or pass CUDA tensors"
-        )
+from kernels.launch import Launch, check_launchable
 
 
 @triton.jit

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_write import Launch, check_launchable
+from kernels.launch import Launch, check_launchable
 
 LOG2E = 1.4426950408889634
 

@@ -264,7 +264,7 @@ class LlamaForCausalLM(nn.Module):
             if fused is not None:
                 parts[-2] = fused[0]
                 target = ".".join(parts)
-                self._load_shard(params[target], tensor, parts[-3], fused[1], parts[-1])
+                self._load_shard(params[target], tensor, parts[-3], fused[1])
             else:
                 target = name
                 if target not in params:
@@ -277,7 +277,7 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]} ...")
 
-    def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, module: str, shard: int, kind: str) -> None:
+    def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, module: str, shard: int) -> None:
         if module == "self_attn":
             q, kv = self.arch.num_heads * self.arch.head_dim, self.arch.num_kv_heads * self.arch.head_dim
             bounds = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
