@@ -25,22 +25,13 @@ from bench_common import (  # noqa: E402
     hf_static_batches,
     write_section,
 )
+from bench_e2e_tokenbus import engine_offline  # noqa: E402
 from bench_workload import workload  # noqa: E402
 
 
-def run_engine(prompts, max_tokens, max_num_seqs: int) -> SystemResult:
-    from worker import Engine, SamplingParams
-
-    engine = Engine("smollm2-135m", device="cpu", dtype="float32", max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=512)
-    engine.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
-    start = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    seconds = time.perf_counter() - start
-    stats = engine.stats()
-    return SystemResult(f"tokenbus engine (max_num_seqs={max_num_seqs})", seconds, [o.token_ids for o in outs],
-                        {"steps": str(stats.steps), "preemptions": str(stats.preemptions)})
+def run_engine(prompt_ids, max_tokens, max_num_seqs: int) -> SystemResult:
+    timed = engine_offline(prompt_ids, max_tokens, max_num_seqs=max_num_seqs)
+    return SystemResult(f"tokenbus engine (max_num_seqs={max_num_seqs})", timed.seconds, timed.outputs, timed.extra)
 
 
 def main() -> None:

@@ -60,6 +60,11 @@ def reference(hf_model, engine, prompt, max_tokens: int) -> list[int]:
     return _reference_cache[key]
 
 
+def assert_equals_hf(outputs: dict[str, list[int]], hf_model, engine, prompts, max_tokens) -> None:
+    for i, (prompt, m) in enumerate(zip(prompts, max_tokens, strict=True)):
+        assert outputs[f"r{i}"] == reference(hf_model, engine, prompt, m), f"prompt {i} {prompt!r} differs"
+
+
 def run_staggered(engine: Engine, prompts, max_tokens, arrive_every: int = 2) -> dict[str, list[int]]:
     """Add a request every few steps, so most arrive while others are mid-decode."""
     pending = [(f"r{i}", p, m) for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))]
@@ -81,8 +86,7 @@ def run_staggered(engine: Engine, prompts, max_tokens, arrive_every: int = 2) ->
 
 def test_staggered_arrival_equals_hf(engine, hf_model):
     outputs = run_staggered(engine, PROMPTS, MAX_TOKENS)
-    for i, (prompt, m) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
-        assert outputs[f"r{i}"] == reference(hf_model, engine, prompt, m), f"prompt {i} {prompt!r} differs"
+    assert_equals_hf(outputs, hf_model, engine, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +100,7 @@ def test_preemption_by_recompute_equals_hf(small_engine, hf_model):
     before = small_engine.scheduler.num_preemptions
     outputs = run_staggered(small_engine, prompts, max_tokens, arrive_every=1)
     assert small_engine.scheduler.num_preemptions > before, "the tiny KV cache did not force a preemption"
-    for i, (prompt, m) in enumerate(zip(prompts, max_tokens, strict=True)):
-        assert outputs[f"r{i}"] == reference(hf_model, small_engine, prompt, m), f"prompt {i} differs"
+    assert_equals_hf(outputs, hf_model, small_engine, prompts, max_tokens)
 
 
 @pytest.fixture(scope="module")

@@ -52,6 +52,3 @@ class BlockManager:
                 self.free_ids.append(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
-
-    def slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

@@ -20,9 +20,6 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # per sequence, tokens fed in this step
 
-    def __len__(self) -> int:
-        return len(self.seqs)
-
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)

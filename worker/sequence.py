@@ -64,7 +64,3 @@ class Sequence:
     def num_pending_tokens(self) -> int:
         """Tokens not yet in the KV cache: the whole prompt at first, 1 while decoding."""
         return self.num_tokens - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
