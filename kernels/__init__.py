@@ -1,5 +1,6 @@
-"""Paged-attention kernels. CUDA tensors run the Triton kernels; CPU tensors run the PyTorch references,
-unless TRITON_INTERPRET=1, where CPU tensors run the Triton kernels under Triton's interpreter."""
+"""Paged-attention kernels. CUDA tensors run the Triton kernels. CPU tensors run the C++ kernels of
+kernels/cpu.py (float32, contiguous caches) or else the PyTorch references; under TRITON_INTERPRET=1 CPU
+tensors run the Triton kernels in Triton's interpreter instead."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import os
 
 import torch
 
+from kernels import cpu
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
 
-__all__ = ["write_kv", "paged_decode_attention", "paged_prefill_attention", "use_triton"]
+__all__ = ["write_kv", "paged_decode_attention", "paged_prefill_attention", "use_triton", "backend"]
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -18,11 +20,27 @@ def use_triton(t: torch.Tensor) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _cpu_kernels(t: torch.Tensor, k_cache: torch.Tensor):
+    if t.dtype != k_cache.dtype or t.stride(-1) != 1 or not k_cache.is_contiguous():
+        return None
+    return cpu.usable(t)
+
+
+def backend(device: torch.device | str, dtype: torch.dtype) -> str:
+    """Which implementation serves a model on this device and dtype (builds the CPU kernels if needed)."""
+    probe = torch.empty(0, device=device, dtype=dtype)
+    if use_triton(probe):
+        return "triton-interpreter" if probe.device.type == "cpu" else "triton"
+    return "cpu-cpp" if cpu.usable(probe) is not None else "torch-reference"
+
+
 def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     if use_triton(k):
         from kernels.kv_write import write_kv_triton
 
         return write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    if v.stride(-1) == 1 and (ext := _cpu_kernels(k, k_cache)) is not None:
+        return ext.write_kv_cpu(k, v, k_cache, v_cache, slot_mapping)
     return write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
@@ -31,6 +49,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
         from kernels.decode_attention import paged_decode_attention_triton
 
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    if (ext := _cpu_kernels(q, k_cache)) is not None:
+        return ext.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 

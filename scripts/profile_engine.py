@@ -30,10 +30,11 @@ CATEGORIES = [
     ("kv_write", "KV-cache write"),
     ("lm_head", "lm_head (576 → 49152)"),
     ("sampling", "sampling (argmax, .tolist())"),
-    ("norm", "RMSNorm"),
+    ("norm", "RMSNorm (residual add included)"),
+    ("silu_mul", "SiLU·mul"),
     ("rope", "RoPE"),
     ("embed", "embedding"),
-    ("model_other", "other model tensor ops (SiLU·mul, residual adds, splits, views)"),
+    ("model_other", "other model tensor ops (splits, views, output buffers)"),
     ("prepare", "batch tensors (positions, slots, block tables)"),
     ("scheduler", "scheduler"),
     ("runner_other", "runner Python (sample rows, indexing)"),
@@ -71,15 +72,17 @@ class ExclusiveTimer:
 def instrument(engine, timer: ExclusiveTimer) -> dict:
     """Wrap the engine's parts; returns a dict the schedule wrapper fills with the current batch's shape."""
     import kernels
+    from worker.models import layer_ops
 
     model = engine.model
     for layer in model.layers:
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             lin.forward = timer.wrap("linear", lin.forward)
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            norm.forward = timer.wrap("norm", norm.forward)
-    model.norm.forward = timer.wrap("norm", model.norm.forward)
-    _wrap_rope(model, timer)
+    layer_ops.rms_norm = timer.wrap("norm", layer_ops.rms_norm)
+    layer_ops.add_rms_norm = timer.wrap("norm", layer_ops.add_rms_norm)
+    layer_ops.silu_and_mul = timer.wrap("silu_mul", layer_ops.silu_and_mul)
+    layer_ops.apply_rotary = timer.wrap("rope", layer_ops.apply_rotary)
+    model.rotary.cos_sin = timer.wrap("rope", model.rotary.cos_sin)
     model.embed_tokens.forward = timer.wrap("embed", model.embed_tokens.forward)
     model.forward = timer.wrap("model_other", model.forward)
     model.compute_logits = timer.wrap("lm_head", model.compute_logits)
@@ -102,19 +105,6 @@ def instrument(engine, timer: ExclusiveTimer) -> dict:
     engine.scheduler.schedule = timer.wrap("scheduler", schedule_and_record)
     engine.step = timer.wrap("engine_other", engine.step)
     return shape
-
-
-def _wrap_rope(model, timer: ExclusiveTimer) -> None:
-    """RoPE is either the rotary module's forward (per layer) or a table lookup once per step plus a
-    module-level apply_rotary per layer, depending on the engine's version: wrap whichever is there."""
-    from worker.models import llama
-
-    if hasattr(llama, "apply_rotary"):
-        llama.apply_rotary = timer.wrap("rope", llama.apply_rotary)
-    if hasattr(model.rotary, "cos_sin"):
-        model.rotary.cos_sin = timer.wrap("rope", model.rotary.cos_sin)
-    else:
-        model.rotary.forward = timer.wrap("rope", model.rotary.forward)
 
 
 def main() -> None:

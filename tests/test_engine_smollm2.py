@@ -85,6 +85,7 @@ def run_staggered(engine: Engine, prompts, max_tokens, arrive_every: int = 2) ->
 
 
 def test_staggered_arrival_equals_hf(engine, hf_model):
+    assert engine.attention_backend == "cpu-cpp", "the CPU serving path should run the C++ kernels"
     outputs = run_staggered(engine, PROMPTS, MAX_TOKENS)
     assert_equals_hf(outputs, hf_model, engine, PROMPTS, MAX_TOKENS)
 

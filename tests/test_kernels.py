@@ -189,7 +189,7 @@ def test_dispatch_sends_cpu_tensors_to_triton_when_interpreting(monkeypatch):
 
 
 @pytest.mark.skipif(INTERPRETED, reason="checks the plain (no TRITON_INTERPRET) dispatch")
-def test_dispatch_sends_cpu_tensors_to_reference(monkeypatch):
+def test_dispatch_keeps_cpu_tensors_off_triton(monkeypatch):
     import kernels.decode_attention
     import kernels.kv_write
     import kernels.prefill_attention

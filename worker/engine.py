@@ -10,6 +10,7 @@ from typing import Any
 import structlog
 import torch
 
+import kernels
 from worker import loader
 from worker.block_manager import BlockManager
 from worker.engine_config import EngineConfig
@@ -86,13 +87,14 @@ class Engine:
         self.sampler = Sampler(arch.vocab_size, self.device, self.eos_token_ids)
         self.runner = ModelRunner(self.model, self.sampler, num_blocks, cfg.block_size, self.device, self.dtype)
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.attention_backend = kernels.backend(self.device, self.dtype)  # builds the CPU kernels once
         self.requests: dict[str, Sequence] = {}
         self.new_tokens: dict[str, list[int]] = {}
         self.generated_tokens = 0
         self.steps = 0
         log.info(
             "engine_ready", model=model, device=str(self.device), dtype=str(self.dtype), kv_blocks=num_blocks,
-            block_size=cfg.block_size, max_model_len=self.max_model_len,
+            block_size=cfg.block_size, max_model_len=self.max_model_len, attention=self.attention_backend,
             load_s=round(time.perf_counter() - started, 2),
         )
 

@@ -1,0 +1,81 @@
+"""The CPU serving path's C++ kernels (csrc/cpu_kernels.cpp): write_kv and paged decode attention, fp32.
+
+Built once per machine with torch's cpp_extension (g++ and ninja; ~25 s) into the tokenbus cache directory
+and loaded from there afterwards. The build is keyed by the source, the compiler flags, the torch version
+and the CPU's instruction sets (the code is compiled for the CPU it runs on). Where it cannot be built
+(no compiler, a read-only cache) the CPU path falls back to the PyTorch references with one warning, and
+TOKENBUS_CPU_KERNELS=0 asks for the references outright.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import time
+from pathlib import Path
+from types import ModuleType
+
+import structlog
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+FUNCTIONS = [
+    "write_kv_cpu", "paged_decode_attention_cpu",  # kernels/: the CPU versions of two reference functions
+    "add_rms_norm_cpu", "rms_norm_cpu", "silu_and_mul_cpu", "rotary_cpu",  # worker/models/layer_ops.py
+]
+# -ffast-math lets g++ vectorise exp and the dot-product reductions; the kernel never relies on inf/NaN
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+log = structlog.get_logger("tokenbus.kernels")
+
+
+def enabled() -> bool:
+    return os.environ.get("TOKENBUS_CPU_KERNELS", "1") != "0"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build_dir(name: str) -> Path:
+    root = os.environ.get("TOKENBUS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenbus")
+    return Path(root) / "cpu_kernels" / name
+
+
+@functools.cache
+def extension() -> ModuleType | None:
+    """The compiled module, or None (with one logged warning) where it cannot be built."""
+    source = SOURCE.read_text()
+    key = "\n".join([source, " ".join(CFLAGS), torch.__version__, _cpu_flags()])
+    name = "tokenbus_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    started = time.perf_counter()
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        build_dir = _build_dir(name)
+        build_dir.mkdir(parents=True, exist_ok=True)
+        module = load_inline(
+            name, cpp_sources=[source], functions=FUNCTIONS, extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+        )
+    except Exception as err:  # noqa: BLE001 - any build failure means: serve with the references
+        log.warning(
+            "cpu_kernels_unavailable", error=f"{type(err).__name__}: {str(err)[-400:]}",
+            fallback="the PyTorch reference kernels (slower decode attention)",
+            fix="install g++ and ninja, or set TOKENBUS_CACHE_DIR to a writable directory",
+        )
+        return None
+    log.debug("cpu_kernels_ready", module=name, seconds=round(time.perf_counter() - started, 1))
+    return module
+
+
+def usable(t: torch.Tensor) -> ModuleType | None:
+    """The extension when it serves this tensor (a float32 CPU tensor, kernels enabled), else None."""
+    if t.device.type != "cpu" or t.dtype != torch.float32 or not enabled():
+        return None
+    return extension()

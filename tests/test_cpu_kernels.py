@@ -1,0 +1,122 @@
+"""The C++ CPU kernels (kernels/cpu.py, kernels/csrc/cpu_kernels.cpp) against the PyTorch references,
+on fresh random inputs of awkward shapes, and the CPU dispatch that picks them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernels import LENGTH_CASES, paged_cache, strided
+
+import kernels
+from kernels import cpu
+from kernels.reference import paged_decode_attention_ref, write_kv_ref
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = cpu.extension()
+    assert module is not None, "the C++ CPU kernels did not build (see the cpu_kernels_unavailable warning)"
+    return module
+
+
+# (block_size, num_q_heads, num_kv_heads, head_dim): SmolLM2's shape, MHA, GQA 3 and 8, MQA, odd head_dim
+DECODE_CASES = [(16, 9, 3, 64), (16, 4, 4, 32), (32, 16, 2, 128), (8, 7, 1, 48), (64, 6, 2, 80), (16, 24, 8, 64)]
+
+
+@pytest.mark.parametrize("block_size,hq,hk,head_dim", DECODE_CASES)
+def test_decode_matches_reference(ext, block_size, hq, hk, head_dim):
+    gen = torch.Generator().manual_seed(block_size * 1000 + hq * 10 + head_dim)
+    lens = LENGTH_CASES(block_size) + [int(n) for n in torch.randint(1, 9 * block_size, (5,), generator=gen)]
+    # table entries past each sequence's blocks are 2**30: reading one would fault
+    k_cache, v_cache, table = paged_cache(lens, block_size, hk, head_dim, torch.float32, gen, device="cpu")
+    q = strided(torch.randn(len(lens), hq, head_dim, generator=gen), gen)  # a qkv-split-like view
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+    out = ext.paged_decode_attention_cpu(q, k_cache, v_cache, table, seq_lens, scale)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, table, seq_lens, scale)
+    assert out.shape == ref.shape and out.is_contiguous()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_ignores_junk_past_each_sequence(ext):
+    """Slots after a sequence's last token may hold anything, NaN included: they must not reach the output."""
+    gen = torch.Generator().manual_seed(3)
+    lens = [5, 16, 17]
+    k_cache, v_cache, table = paged_cache(lens, 16, 2, 32, torch.float32, gen, device="cpu")
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    for i, n in enumerate(lens):
+        last = int(table[i, (n - 1) // 16])
+        k_cache[last, (n - 1) % 16 + 1 :] = float("nan")
+        v_cache[last, (n - 1) % 16 + 1 :] = float("inf")
+    q = torch.randn(3, 6, 32, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    out = ext.paged_decode_attention_cpu(q, k_cache, v_cache, table, seq_lens, 0.17)
+    torch.testing.assert_close(out, paged_decode_attention_ref(q, ref_k, ref_v, table, seq_lens, 0.17),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size,hk,head_dim", [(16, 3, 64), (32, 1, 128), (8, 4, 48)])
+def test_write_kv_is_bit_exact(ext, block_size, hk, head_dim):
+    gen = torch.Generator().manual_seed(block_size + hk + head_dim)
+    num_blocks, num_tokens = 7, 45
+    k_cache = torch.randn(num_blocks, block_size, hk, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, hk, head_dim, generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::6] = -1  # padding tokens are skipped
+    k = strided(torch.randn(num_tokens, hk, head_dim, generator=gen), gen)
+    v = strided(torch.randn(num_tokens, hk, head_dim, generator=gen), gen)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    ext.write_kv_cpu(k, v, k_cache, v_cache, slots)
+    write_kv_ref(k, v, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_bad_input_is_refused_with_a_reason(ext):
+    q = torch.randn(2, 4, 32, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 16, 2, 32)
+    with pytest.raises(RuntimeError, match="float32"):
+        ext.paged_decode_attention_cpu(q, cache, cache, torch.zeros(2, 1, dtype=torch.int32),
+                                       torch.ones(2, dtype=torch.int32), 1.0)
+
+
+def test_dispatch_uses_the_cpp_kernels_for_float32(ext, monkeypatch):
+    calls = []
+
+    def spy(name):
+        real = getattr(ext, name)
+
+        def wrapped(*args):
+            calls.append(name)
+            return real(*args)
+
+        return wrapped
+
+    spied = type("Spied", (), {n: staticmethod(spy(n)) for n in cpu.FUNCTIONS})
+    monkeypatch.setattr(cpu, "extension", lambda: spied)
+    gen = torch.Generator().manual_seed(11)
+    k_cache, v_cache, table = paged_cache([9, 30], 16, 2, 32, torch.float32, gen, device="cpu")
+    q = torch.randn(2, 4, 32, generator=gen)
+    seq_lens = torch.tensor([9, 30], dtype=torch.int32)
+    kernels.write_kv(q[:, :2], q[:, 2:], k_cache, v_cache, torch.tensor([3, -1]))
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 0.2)
+    torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, table, seq_lens, 0.2))
+    assert calls == ["write_kv_cpu", "paged_decode_attention_cpu"]
+    assert kernels.backend("cpu", torch.float32) == "cpu-cpp"
+    # bf16 on the CPU, or the kernels switched off, serve through the references
+    assert kernels.backend("cpu", torch.bfloat16) == "torch-reference"
+    monkeypatch.setenv("TOKENBUS_CPU_KERNELS", "0")
+    assert kernels.backend("cpu", torch.float32) == "torch-reference"
+    kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 0.2)
+    assert len(calls) == 2
+
+
+def test_a_failed_build_falls_back_to_the_reference(monkeypatch, tmp_path):
+    """No compiler: one warning, then the references serve."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    monkeypatch.setenv("TOKENBUS_CACHE_DIR", str(tmp_path / "cache"))  # nothing built there yet
+    cpu.extension.cache_clear()
+    try:
+        assert cpu.extension() is None
+        assert kernels.backend("cpu", torch.float32) == "torch-reference"
+    finally:
+        cpu.extension.cache_clear()
