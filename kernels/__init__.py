@@ -61,4 +61,17 @@ def paged_prefill_attention(
         from kernels.prefill_attention import paged_prefill_attention_triton
 
         return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    if (ext := _cpu_kernels(q, k_cache)) is not None:
+        return _prefill_as_decode(ext, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
     return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+
+
+def _prefill_as_decode(ext, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale: float) -> torch.Tensor:
+    """Causal prefill on the CPU: each query token is a one-token decode over its own prefix (the tokens up to
+    its position), so the decode kernel serves it; a sequence's context stays in cache across its tokens."""
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
+    index_in_seq = torch.arange(q.shape[0]) - cu_seqlens_q[:-1].long()[seq_of_token]
+    token_lens = (seq_lens.long() - q_lens)[seq_of_token] + index_in_seq + 1
+    token_tables = block_tables.index_select(0, seq_of_token)
+    return ext.paged_decode_attention_cpu(q, k_cache, v_cache, token_tables, token_lens.int(), scale)

@@ -23,6 +23,7 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 FUNCTIONS = [
     "write_kv_cpu", "paged_decode_attention_cpu",  # kernels/: the CPU versions of two reference functions
     "add_rms_norm_cpu", "rms_norm_cpu", "silu_and_mul_cpu", "rotary_cpu",  # worker/models/layer_ops.py
+    "panel_linear_cpu",  # worker/models/cpu_linear.py
 ]
 # -ffast-math lets g++ vectorise exp and the dot-product reductions; the kernel never relies on inf/NaN
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]

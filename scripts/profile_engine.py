@@ -185,7 +185,7 @@ def torch_ops(engine, items, top: int) -> str:
 
 
 def _dense_weight(module) -> torch.Tensor:
-    """An nn.Linear's weight; for a OneDnnLinear (its weight is prepacked, opaque) a random one of the same
+    """An nn.Linear's weight; for a CpuLinear (its weights are prepacked, opaque) a random one of the same
     shape, which costs the same to multiply."""
     if isinstance(getattr(module, "weight", None), torch.Tensor):
         return module.weight.detach()
@@ -209,8 +209,15 @@ def linear_paths(model, batches: list[int], repeats: int = 3) -> str:
             lambda x, w: torch._C._nn.mkldnn_linear(x.to_mkldnn(), w[0], w[1]).to_dense(), onednn, torch.float32)
         if hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
             packed = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
-            paths["oneDNN fp32, prepacked weight, dense input (_linear_pointwise: OneDnnLinear)"] = (
+            paths["oneDNN fp32, prepacked weight, dense input (_linear_pointwise: CpuLinear above 12 rows)"] = (
                 lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), packed, torch.float32)
+    from kernels import cpu
+    from worker.models.cpu_linear import pack_panels
+
+    if (ext := cpu.usable(weights[0])) is not None:
+        panels = [(pack_panels(w), w.shape[0]) for w in weights]
+        paths["C++ panel kernel, fp32 (panel_linear_cpu: CpuLinear up to 12 rows)"] = (
+            lambda x, w: ext.panel_linear_cpu(x, w[0], w[1], None), panels, torch.float32)
     paths["F.linear, bf16 weights and activations"] = (
         lambda x, w: F.linear(x, w), [w.to(torch.bfloat16) for w in weights], torch.bfloat16)
     in_dims = [w.shape[1] for w in weights]

@@ -15,8 +15,8 @@ from worker import loader
 from worker.block_manager import BlockManager
 from worker.engine_config import EngineConfig
 from worker.model_runner import ModelRunner, kv_bytes_per_block
+from worker.models.cpu_linear import use_cpu_linears
 from worker.models.llama import LlamaArch, LlamaForCausalLM, RotaryEmbedding
-from worker.models.onednn_linear import use_onednn_linears
 from worker.sampler import Sampler
 from worker.sampling_params import SamplingParams
 from worker.scheduler import Scheduler
@@ -80,7 +80,7 @@ class Engine:
         self.model.load_weights(loader.iter_weights(source))
         self.model.eval().requires_grad_(False)
         if self.device.type == "cpu":
-            use_onednn_linears(self.model)
+            use_cpu_linears(self.model)
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)

@@ -249,3 +249,74 @@ void rotary_cpu(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tens
     }
   });
 }
+
+// ---- small-batch linear layers ----
+// y [m, n] = x [m, k] · Wᵀ (+ bias) for the few rows of a decode step. The weight is kept as 16-column
+// panels, [ceil(n / 16), k, 16] (worker/models/cpu_linear.py packs it), so each panel streams from memory
+// once, front to back, while up to 16 rows of x accumulate against it in registers: at a few rows a decode
+// step's linear layers are a read of every weight, and this reads at close to the memory bandwidth.
+
+namespace {
+
+template <int ROWS>
+void panel_rows(const float* x, int64_t x_stride, const float* panel, int64_t k, float* y, int64_t y_stride,
+                int64_t col0, int64_t n, const float* bias) {
+  float acc[ROWS][16];
+  for (int r = 0; r < ROWS; ++r)
+    for (int e = 0; e < 16; ++e) acc[r][e] = 0.f;
+  for (int64_t i = 0; i < k; ++i) {
+    const float* w = panel + i * 16;
+    for (int r = 0; r < ROWS; ++r) {
+      const float xv = x[r * x_stride + i];
+#pragma omp simd
+      for (int e = 0; e < 16; ++e) acc[r][e] += xv * w[e];
+    }
+  }
+  const int64_t cols = std::min<int64_t>(16, n - col0);
+  for (int r = 0; r < ROWS; ++r)
+    for (int64_t e = 0; e < cols; ++e) y[r * y_stride + col0 + e] = acc[r][e] + (bias ? bias[col0 + e] : 0.f);
+}
+
+}  // namespace
+
+torch::Tensor panel_linear_cpu(torch::Tensor x, torch::Tensor panels, int64_t out_features,
+                               c10::optional<torch::Tensor> bias) {
+  check_layout(x, "x");
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features]");
+  TORCH_CHECK(panels.is_contiguous() && panels.size(2) == 16 && panels.size(1) == x.size(1),
+              "panels must be the contiguous [ceil(out / 16), in_features, 16] packing of the weight");
+  const int64_t rows = x.size(0), k = x.size(1), num_panels = panels.size(0);
+  auto y = torch::empty({rows, out_features}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, num_panels, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const float* panel = wp + p * k * 16;
+      for (int64_t r0 = 0; r0 < rows;) {
+        const int64_t left = rows - r0;
+        const float* xr = xp + r0 * xs;
+        float* yr = yp + r0 * out_features;
+        if (left >= 16) {
+          panel_rows<16>(xr, xs, panel, k, yr, out_features, p * 16, out_features, bp);
+          r0 += 16;
+        } else if (left >= 8) {
+          panel_rows<8>(xr, xs, panel, k, yr, out_features, p * 16, out_features, bp);
+          r0 += 8;
+        } else if (left >= 4) {
+          panel_rows<4>(xr, xs, panel, k, yr, out_features, p * 16, out_features, bp);
+          r0 += 4;
+        } else if (left >= 2) {
+          panel_rows<2>(xr, xs, panel, k, yr, out_features, p * 16, out_features, bp);
+          r0 += 2;
+        } else {
+          panel_rows<1>(xr, xs, panel, k, yr, out_features, p * 16, out_features, bp);
+          r0 += 1;
+        }
+      }
+    }
+  });
+  return y;
+}

@@ -160,18 +160,23 @@ class Attention(nn.Module):
         q, k = layer_ops.apply_rotary(q, k, *rotary)
         k_cache, v_cache = kv_cache
         kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
         p = meta.num_prefill_tokens
-        if p:
+        if p == 0:  # a pure decode step (most steps): the kernel's output is the attention output
+            out = self._decode(q, kv_cache, meta)
+        else:
+            out = torch.empty_like(q)
             out[:p] = kernels.paged_prefill_attention(
                 q[:p], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
                 meta.prefill_seq_lens, self.scale,
             )
-        if p < num_tokens:
-            out[p:] = kernels.paged_decode_attention(
-                q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale
-            )
+            if p < num_tokens:
+                out[p:] = self._decode(q[p:], kv_cache, meta)
         return self.o_proj(out.view(num_tokens, self.q_size))
+
+    def _decode(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+        return kernels.paged_decode_attention(
+            q, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_seq_lens, self.scale
+        )
 
 
 class MLP(nn.Module):
