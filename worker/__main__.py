@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -43,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         log.error("bad_redis_url", error=str(err))
         return 2
 
+    # read from the environment by kernels/cpu.py and worker/loader.py, which the offline Engine also uses
+    os.environ["TOKENBUS_CPU_KERNELS"] = "1" if settings.cpu_kernels else "0"
+    if settings.cache_dir:
+        os.environ["TOKENBUS_CACHE_DIR"] = settings.cache_dir
     from worker.engine import Engine  # torch: imported after the cheap checks
     from worker.metrics import WorkerMetrics
     from worker.serve import Server

@@ -34,6 +34,12 @@ class WorkerSettings(BaseSettings):
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="share of GPU memory the worker may use (weights + KV cache)"
     )
+    cpu_kernels: bool = Field(
+        True, description="CPU float32: run the C++ kernels (built once per machine, ~25 s); false = PyTorch references"
+    )
+    cache_dir: str | None = Field(
+        None, description="dequantised GGUF weights and built CPU kernels; unset = ~/.cache/tokenbus"
+    )
     worker_name: str = Field(default_factory=_default_worker_name, description="consumer name in the group")
     lease_ms: int = Field(
         30_000, ge=100, description="an in-flight job whose lease is not renewed for this long is reclaimed"
