@@ -4,7 +4,7 @@ Built once per machine with torch's cpp_extension (g++ and ninja; ~25 s) into th
 and loaded from there afterwards. The build is keyed by the source, the compiler flags, the torch version
 and the CPU's instruction sets (the code is compiled for the CPU it runs on). Where it cannot be built
 (no compiler, a read-only cache) the CPU path falls back to the PyTorch references with one warning, and
-TOKENBUS_CPU_KERNELS=0 asks for the references outright.
+TOKENBUS_CPU_KERNELS=0 (read when this module is first imported) asks for the references outright.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 log = structlog.get_logger("tokenbus.kernels")
 
 
-def enabled() -> bool:
-    return os.environ.get("TOKENBUS_CPU_KERNELS", "1") != "0"
+# read once: usable() runs for every op of every step (the worker sets it from its settings before importing)
+ENABLED = os.environ.get("TOKENBUS_CPU_KERNELS", "1") != "0"
 
 
 def _cpu_flags() -> str:
@@ -77,6 +77,6 @@ def extension() -> ModuleType | None:
 
 def usable(t: torch.Tensor) -> ModuleType | None:
     """The extension when it serves this tensor (a float32 CPU tensor, kernels enabled), else None."""
-    if t.device.type != "cpu" or t.dtype != torch.float32 or not enabled():
+    if not ENABLED or t.dtype != torch.float32 or t.device.type != "cpu":
         return None
     return extension()
