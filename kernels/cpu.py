@@ -1,4 +1,5 @@
-"""The CPU serving path's C++ kernels (csrc/cpu_kernels.cpp): write_kv and paged decode attention, fp32.
+"""The CPU serving path's C++ kernels (csrc/cpu_kernels.cpp), float32: write_kv and paged decode attention,
+plus the layer ops of worker/models/layer_ops.py (norm, SiLU·mul, RoPE) and the panel linear of cpu_linear.py.
 
 Built once per machine with torch's cpp_extension (g++ and ninja; ~25 s) into the tokenbus cache directory
 and loaded from there afterwards. The build is keyed by the source, the compiler flags, the torch version
@@ -25,7 +26,8 @@ FUNCTIONS = [
     "add_rms_norm_cpu", "rms_norm_cpu", "silu_and_mul_cpu", "rotary_cpu",  # worker/models/layer_ops.py
     "panel_linear_cpu",  # worker/models/cpu_linear.py
 ]
-# -ffast-math lets g++ vectorise exp and the dot-product reductions; the kernel never relies on inf/NaN
+# -ffast-math lets g++ vectorise exp and the dot-product reductions (the kernels never rely on inf/NaN);
+# -fopenmp because at::parallel_for's OpenMP pragmas sit in ATen's headers: without it, one thread
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 log = structlog.get_logger("tokenbus.kernels")

@@ -87,7 +87,7 @@ class Engine:
         self.sampler = Sampler(arch.vocab_size, self.device, self.eos_token_ids)
         self.runner = ModelRunner(self.model, self.sampler, num_blocks, cfg.block_size, self.device, self.dtype)
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
-        self.attention_backend = kernels.backend(self.device, self.dtype)  # builds the CPU kernels once
+        self.attention_backend = kernels.backend(self.device, self.dtype)  # logged: which kernels serve
         self.requests: dict[str, Sequence] = {}
         self.new_tokens: dict[str, list[int]] = {}
         self.generated_tokens = 0

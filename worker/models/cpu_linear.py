@@ -2,9 +2,9 @@
 
 On this project's x86 CPUs PyTorch's default fp32 GEMM (the BLAS behind F.linear) reaches about a third of
 what oneDNN does with a prepacked weight for the shapes a step has (docs/benchmarks.md, "Where an engine
-step's time goes"). At 1-8 rows, though, a linear layer is a read of its whole weight, and oneDNN read the
+step's time goes"). At a few rows, though, a linear layer is a read of its whole weight, and oneDNN read the
 cold weights of a decode step at ~25 GB/s; the C++ panel kernel (kernels/cpu.py) streams a
-[ceil(out / 16), in, 16] copy of the weight at close to the memory bandwidth (1.3-2x faster at 1-8 rows).
+[ceil(out / 16), in, 16] copy of the weight at close to the memory bandwidth (1.2-2x faster at 1-8 rows).
 Keeping both layouts doubles the linear weights' memory on the CPU path. Only the layout differs: the
 product is the same fp32 arithmetic, summed in another order.
 """
