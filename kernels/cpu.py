@@ -45,9 +45,10 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _build_dir(name: str) -> Path:
-    root = os.environ.get("TOKENBUS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenbus")
-    return Path(root) / "cpu_kernels" / name
+def cache_root() -> Path:
+    """tokenbus's cache directory (dequantised GGUF weights, built CPU kernels): TOKENBUS_CACHE_DIR or
+    ~/.cache/tokenbus."""
+    return Path(os.environ.get("TOKENBUS_CACHE_DIR") or Path.home() / ".cache" / "tokenbus")
 
 
 @functools.cache
@@ -60,7 +61,7 @@ def extension() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load_inline
 
-        build_dir = _build_dir(name)
+        build_dir = cache_root() / "cpu_kernels" / name
         build_dir.mkdir(parents=True, exist_ok=True)
         module = load_inline(
             name, cpp_sources=[source], functions=FUNCTIONS, extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import time
 from dataclasses import dataclass, field
 
@@ -96,3 +97,13 @@ def write_section(filename: str, marker: str, body: str) -> str:
     with open(path, "w") as f:
         f.write(text)
     return path
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM (the workers drain or shut down warm), then SIGKILL if it has not exited within grace_s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from bench_common import stop_process
+
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(SCRIPTS)
 QUEUE = "bench-e2e-rq"
@@ -89,12 +91,7 @@ def run_rq(redis_url: str, prompt_ids: list[list[int]], max_tokens: list[int], t
         latencies = [(job.ended_at - job.enqueued_at).total_seconds() for job in jobs]
         return RqRun(seconds, [r["token_ids"] for r in results], latencies, warmup_seconds)
     finally:
-        worker.terminate()  # warm shutdown: nothing is running by now
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
+        stop_process(worker, 30)  # warm shutdown: nothing is running by now
         conn.close()
 
 

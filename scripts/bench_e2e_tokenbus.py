@@ -9,6 +9,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from bench_common import stop_process
+
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(SCRIPTS)
 NAMESPACE = "bench-e2e"
@@ -100,10 +102,5 @@ def run_e2e(redis_url: str, prompt_ids: list[list[int]], max_tokens: list[int], 
                      latencies=[j.finished_at - j.created_at for j in jobs],
                      extra={"worker load s": f"{load_s:.1f}"})
     finally:
-        worker.terminate()  # SIGTERM: drains (nothing is in flight by now) and exits
-        try:
-            worker.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
+        stop_process(worker, 60)  # drains (nothing is in flight by now) and exits
         client.close()

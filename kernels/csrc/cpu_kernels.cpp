@@ -1,6 +1,7 @@
-// CPU (fp32) versions of write_kv and paged decode attention for the CPU serving path.
-// Same functions, layouts and results as kernels/reference.py (the tests compare them); built on first use
-// by kernels/cpu.py with torch's cpp_extension.
+// The CPU serving path's kernels (fp32), built on first use by kernels/cpu.py with torch's cpp_extension:
+// write_kv and paged decode attention (same functions, layouts and results as kernels/reference.py), the
+// decoder layer's elementwise ops (worker/models/layer_ops.py) and the small-batch panel linear
+// (worker/models/cpu_linear.py). tests/test_cpu_kernels.py compares each with its PyTorch version.
 //
 // Layout (as everywhere in kernels/):
 //   k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim], contiguous

@@ -4,7 +4,8 @@ On this project's x86 CPUs PyTorch's default fp32 GEMM (the BLAS behind F.linear
 what oneDNN does with a prepacked weight for the shapes a step has (docs/benchmarks.md, "Where an engine
 step's time goes"). At a few rows, though, a linear layer is a read of its whole weight, and oneDNN read the
 cold weights of a decode step at ~25 GB/s; the C++ panel kernel (kernels/cpu.py) streams a
-[ceil(out / 16), in, 16] copy of the weight at close to the memory bandwidth (1.2-2x faster at 1-8 rows).
+[ceil(out / 16), in, 16] copy of the weight at close to the memory bandwidth: about 2x faster at one row,
+level with oneDNN at 8 (docs/benchmarks.md, the GEMM-path table).
 Keeping both layouts doubles the linear weights' memory on the CPU path. Only the layout differs: the
 product is the same fp32 arithmetic, summed in another order.
 """
@@ -17,7 +18,8 @@ from torch import nn
 from kernels import cpu
 
 PACK_FOR_ROWS = 16  # the row count oneDNN picks the packed layout for; any row count still works
-PANEL_MAX_ROWS = 12  # up to this many rows the panel kernel beat oneDNN here (scripts/profile_engine.py)
+# a development sweep of all of SmolLM2's linears: panels 24 vs oneDNN 27 ms at 12 rows, level at 16-32 rows
+PANEL_MAX_ROWS = 12
 
 
 def onednn_prepack_available() -> bool:
