@@ -148,7 +148,7 @@ def test_prefill_dispatch_matches_reference(ext, block_size, hq, hk, head_dim):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 12, 13, 17, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 12, 13, 17, 32, 33, 40])
 def test_cpu_linear_matches_f_linear(ext, rows):
     """CpuLinear: the panel kernel up to PANEL_MAX_ROWS rows, oneDNN beyond; both equal F.linear (fp32, other
     summation order). Awkward widths: out not a multiple of 16, a bias, x rows strided (a slice)."""
@@ -176,6 +176,21 @@ def test_cpu_linear_matches_f_linear(ext, rows):
         expected = torch.nn.functional.linear(x, linear.weight, linear.bias)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert calls == ([rows] if rows <= PANEL_MAX_ROWS else [])
+
+
+def test_panel_kernel_every_tile_height(ext):
+    """The panel kernel has one loop per tile height (1-16 rows) and reads a panel again per tile of 16: every
+    row count up to 50 against F.linear, in_features not a multiple of its prefetch distance."""
+    from worker.models.cpu_linear import pack_panels
+
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(45, 1100, generator=gen) * 0.03
+    panels = pack_panels(weight)
+    for rows in range(1, 51):
+        x = torch.randn(rows, 1100, generator=gen)
+        out = ext.panel_linear_cpu(x, panels, 45, None)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, rows=rows: f"{rows} rows: {m}")
 
 
 def test_worker_sets_the_kernel_switch_before_kernels_is_imported():

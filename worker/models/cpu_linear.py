@@ -19,7 +19,7 @@ from kernels import cpu
 
 PACK_FOR_ROWS = 16  # the row count oneDNN picks the packed layout for; any row count still works
 # a development sweep of all of SmolLM2's linears: panels 24 vs oneDNN 27 ms at 12 rows, level at 16-32 rows
-PANEL_MAX_ROWS = 12
+PANEL_MAX_ROWS = 32
 
 
 def onednn_prepack_available() -> bool:
