@@ -10,11 +10,12 @@ the same torch thread budget for every system, one system at a time:
   (5) tokenbus engine, offline                                                  scripts/bench_e2e_tokenbus.py
   (6) tokenbus end to end: producer.Client -> Redis -> `python -m worker` -> job records
 
-then a sweep of the offline engine over max_num_seqs 1, 4, 16, 64. Redis is a throwaway redis-server on a free
+(4), (5) and (6) run --rounds times (default 3) in turns and each reports its median round; then a sweep of
+the offline engine over max_num_seqs 1, 4, 16, 64. Redis is a throwaway redis-server on a free
 port. Prints the tables and writes docs/benchmarks.md (sections e2e, sweep), docs/e2e_throughput.png,
 docs/e2e_latency_cdf.png, docs/sweep.png.
 
-    .venv/bin/python scripts/bench_e2e.py                       # the full run (~12 min on 2 quiet cores)
+    .venv/bin/python scripts/bench_e2e.py                       # the full run (~25 min on 2 cores)
     .venv/bin/python scripts/bench_e2e.py --num-prompts 8 --max-tokens 32 --sweep-prompts 8 --no-write  # smoke
 """
 
@@ -105,6 +106,8 @@ def main() -> None:
     ap.add_argument("--sweep-seqs", default="1,4,16,64")
     ap.add_argument("--vllm-python", default=os.path.join(ROOT, ".venv-vllm", "bin", "python"))
     ap.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (faster start)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="run (4), (5), (6) this many times, in turns; the table shows each one's median round")
     ap.add_argument("--json", help="also write the raw results here")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/ alone")
     args = ap.parse_args()
@@ -148,23 +151,32 @@ def main() -> None:
         except Exception as err:  # one broken system must not lose the others' numbers
             traceback.print_exc()
             got = f"{type(err).__name__}: {err}"
-        phase_seconds[phase] = time.perf_counter() - started
-        row = Row(key, NAMES[key], got if isinstance(got, Timed) else None, "" if isinstance(got, Timed) else got)
-        rows.append(row)
-        status = f"{row.tokens} tokens in {row.run.seconds:.1f} s = {row.tok_s:.1f} tok/s" if row.run else \
-            f"skipped: {row.note}"
-        print(f"  ({key}) {row.name}: {status}  [phase {phase_seconds[phase]:.0f} s]", flush=True)
+        phase_seconds[phase] = phase_seconds.get(phase, 0.0) + time.perf_counter() - started
+        row = next((r for r in rows if r.key == key), None)
+        if row is None:
+            row = Row(key, NAMES[key])
+            rows.append(row)
+        if isinstance(got, Timed):
+            row.runs.append(got)
+            status = f"{sum(map(len, got.outputs))} tokens in {got.seconds:.1f} s = {row.rates()[-1]:.1f} tok/s"
+        else:
+            row.note = got
+            status = f"skipped: {got}"
+        print(f"  ({key}) {row.name}: {status}  [phase {time.perf_counter() - started:.0f} s]", flush=True)
 
     with RedisServer() as redis_server:
         record("1", "rq", lambda: _rq(redis_server.url, prompt_ids, max_tokens, args.threads, work))
         record("2", "static", lambda: _from_system(hf_static_batches(hf(), prompt_ids, max_tokens)))
         record("3", "cb", lambda: _from_system(hf_continuous_batching(hf(), prompt_ids, max_tokens)))
         hf_model = None  # free it before the engines load
-        record("4", "vllm", lambda: run_vllm(args.vllm_python, source.directory, prompt_ids, max_tokens,
-                                             args.threads, work, args.vllm_eager))
-        record("5", "engine", lambda: engine_offline(prompt_ids, max_tokens))
-        record("6", "e2e", lambda: run_e2e(redis_server.url, prompt_ids, max_tokens, args.threads,
-                                           os.path.join(work, "worker.log")))
+        # the three fastest systems take turns, round after round: this machine's speed drifts by 10-20 %
+        # within minutes, and interleaving puts each system in every part of the drift
+        for _ in range(args.rounds):
+            record("4", "vllm", lambda: run_vllm(args.vllm_python, source.directory, prompt_ids, max_tokens,
+                                                 args.threads, work, args.vllm_eager))
+            record("5", "engine", lambda: engine_offline(prompt_ids, max_tokens))
+            record("6", "e2e", lambda: run_e2e(redis_server.url, prompt_ids, max_tokens, args.threads,
+                                               os.path.join(work, "worker.log")))
 
     sweep: list[tuple[int, Timed]] = []
     if "sweep" not in skip:
@@ -213,6 +225,17 @@ def report(args, rows: list[Row], sweep, phase_seconds, prompt_ids, max_tokens) 
             checks.append(f"(6) / (4) = {e2e.tok_s / vllm.tok_s:.2f} (target > 1) — "
                           f"{'met' if e2e.tok_s > vllm.tok_s else 'NOT met'}" if vllm.run else
                           "(6) vs (4): vLLM was skipped, not compared")
+        multi = [r for r in rows if len(r.runs) > 1]
+        if multi:
+            checks.append(f"(4), (5), (6) ran {args.rounds} times in turns; each row is its median round. "
+                          "tok/s of every round, in order: " +
+                          "; ".join(f"({r.key}) " + ", ".join(f"{x:.1f}" for x in r.rates()) for r in multi))
+            if e2e and vllm and len(e2e.runs) == len(vllm.runs) > 1:
+                paired = [f"{a / b:.2f}" for a, b in zip(e2e.rates(), vllm.rates(), strict=True)]
+                checks.append(f"(6) / (4) round by round: {', '.join(paired)}")
+            if eng and vllm and len(eng.runs) == len(vllm.runs) > 1:
+                paired = [f"{a / b:.2f}" for a, b in zip(eng.rates(), vllm.rates(), strict=True)]
+                checks.append(f"(5) / (4) round by round: {', '.join(paired)}")
         details = [f"({r.key}) " + ", ".join(f"{k} {v}" for k, v in r.run.extra.items())
                    for r in rows if r.run and r.run.extra]
         timing = ", ".join(f"{k} {v:.0f} s" for k, v in phase_seconds.items())
@@ -249,8 +272,8 @@ def report(args, rows: list[Row], sweep, phase_seconds, prompt_ids, max_tokens) 
     print(sweep_text)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": [{"key": r.key, "name": r.name, "note": r.note, "run": r.run.__dict__ if r.run
-                                 else None} for r in rows],
+            json.dump({"rows": [{"key": r.key, "name": r.name, "note": r.note,
+                                 "runs": [t.__dict__ for t in r.runs]} for r in rows],
                        "sweep": [{"max_num_seqs": s, "run": t.__dict__} for s, t in sweep],
                        "phase_seconds": phase_seconds}, f)
     if args.no_write:

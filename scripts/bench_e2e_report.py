@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bench_common import DOCS, agreement
 from bench_e2e_tokenbus import Timed
@@ -13,8 +13,17 @@ from bench_e2e_tokenbus import Timed
 class Row:
     key: str  # "1".."6"
     name: str
-    run: Timed | None  # None: skipped
+    runs: list[Timed] = field(default_factory=list)  # one per round; empty: skipped
     note: str = ""  # why it was skipped, or how it was run
+
+    @property
+    def run(self) -> Timed | None:
+        """The median round by wall time (the only one when the system ran once); None when skipped."""
+        return sorted(self.runs, key=lambda t: t.seconds)[(len(self.runs) - 1) // 2] if self.runs else None
+
+    def rates(self) -> list[float]:
+        """tok/s of every round, in the order they ran."""
+        return [sum(map(len, t.outputs)) / t.seconds for t in self.runs]
 
     @property
     def tokens(self) -> int:
