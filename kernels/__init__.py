@@ -14,10 +14,13 @@ from kernels.reference import paged_decode_attention_ref, paged_prefill_attentio
 __all__ = ["write_kv", "paged_decode_attention", "paged_prefill_attention", "use_triton", "backend"]
 
 
+# read once, as Triton itself reads it once (when the kernel modules define their @triton.jit functions);
+# use_triton runs for every kernel call of every layer
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def use_triton(t: torch.Tensor) -> bool:
-    if t.is_cuda:
-        return True
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return t.is_cuda or INTERPRET
 
 
 def _cpu_kernels(t: torch.Tensor, k_cache: torch.Tensor):

@@ -1,5 +1,6 @@
 """The CPU serving path's C++ kernels (csrc/cpu_kernels.cpp), float32: write_kv and paged decode attention,
-plus the layer ops of worker/models/layer_ops.py (norm, SiLU·mul, RoPE) and the panel linear of cpu_linear.py.
+plus the layer ops of worker/models/layer_ops.py (norm, SiLU·mul, RoPE), the greedy sampler's argmax and the
+panel linear of cpu_linear.py.
 
 Built once per machine with torch's cpp_extension (g++ and ninja; ~25 s) into the tokenbus cache directory
 and loaded from there afterwards. The build is keyed by the source, the compiler flags, the torch version
@@ -24,6 +25,7 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 FUNCTIONS = [
     "write_kv_cpu", "paged_decode_attention_cpu",  # kernels/: the CPU versions of two reference functions
     "add_rms_norm_cpu", "rms_norm_cpu", "silu_and_mul_cpu", "rotary_cpu",  # worker/models/layer_ops.py
+    "argmax_rows_cpu",  # worker/sampler.py
     "panel_linear_cpu",  # worker/models/cpu_linear.py
 ]
 # -ffast-math lets g++ vectorise exp and the dot-product reductions (the kernels never rely on inf/NaN);

@@ -202,3 +202,22 @@ def test_worker_sets_the_kernel_switch_before_kernels_is_imported():
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-2000:]
     assert "IMPORTED False" in done.stdout
+
+
+@pytest.mark.parametrize("rows,vocab", [(0, 5), (1, 1), (3, 17), (64, 49152)])
+def test_argmax_rows_matches_torch(ext, rows, vocab):
+    """The greedy sampler's argmax: the first maximum of each row, like torch.argmax, with ties, -inf (banned
+    tokens) and rows that are a strided slice of a wider tensor."""
+    from worker.sampler import argmax_rows
+
+    gen = torch.Generator().manual_seed(rows * 1000 + vocab)
+    wide = torch.randn(rows, vocab + 3, generator=gen)
+    logits = wide[:, 2 : 2 + vocab]
+    if rows and vocab > 2:
+        logits[0, 1:] = logits[0, 0]  # a row of ties: index 0
+        logits[-1, vocab // 2] = logits[-1, vocab - 1] = logits[-1].max() + 1  # two maxima: the first wins
+        logits[rows // 2, : vocab - 1] = float("-inf")  # all but one token banned
+    out = ext.argmax_rows_cpu(logits)
+    assert out.dtype == torch.int64
+    assert torch.equal(out, logits.argmax(dim=-1))
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu
 from worker.sequence import Sequence
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [rows, vocab] -> each row's first maximum. On the CPU (float32) the C++ version: torch's argmax
+    takes ~3 ms a step at 64 sequences of a 49152-token vocabulary there."""
+    if logits.stride(-1) == 1 and (ext := cpu.usable(logits)) is not None:
+        return ext.argmax_rows_cpu(logits)
+    return logits.argmax(dim=-1)
 
 
 class Sampler:
@@ -28,7 +37,7 @@ class Sampler:
         logprobs = self._top_logprobs(logits, seqs)
         greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
         if bool(greedy.all()):
-            return logits.argmax(dim=-1).tolist(), logprobs
+            return argmax_rows(logits).tolist(), logprobs
         temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=logits.device)
         scaled = self._filter(logits / temps[:, None], seqs)
         probs = torch.softmax(scaled, dim=-1)
@@ -46,7 +55,7 @@ class Sampler:
                 generator=self.unseeded
             )
         sampled = (probs / noise).argmax(dim=-1)
-        tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
+        tokens = torch.where(greedy, argmax_rows(logits), sampled)
         return tokens.tolist(), logprobs
 
     def _ban_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:

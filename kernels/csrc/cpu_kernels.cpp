@@ -1,7 +1,8 @@
 // The CPU serving path's kernels (fp32), built on first use by kernels/cpu.py with torch's cpp_extension:
 // write_kv and paged decode attention (same functions, layouts and results as kernels/reference.py), the
-// decoder layer's elementwise ops (worker/models/layer_ops.py) and the small-batch panel linear
-// (worker/models/cpu_linear.py). tests/test_cpu_kernels.py compares each with its PyTorch version.
+// decoder layer's elementwise ops (worker/models/layer_ops.py), the greedy sampler's argmax
+// (worker/sampler.py) and the small-batch panel linear (worker/models/cpu_linear.py).
+// tests/test_cpu_kernels.py compares each with its PyTorch version.
 //
 // Layout (as everywhere in kernels/):
 //   k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim], contiguous
@@ -20,6 +21,7 @@
 
 #include <algorithm>
 #include <array>
+#include <climits>
 #include <utility>
 #include <cmath>
 #include <cstring>
@@ -308,6 +310,64 @@ void rotary_cpu(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tens
       }
     }
   });
+}
+
+// ---- greedy sampling ----
+// logits [rows, vocab] -> int64 [rows]: the first index of each row's maximum, as torch.argmax picks it.
+// torch's argmax runs one thread without vectorising here (~3 ms for 64 rows of SmolLM2's 49152 logits).
+// This is one pass per row, rows in parallel: 16 lanes each keep their best value and its first index,
+// then the lanes are merged (higher value, or the same value at a lower index). Logits are assumed free of
+// NaN (-ffast-math); -inf (a banned token) is fine.
+
+namespace {
+
+int64_t argmax_row(const float* row, int64_t vocab) {
+  constexpr int kLanes = 16;
+  float best[kLanes];
+  int32_t where[kLanes];
+  for (int e = 0; e < kLanes; ++e) {
+    best[e] = row[0];
+    where[e] = 0;
+  }
+  int64_t i = 0;
+  for (; i + kLanes <= vocab; i += kLanes) {
+#pragma omp simd
+    for (int e = 0; e < kLanes; ++e) {
+      const float v = row[i + e];
+      const bool higher = v > best[e];  // strictly: a lane keeps its first maximum
+      best[e] = higher ? v : best[e];
+      where[e] = higher ? static_cast<int32_t>(i + e) : where[e];
+    }
+  }
+  float top = best[0];
+  int64_t at = where[0];
+  for (int e = 1; e < kLanes; ++e)
+    if (best[e] > top || (best[e] == top && where[e] < at)) {
+      top = best[e];
+      at = where[e];
+    }
+  for (; i < vocab; ++i)  // the tail lies after every lane's index
+    if (row[i] > top) {
+      top = row[i];
+      at = i;
+    }
+  return at;
+}
+
+}  // namespace
+
+torch::Tensor argmax_rows_cpu(torch::Tensor logits) {
+  check_layout(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be [rows, vocab] with vocab > 0");
+  TORCH_CHECK(logits.size(1) <= INT32_MAX, "vocab must fit in int32");
+  const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
+  auto out = torch::empty({rows}, logits.options().dtype(torch::kInt64));
+  const float* lp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(lp + r * stride, vocab);
+  });
+  return out;
 }
 
 // ---- small-batch linear layers ----

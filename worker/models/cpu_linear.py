@@ -3,9 +3,9 @@
 On this project's x86 CPUs PyTorch's default fp32 GEMM (the BLAS behind F.linear) reaches about a third of
 what oneDNN does with a prepacked weight for the shapes a step has (docs/benchmarks.md, "Where an engine
 step's time goes"). At a few rows, though, a linear layer is a read of its whole weight, and oneDNN read the
-cold weights of a decode step at ~25 GB/s; the C++ panel kernel (kernels/cpu.py) streams a
-[ceil(out / 16), in, 16] copy of the weight at close to the memory bandwidth: about 2x faster at one row,
-level with oneDNN at 8 (docs/benchmarks.md, the GEMM-path table).
+cold weights of a decode step well below the memory bandwidth; the C++ panel kernel (kernels/cpu.py) streams
+a [ceil(out / 16), in, 16] copy of the weight, prefetched ahead, at close to it (docs/kernels.md, the CPU
+section: all of a step's linears in ~25 ms at 1-8 rows against oneDNN's ~28-52 ms in the same runs).
 Keeping both layouts doubles the linear weights' memory on the CPU path. Only the layout differs: the
 product is the same fp32 arithmetic, summed in another order.
 """
@@ -18,7 +18,8 @@ from torch import nn
 from kernels import cpu
 
 PACK_FOR_ROWS = 16  # the row count oneDNN picks the packed layout for; any row count still works
-# a development sweep of all of SmolLM2's linears: panels 24 vs oneDNN 27 ms at 12 rows, level at 16-32 rows
+# a development sweep of all of SmolLM2's linears, cold: panels ahead of oneDNN up to 20 rows (34 vs 46 ms at
+# 16), level at 24-64 (two or more passes of 16 rows per panel), oneDNN ahead from ~96 rows and at prefill sizes
 PANEL_MAX_ROWS = 32
 
 

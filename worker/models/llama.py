@@ -151,10 +151,11 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        # one view of the fused output as heads, then slices: q, k, v are strided views into it
+        heads = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q = heads[:, : self.num_heads]
+        k = heads[:, self.num_heads : self.num_heads + self.num_kv_heads]
+        v = heads[:, self.num_heads + self.num_kv_heads :]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = layer_ops.apply_rotary(q, k, *rotary)
