@@ -216,10 +216,11 @@ def test_dispatch_keeps_cpu_tensors_off_triton(monkeypatch):
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="needs GPU-compiled kernels and no GPU")
 def test_compiled_kernels_refuse_cpu_tensors_clearly(monkeypatch):
-    # The kernel modules were imported without TRITON_INTERPRET, so setting it now is too late.
+    # The kernel modules were imported without TRITON_INTERPRET (compiled for the GPU); the dispatch is told
+    # the interpreter is on (as when the variable changed between the two imports), so CPU tensors reach them.
     import kernels.decode_attention  # noqa: F401
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(kernels, "INTERPRET", True)
     q = torch.randn(1, 2, 32)
     cache = torch.randn(1, 16, 1, 32)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
