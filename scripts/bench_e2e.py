@@ -221,6 +221,13 @@ def report(args, rows: list[Row], sweep, phase_seconds, prompt_ids, max_tokens) 
             ratio = e2e.tok_s / eng.tok_s
             checks.append(f"(6) / (5) = {ratio:.3f} (target ≥ 0.95: queue overhead {1 - ratio:+.1%}) — "
                           f"{'met' if ratio >= 0.95 else 'NOT met'}")
+            outside = [t.extra.get("time outside engine steps", "").split(" (")[0] for t in e2e.runs]
+            if all(outside):
+                checks.append("(6)'s time outside engine steps (intake and result writing the engine waited for, "
+                              "measured inside each run, free of the drift between separate runs), round by round: "
+                              + ", ".join(outside)
+                              + f"; engine steps taken by (6): {e2e.run.extra.get('steps')}, by (5): "
+                              f"{eng.run.extra.get('steps')}")
         if e2e and e2e.run and vllm:
             checks.append(f"(6) / (4) = {e2e.tok_s / vllm.tok_s:.2f} (target > 1) — "
                           f"{'met' if e2e.tok_s > vllm.tok_s else 'NOT met'}" if vllm.run else

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 from bench_common import stop_process
@@ -46,14 +48,27 @@ def engine_offline(prompt_ids: list[list[int]], max_tokens: list[int], max_num_s
                  extra={"steps": str(stats.steps), "preemptions": str(stats.preemptions)})
 
 
+def _step_seconds(metrics_port: int) -> tuple[int, float]:
+    """(steps, seconds inside engine steps) so far, from the worker's tokenbus_step_seconds histogram."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    values = {}
+    for name in ("tokenbus_step_seconds_count", "tokenbus_step_seconds_sum"):
+        match = re.search(rf"^{name} (\S+)$", text, re.M)
+        if match is None:
+            raise RuntimeError(f"the worker's /metrics has no {name}")
+        values[name] = float(match.group(1))
+    return int(values["tokenbus_step_seconds_count"]), values["tokenbus_step_seconds_sum"]
+
+
 def _start_worker(redis_url: str, threads: int, log_path: str, max_num_seqs: int,
-                  max_num_batched_tokens: int) -> subprocess.Popen:
+                  max_num_batched_tokens: int, metrics_port: int) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     args = [sys.executable, "-m", "worker", "--redis-url", redis_url, "--namespace", NAMESPACE,
             "--model", "smollm2-135m", "--device", "cpu", "--dtype", "float32",
             "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens),
             "--heartbeat-s", "1", "--worker-name", "bench-e2e-worker", "--log-json", "true",
+            "--metrics-port", str(metrics_port),
             "--log-level", "warning"]
     with open(log_path, "w") as log:
         return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -77,10 +92,15 @@ def run_e2e(redis_url: str, prompt_ids: list[list[int]], max_tokens: list[int], 
 
     Throughput: first submit -> last job read back. TTFT = first_token_at - created_at and latency =
     finished_at - created_at, from each job record (the worker's and the producer's clocks: one machine).
+    The worker's step histogram gives the steps it took and the time spent outside them: the queue's own
+    overhead, measured inside one run (a ratio to the offline engine's separate run carries the machine's drift).
     """
+    from redis_server import free_port
+
     from producer import Client
 
-    worker = _start_worker(redis_url, threads, log_path, max_num_seqs, max_num_batched_tokens)
+    metrics_port = free_port()
+    worker = _start_worker(redis_url, threads, log_path, max_num_seqs, max_num_batched_tokens, metrics_port)
     client = Client(redis_url, namespace=NAMESPACE)
     try:
         load_s = _wait_heartbeat(client, worker, log_path)
@@ -88,10 +108,13 @@ def run_e2e(redis_url: str, prompt_ids: list[list[int]], max_tokens: list[int], 
         client.wait(warm, timeout=300)
         requests = [{"prompt_token_ids": ids, "max_tokens": m, "temperature": 0.0, "ignore_eos": True}
                     for ids, m in zip(prompt_ids, max_tokens, strict=True)]
+        steps_before, stepping_before = _step_seconds(metrics_port)
         start = time.perf_counter()
         ids = client.submit_many(requests)
         done = {job.id: job for job in client.as_completed(ids, timeout=timeout)}
         seconds = time.perf_counter() - start
+        steps_after, stepping_after = _step_seconds(metrics_port)
+        outside = seconds - (stepping_after - stepping_before)
         jobs = [done[i] for i in ids]
         failed = [j for j in jobs if j.status != "finished" or j.result is None]
         if failed:
@@ -100,7 +123,8 @@ def run_e2e(redis_url: str, prompt_ids: list[list[int]], max_tokens: list[int], 
         return Timed(seconds, [j.result.token_ids for j in jobs],
                      ttfts=[j.first_token_at - j.created_at for j in jobs],
                      latencies=[j.finished_at - j.created_at for j in jobs],
-                     extra={"worker load s": f"{load_s:.1f}"})
+                     extra={"worker load s": f"{load_s:.1f}", "steps": str(steps_after - steps_before),
+                            "time outside engine steps": f"{outside:.2f} s ({outside / seconds:.1%} of the wall time)"})
     finally:
         stop_process(worker, 60)  # drains (nothing is in flight by now) and exits
         client.close()
