@@ -114,7 +114,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--torch-ops", type=int, default=15, help="top aten ops over a decode window (0 = off)")
-    ap.add_argument("--linear-batches", default="1,8,16,64",
+    ap.add_argument("--linear-batches", default="1,8,16,32,64",
                     help="batch sizes for the linear-layer comparison ('' = off)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
@@ -196,6 +196,8 @@ def linear_paths(model, batches: list[int], repeats: int = 3) -> str:
     """The model's own weights through several GEMM paths: what the linear layers cost per step each way."""
     import torch.nn.functional as F
 
+    from worker.models.cpu_linear import PANEL_MAX_ROWS
+
     modules = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     modules.append(model.lm_head)
@@ -209,14 +211,15 @@ def linear_paths(model, batches: list[int], repeats: int = 3) -> str:
             lambda x, w: torch._C._nn.mkldnn_linear(x.to_mkldnn(), w[0], w[1]).to_dense(), onednn, torch.float32)
         if hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
             packed = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
-            paths["oneDNN fp32, prepacked weight, dense input (_linear_pointwise: CpuLinear above 12 rows)"] = (
+            paths["oneDNN fp32, prepacked weight, dense input (_linear_pointwise: CpuLinear above "
+                  f"{PANEL_MAX_ROWS} rows)"] = (
                 lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), packed, torch.float32)
     from kernels import cpu
     from worker.models.cpu_linear import pack_panels
 
     if (ext := cpu.usable(weights[0])) is not None:
         panels = [(pack_panels(w), w.shape[0]) for w in weights]
-        paths["C++ panel kernel, fp32 (panel_linear_cpu: CpuLinear up to 12 rows)"] = (
+        paths[f"C++ panel kernel, fp32 (panel_linear_cpu: CpuLinear up to {PANEL_MAX_ROWS} rows)"] = (
             lambda x, w: ext.panel_linear_cpu(x, w[0], w[1], None), panels, torch.float32)
     paths["F.linear, bf16 weights and activations"] = (
         lambda x, w: F.linear(x, w), [w.to(torch.bfloat16) for w in weights], torch.bfloat16)
