@@ -314,7 +314,7 @@ void rotary_cpu(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tens
 
 // ---- greedy sampling ----
 // logits [rows, vocab] -> int64 [rows]: the first index of each row's maximum, as torch.argmax picks it.
-// torch's argmax runs one thread without vectorising here (~3 ms for 64 rows of SmolLM2's 49152 logits).
+// torch's argmax runs one thread without vectorising here (3-6 ms for 64 rows of SmolLM2's 49152 logits).
 // This is one pass per row, rows in parallel: 16 lanes each keep their best value and its first index,
 // then the lanes are merged (higher value, or the same value at a lower index). Logits are assumed free of
 // NaN (-ffast-math); -inf (a banned token) is fine.

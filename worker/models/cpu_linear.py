@@ -5,7 +5,7 @@ what oneDNN does with a prepacked weight for the shapes a step has (docs/benchma
 step's time goes"). At a few rows, though, a linear layer is a read of its whole weight, and oneDNN read the
 cold weights of a decode step well below the memory bandwidth; the C++ panel kernel (kernels/cpu.py) streams
 a [ceil(out / 16), in, 16] copy of the weight, prefetched ahead, at close to it (docs/kernels.md, the CPU
-section: all of a step's linears in ~25 ms at 1-8 rows against oneDNN's ~28-52 ms in the same runs).
+section: all of a step's linears in ~25-28 ms at 1-8 rows against oneDNN's ~28-52 ms in the same runs).
 Keeping both layouts doubles the linear weights' memory on the CPU path. Only the layout differs: the
 product is the same fp32 arithmetic, summed in another order.
 """
