@@ -93,7 +93,7 @@ def run_e2e(redis_url: str, prompt_ids: list[list[int]], max_tokens: list[int], 
     Throughput: first submit -> last job read back. TTFT = first_token_at - created_at and latency =
     finished_at - created_at, from each job record (the worker's and the producer's clocks: one machine).
     The worker's step histogram gives the steps it took and the time spent outside them: the queue's own
-    overhead, measured inside one run (a ratio to the offline engine's separate run carries the machine's drift).
+    overhead, measured inside one run (a ratio to the offline engine's separate run also carries the drift).
     """
     from redis_server import free_port
 
