@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -192,7 +193,7 @@ def _dense_weight(module) -> torch.Tensor:
     return torch.randn(module.out_features, module.in_features)
 
 
-def linear_paths(model, batches: list[int], repeats: int = 3) -> str:
+def linear_paths(model, batches: list[int], repeats: int = 5) -> str:
     """The model's own weights through several GEMM paths: what the linear layers cost per step each way."""
     import torch.nn.functional as F
 
@@ -226,22 +227,24 @@ def linear_paths(model, batches: list[int], repeats: int = 3) -> str:
     in_dims = [w.shape[1] for w in weights]
     lines = ["| GEMM path | " + " | ".join(f"batch {b}: ms" for b in batches) + " |",
              "|---|" + "---:|" * len(batches)]
+    # the paths take turns within each repeat (this machine's speed drifts within minutes), median per cell
+    times: dict[tuple[str, int], list[float]] = {(name, b): [] for name in paths for b in batches}
     with torch.inference_mode():
-        for name, (fn, ws, dtype) in paths.items():
-            cells = []
-            for b in batches:
-                xs = {d: torch.randn(b, d, dtype=dtype) for d in set(in_dims)}
-                best = float("inf")
-                for _ in range(repeats):
+        for b in batches:
+            inputs = {name: {d: torch.randn(b, d, dtype=dtype) for d in set(in_dims)}
+                      for name, (_, _, dtype) in paths.items()}
+            for _ in range(repeats):
+                for name, (fn, ws, _) in paths.items():
                     t = time.perf_counter()
                     for w, d in zip(ws, in_dims, strict=True):
-                        fn(xs[d], w)
-                    best = min(best, time.perf_counter() - t)
-                cells.append(f"{best * 1000:.1f}")
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+                        fn(inputs[name][d], w)
+                    times[name, b].append(time.perf_counter() - t)
+    for name in paths:
+        lines.append(f"| {name} | " + " | ".join(f"{statistics.median(times[name, b]) * 1000:.1f}" for b in batches)
+                     + " |")
     lines.append("")
-    lines.append(f"All 120 layer linears + lm_head of one step ({nbytes / 1e6:.0f} MB of fp32 weights), best of "
-                 f"{repeats}; the engine's linear layers are `{engine_path}`.")
+    lines.append(f"All 120 layer linears + lm_head of one step ({nbytes / 1e6:.0f} MB of fp32 weights), "
+                 f"the paths in turns, median of {repeats}; the engine's linear layers are `{engine_path}`.")
     return "\n".join(lines)
 
 

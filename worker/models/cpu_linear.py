@@ -1,11 +1,12 @@
 """nn.Linear for the CPU serving path: a panel GEMV for decode-sized batches, prepacked oneDNN for the rest.
 
-On this project's x86 CPUs PyTorch's default fp32 GEMM (the BLAS behind F.linear) reaches about a third of
-what oneDNN does with a prepacked weight for the shapes a step has (docs/benchmarks.md, "Where an engine
-step's time goes"). At a few rows, though, a linear layer is a read of its whole weight, and oneDNN read the
-cold weights of a decode step well below the memory bandwidth; the C++ panel kernel (kernels/cpu.py) streams
-a [ceil(out / 16), in, 16] copy of the weight, prefetched ahead, at close to it (docs/kernels.md, the CPU
-section: all of a step's linears in ~25-28 ms at 1-8 rows against oneDNN's ~28-52 ms in the same runs).
+At a few rows a linear layer is a read of its whole weight. The C++ panel kernel (kernels/cpu.py) streams a
+[ceil(out / 16), in, 16] copy of the weight, prefetched ahead, at close to the memory bandwidth, and keeps up
+to 16 rows of x against each panel in registers. All of a step's linears, the paths in turns (the GEMM table
+in docs/benchmarks.md, "Where an engine step's time goes"): panels 24 / 26 / 34 / 55 ms at 1 / 8 / 16 / 32
+rows, oneDNN with a prepacked weight 32 / 37 / 51 / 61 ms, PyTorch's default fp32 GEMM (F.linear) level with
+the panels at one row but 56 / 68 / 68 ms at 8 / 16 / 32 rows. Prefill-sized batches (hundreds of rows) stay on
+oneDNN, whose blocking reuses each weight across many rows.
 Keeping both layouts doubles the linear weights' memory on the CPU path. Only the layout differs: the
 product is the same fp32 arithmetic, summed in another order.
 """
@@ -18,8 +19,9 @@ from torch import nn
 from kernels import cpu
 
 PACK_FOR_ROWS = 16  # the row count oneDNN picks the packed layout for; any row count still works
-# a development sweep of all of SmolLM2's linears, cold: panels ahead of oneDNN up to 20 rows (34 vs 46 ms at
-# 16), level at 24-64 (two or more passes of 16 rows per panel), oneDNN ahead from ~96 rows and at prefill sizes
+# development sweeps of all of SmolLM2's linears: panels clearly ahead of oneDNN up to 20 rows, level to ahead
+# at 24-64 (two or more passes of 16 rows per panel; 82 vs 101 ms at 64 in the recorded table), oneDNN ahead
+# from ~96 rows and at prefill sizes
 PANEL_MAX_ROWS = 32
 
 
