@@ -169,14 +169,23 @@ def main() -> None:
         record("2", "static", lambda: _from_system(hf_static_batches(hf(), prompt_ids, max_tokens)))
         record("3", "cb", lambda: _from_system(hf_continuous_batching(hf(), prompt_ids, max_tokens)))
         hf_model = None  # free it before the engines load
-        # the three fastest systems take turns, round after round: this machine's speed drifts by 10-20 %
-        # within minutes, and interleaving puts each system in every part of the drift
-        for _ in range(args.rounds):
-            record("4", "vllm", lambda: run_vllm(args.vllm_python, source.directory, prompt_ids, max_tokens,
-                                                 args.threads, work, args.vllm_eager))
-            record("5", "engine", lambda: engine_offline(prompt_ids, max_tokens))
-            record("6", "e2e", lambda: run_e2e(redis_server.url, prompt_ids, max_tokens, args.threads,
-                                               os.path.join(work, "worker.log")))
+        # The three fastest systems take turns, round after round: this machine's speed drifts by 10-20 %
+        # within minutes, and interleaving puts each system in every part of the drift. The order rotates
+        # each round, so over three rounds each system runs once first, once second and once last: what a
+        # system leaves behind (a process still exiting, a warm or cold cache) falls on every other one.
+        turns = {
+            "4": ("vllm", lambda: run_vllm(args.vllm_python, source.directory, prompt_ids, max_tokens,
+                                           args.threads, work, args.vllm_eager)),
+            "5": ("engine", lambda: engine_offline(prompt_ids, max_tokens)),
+            "6": ("e2e", lambda: run_e2e(redis_server.url, prompt_ids, max_tokens, args.threads,
+                                         os.path.join(work, "worker.log"))),
+        }
+        for round_index in range(args.rounds):
+            order = rotated(list(turns), round_index)
+            print(f"round {round_index + 1} of {args.rounds}: order {', '.join(f'({k})' for k in order)}",
+                  flush=True)
+            for key in order:
+                record(key, *turns[key])
 
     sweep: list[tuple[int, Timed]] = []
     if "sweep" not in skip:
@@ -193,6 +202,12 @@ def main() -> None:
         phase_seconds["sweep"] = time.perf_counter() - started
 
     report(args, rows, sweep, phase_seconds, prompt_ids, max_tokens)
+
+
+def rotated(keys: list[str], by: int) -> list[str]:
+    """keys shifted left by `by` places: round 0 runs (4), (5), (6); round 1 (5), (6), (4); ..."""
+    by %= len(keys)
+    return keys[by:] + keys[:by]
 
 
 def _rq(url, prompt_ids, max_tokens, threads, work) -> Timed:
@@ -240,6 +255,10 @@ def report(args, rows: list[Row], sweep, phase_seconds, prompt_ids, max_tokens) 
             if e2e and vllm and len(e2e.runs) == len(vllm.runs) > 1:
                 paired = [f"{a / b:.2f}" for a, b in zip(e2e.rates(), vllm.rates(), strict=True)]
                 checks.append(f"(6) / (4) round by round: {', '.join(paired)}")
+            if e2e and eng and len(e2e.runs) == len(eng.runs) > 1:
+                paired = [f"{a / b:.2f}" for a, b in zip(e2e.rates(), eng.rates(), strict=True)]
+                checks.append(f"(6) / (5) round by round: {', '.join(paired)} (the order of (4), (5), (6) "
+                              "rotates each round)")
             if eng and vllm and len(eng.runs) == len(vllm.runs) > 1:
                 paired = [f"{a / b:.2f}" for a, b in zip(eng.rates(), vllm.rates(), strict=True)]
                 checks.append(f"(5) / (4) round by round: {', '.join(paired)}")
