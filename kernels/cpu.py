@@ -1,6 +1,7 @@
 """The CPU serving path's C++ kernels (csrc/cpu_kernels.cpp), float32: write_kv and paged decode attention,
 plus the layer ops of worker/models/layer_ops.py (norm, SiLU·mul, RoPE), the greedy sampler's argmax and the
-panel linear of cpu_linear.py.
+panel linear of cpu_linear.py; and csrc/decode_layers.cpp, a decode step's layers composed of them in one
+call (worker/models/cpu_decode.py).
 
 Built once per machine with torch's cpp_extension (g++ and ninja; ~25 s) into the tokenbus cache directory
 and loaded from there afterwards. The build is keyed by the source, the compiler flags, the torch version
@@ -21,12 +22,14 @@ from types import ModuleType
 import structlog
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+# one translation unit, in this order: decode_layers.cpp calls cpu_kernels.cpp's functions
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.cpp", "decode_layers.cpp")]
 FUNCTIONS = [
     "write_kv_cpu", "paged_decode_attention_cpu",  # kernels/: the CPU versions of two reference functions
     "add_rms_norm_cpu", "rms_norm_cpu", "silu_and_mul_cpu", "rotary_cpu",  # worker/models/layer_ops.py
     "argmax_rows_cpu",  # worker/sampler.py
     "panel_linear_cpu",  # worker/models/cpu_linear.py
+    "decode_layers_cpu",  # worker/models/cpu_decode.py
 ]
 # -ffast-math lets g++ vectorise exp and the dot-product reductions (the kernels never rely on inf/NaN);
 # -fopenmp because at::parallel_for's OpenMP pragmas sit in ATen's headers: without it, one thread
@@ -56,8 +59,8 @@ def cache_root() -> Path:
 @functools.cache
 def extension() -> ModuleType | None:
     """The compiled module, or None (with one logged warning) where it cannot be built."""
-    source = SOURCE.read_text()
-    key = "\n".join([source, " ".join(CFLAGS), torch.__version__, _cpu_flags()])
+    sources = [path.read_text() for path in SOURCES]
+    key = "\n".join([*sources, " ".join(CFLAGS), torch.__version__, _cpu_flags()])
     name = "tokenbus_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:16]
     started = time.perf_counter()
     try:
@@ -66,7 +69,7 @@ def extension() -> ModuleType | None:
         build_dir = cache_root() / "cpu_kernels" / name
         build_dir.mkdir(parents=True, exist_ok=True)
         module = load_inline(
-            name, cpp_sources=[source], functions=FUNCTIONS, extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+            name, cpp_sources=sources, functions=FUNCTIONS, extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
         )
     except Exception as err:  # noqa: BLE001 - any build failure means: serve with the references

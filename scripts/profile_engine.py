@@ -1,6 +1,8 @@
 """Where does an engine step's time go? The offline engine on the bench workload, each part timed.
 
-The script wraps (from outside, nothing in worker/ changes) the scheduler, the batch-tensor preparation, every
+The workload runs twice: first as the engine serves (a pure decode step's layers in one C++ call), step
+times only; then through the per-layer path, which runs the same kernels with Python between them. For that
+pass the script wraps (from outside, nothing in worker/ changes) the scheduler, the batch-tensor preparation, every
 linear layer, the paged-attention kernels, RoPE, the norms, lm_head and the sampler with an exclusive-time
 timer (CPU ops are synchronous, so wall time per call is the op's time). What is left of a step is Python:
 the model's residual adds / SiLU·mul / views, the runner's row picking, the engine's stop checks and outputs.
@@ -127,38 +129,66 @@ def main() -> None:
                     max_num_batched_tokens=512)
     items = workload(args.num_prompts, max_tokens=args.max_tokens)
     engine.generate([items[0][0]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+
+    # First as it serves: a pure decode step's layers are one C++ call, whose parts cannot be timed apart.
+    fused_by_batch: dict[int, list[float]] = defaultdict(list)
+    fused_shape: dict = {}
+    schedule = engine.scheduler.schedule
+
+    def schedule_and_count():
+        batch = schedule()
+        fused_shape["seqs"] = len(batch.seqs)
+        fused_shape["prefill"] = any(n > 1 for n in batch.num_new_tokens)
+        return batch
+
+    engine.scheduler.schedule = schedule_and_count
+    fused_total, fused_tokens = _run(engine, items, SamplingParams, lambda wall: None if fused_shape["prefill"]
+                                     else fused_by_batch[fused_shape["seqs"]].append(wall), "fused")
+    engine.scheduler.schedule = schedule
+
+    # Then the per-layer path, every part wrapped: it runs the same kernels, with Python between them.
+    fused_layers, engine.model.fused_decode = engine.model.fused_decode, None
     timer = ExclusiveTimer()
     shape = instrument(engine, timer)
-    for i, (messages, m) in enumerate(items):
-        engine.add_request(f"p{i}", messages, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
-
     kinds = {"decode": defaultdict(float), "mixed": defaultdict(float)}
     steps = {"decode": 0, "mixed": 0}
     step_wall = {"decode": 0.0, "mixed": 0.0}
     by_batch: dict[int, list[float]] = defaultdict(list)  # decode batch size -> step seconds
+
+    def timed_step(wall: float) -> None:
+        kind = "mixed" if shape["prefill_tokens"] else "decode"
+        steps[kind] += 1
+        step_wall[kind] += wall
+        for cat, sec in timer.take().items():
+            kinds[kind][cat] += sec
+        if kind == "decode":
+            by_batch[shape["seqs"]].append(wall)
+
+    total, tokens = _run(engine, items, SamplingParams, timed_step, "layers")
+
+    engine.model.fused_decode = fused_layers  # the aten ops as served
+    ops_table = torch_ops(engine, items, args.torch_ops) if args.torch_ops else ""
+    batches = [int(b) for b in args.linear_batches.split(",") if b]
+    linear_table = linear_paths(engine.model, batches) if batches else ""
+    fused = (fused_total, fused_tokens, fused_by_batch)
+    text = render(args, kinds, steps, step_wall, by_batch, tokens, total, fused, ops_table, linear_table)
+    print(text)
+    if not args.no_write:
+        print("\nwritten to", write_section("benchmarks.md", "profile", text))
+
+
+def _run(engine, items, sampling_params, on_step, prefix: str) -> tuple[float, int]:
+    """The workload through engine.step(), on_step(wall seconds) after each; (seconds, tokens)."""
+    for i, (messages, m) in enumerate(items):
+        engine.add_request(f"{prefix}{i}", messages, sampling_params(max_tokens=m, temperature=0.0, ignore_eos=True))
     tokens = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         t = time.perf_counter()
         engine.step()
-        wall = time.perf_counter() - t
-        kind = "mixed" if shape["prefill_tokens"] else "decode"
-        steps[kind] += 1
-        step_wall[kind] += wall
+        on_step(time.perf_counter() - t)
         tokens += len(engine.new_tokens)
-        for cat, sec in timer.take().items():
-            kinds[kind][cat] += sec
-        if kind == "decode":
-            by_batch[shape["seqs"]].append(wall)
-    total = time.perf_counter() - start
-
-    ops_table = torch_ops(engine, items, args.torch_ops) if args.torch_ops else ""
-    batches = [int(b) for b in args.linear_batches.split(",") if b]
-    linear_table = linear_paths(engine.model, batches) if batches else ""
-    text = render(args, kinds, steps, step_wall, by_batch, tokens, total, ops_table, linear_table)
-    print(text)
-    if not args.no_write:
-        print("\nwritten to", write_section("benchmarks.md", "profile", text))
+    return time.perf_counter() - start, tokens
 
 
 def torch_ops(engine, items, top: int) -> str:
@@ -248,16 +278,22 @@ def linear_paths(model, batches: list[int], repeats: int = 5) -> str:
     return "\n".join(lines)
 
 
-def render(args, kinds, steps, step_wall, by_batch, tokens, total, ops_table, linear_table) -> str:
+def render(args, kinds, steps, step_wall, by_batch, tokens, total, fused, ops_table, linear_table) -> str:
+    fused_total, fused_tokens, fused_by_batch = fused
     lines = [
         "## Where an engine step's time goes (CPU)", "",
         f"`scripts/profile_engine.py`: the offline engine on the bench workload ({args.num_prompts} prompts, "
         f"max_tokens up to {args.max_tokens}, greedy, EOS ignored), max_num_seqs {args.max_num_seqs}, "
-        f"max_num_batched_tokens 512, {args.threads} threads; {tokens} tokens in {total:.1f} s "
-        f"({tokens / total:.1f} tok/s), {steps['decode']} decode steps and {steps['mixed']} steps with prefill; "
-        f"run {time.strftime('%Y-%m-%d %H:%M')}. Exclusive wall time per part, wrapped from outside the engine "
-        "(about 300 wrapped calls a step at ~1 µs each: well under 1 ms).", "",
-        "| part | decode step: ms | share | prefill/mixed step: ms | share |", "|---|---:|---:|---:|---:|",
+        f"max_num_batched_tokens 512, {args.threads} threads; run {time.strftime('%Y-%m-%d %H:%M')}.", "",
+        f"As it serves, a pure decode step's 30 layers are one C++ call (`worker/models/cpu_decode.py`): "
+        f"{fused_tokens} tokens in {fused_total:.1f} s ({fused_tokens / fused_total:.1f} tok/s). Its parts "
+        "cannot be timed apart, so the table below comes from a second pass with the per-layer path, which "
+        f"runs the same kernels with Python between them: {tokens} tokens in {total:.1f} s "
+        f"({tokens / total:.1f} tok/s), {steps['decode']} decode steps and {steps['mixed']} steps with "
+        "prefill. Exclusive wall time per part, wrapped from outside the engine (about 300 wrapped calls a "
+        "step at ~1 µs each: well under 1 ms).", "",
+        "| part (per-layer path) | decode step: ms | share | prefill/mixed step: ms | share |",
+        "|---|---:|---:|---:|---:|",
     ]
     for cat, label in CATEGORIES:
         cells = []
@@ -272,20 +308,28 @@ def render(args, kinds, steps, step_wall, by_batch, tokens, total, ops_table, li
         n = max(steps[kind], 1)
         cells += [f"{step_wall[kind] / n * 1000:.2f}", "100%"]
     lines.append("| **whole step** | " + " | ".join(f"**{c}**" for c in cells) + " |")
-    lines += ["", "Decode steps by batch size (long tail: the last requests decode in small batches):", "",
-              "| running sequences | steps | ms per step | tok/s in these steps | share of decode time |",
-              "|---:|---:|---:|---:|---:|"]
+    lines += ["", "Decode steps by batch size (long tail: the last requests decode in small batches), as served "
+              "(fused) and through the per-layer path (timed):", "",
+              "| running sequences | steps | ms per step, fused | per-layer | tok/s in these steps, fused | "
+              "share of decode time, fused |", "|---:|---:|---:|---:|---:|---:|"]
     buckets = [(1, 1), (2, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 10_000)]
-    decode_total = sum(sum(v) for v in by_batch.values()) or 1
+    decode_total = sum(sum(v) for v in fused_by_batch.values()) or 1
+
+    def bucket(table: dict[int, list[float]], lo: int, hi: int) -> tuple[list[float], int]:
+        walls = [w for b, ws in table.items() if lo <= b <= hi for w in ws]
+        return walls, sum(b * len(ws) for b, ws in table.items() if lo <= b <= hi)
+
     for lo, hi in buckets:
-        walls = [w for b, ws in by_batch.items() if lo <= b <= hi for w in ws]
-        toks = sum(b * len(ws) for b, ws in by_batch.items() if lo <= b <= hi)
+        walls, toks = bucket(fused_by_batch, lo, hi)
+        layer_walls, _ = bucket(by_batch, lo, hi)
         if walls:
             label = str(lo) if lo == hi else f"{lo}–{hi}"
-            lines.append(f"| {label} | {len(walls)} | {sum(walls) / len(walls) * 1000:.1f} | "
+            per_layer = f"{sum(layer_walls) / len(layer_walls) * 1000:.1f}" if layer_walls else "–"
+            lines.append(f"| {label} | {len(walls)} | {sum(walls) / len(walls) * 1000:.1f} | {per_layer} | "
                          f"{toks / sum(walls):.0f} | {sum(walls) / decode_total:.0%} |")
     if ops_table:
-        lines += ["", "Top aten ops by self CPU time (torch.profiler, 20 decode steps with 16 sequences):", "",
+        lines += ["", "Top aten ops by self CPU time as served (torch.profiler, 20 decode steps with 16 sequences; "
+                  "the fused layers' kernels show as one op):", "",
                   ops_table]
     if linear_table:
         lines += ["", "The linear layers through other GEMM paths (the model's weights, random activations):", "",

@@ -148,7 +148,7 @@ def test_prefill_dispatch_matches_reference(ext, block_size, hq, hk, head_dim):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 12, 13, 17, 32, 33, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 12, 13, 17, 32, 33, 64, 65, 80])
 def test_cpu_linear_matches_f_linear(ext, rows):
     """CpuLinear: the panel kernel up to PANEL_MAX_ROWS rows, oneDNN beyond; both equal F.linear (fp32, other
     summation order). Awkward widths: out not a multiple of 16, a bias, x rows strided (a slice)."""
@@ -179,14 +179,15 @@ def test_cpu_linear_matches_f_linear(ext, rows):
 
 
 def test_panel_kernel_every_tile_height(ext):
-    """The panel kernel has one loop per tile height (1-16 rows) and reads a panel again per tile of 16: every
-    row count up to 50 against F.linear, in_features not a multiple of its prefetch distance."""
+    """The panel kernel has one loop per tile height (1-16 rows with AVX-512, 1-6 with AVX2) and reads a panel
+    again per tile: every row count up to 70 against F.linear, in_features not a multiple of its prefetch
+    distance."""
     from worker.models.cpu_linear import pack_panels
 
     gen = torch.Generator().manual_seed(7)
     weight = torch.randn(45, 1100, generator=gen) * 0.03
     panels = pack_panels(weight)
-    for rows in range(1, 51):
+    for rows in range(1, 71):
         x = torch.randn(rows, 1100, generator=gen)
         out = ext.panel_linear_cpu(x, panels, 45, None)
         torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5,

@@ -15,6 +15,7 @@ from worker import loader
 from worker.block_manager import BlockManager
 from worker.engine_config import EngineConfig
 from worker.model_runner import ModelRunner, kv_bytes_per_block
+from worker.models.cpu_decode import FusedDecodeLayers
 from worker.models.cpu_linear import use_cpu_linears
 from worker.models.llama import LlamaArch, LlamaForCausalLM, RotaryEmbedding
 from worker.sampler import Sampler
@@ -81,6 +82,7 @@ class Engine:
         self.model.eval().requires_grad_(False)
         if self.device.type == "cpu":
             use_cpu_linears(self.model)
+            self.model.fused_decode = FusedDecodeLayers.build(self.model)
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)

@@ -373,13 +373,20 @@ torch::Tensor argmax_rows_cpu(torch::Tensor logits) {
 // ---- small-batch linear layers ----
 // y [m, n] = x [m, k] · Wᵀ (+ bias) for the few rows of a decode step. The weight is kept as 16-column
 // panels, [ceil(n / 16), k, 16] (worker/models/cpu_linear.py packs it), so each panel streams from memory
-// once, front to back, while up to 16 rows of x accumulate against it in registers: at a few rows a decode
+// once, front to back, while a tile of rows of x accumulates against it in registers: at a few rows a decode
 // step's linear layers are a read of every weight, and this reads at close to the memory bandwidth.
 
 namespace {
 
 constexpr int kPanelCols = 16;
-constexpr int kMaxTileRows = 16;  // accumulators [rows][16] in registers: 16 of AVX-512's 32
+// The accumulators [rows][16] must stay in registers: a row of 16 columns is one zmm register with AVX-512
+// (32 of them) or two ymm with AVX2 (16). Taller tiles spill to the stack: on an AVX2-only EPYC 16-row
+// tiles made 16 rows cost 131 ms for all of a step's linears, against 58 ms with tiles of 6.
+#if defined(__AVX512F__)
+constexpr int kMaxTileRows = 16;
+#else
+constexpr int kMaxTileRows = 6;
+#endif
 // How far ahead in the panel the weights are requested. Without it the loop stalls on each new line: the
 // hardware prefetcher alone kept ~12 GB/s in flight at 8 rows, this streams close to the memory bandwidth.
 constexpr int64_t kPrefetchFloats = 64 * kPanelCols;
@@ -407,7 +414,7 @@ void panel_rows(const float* x, int64_t x_stride, const float* panel, int64_t k,
 using PanelRowsFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, int64_t,
                              const float*);
 
-// panel_rows<1> ... panel_rows<16>: a tile of any height is one pass over the panel
+// panel_rows<1> ... panel_rows<kMaxTileRows>: a tile of any height is one pass over the panel
 template <int... R>
 constexpr std::array<PanelRowsFn, sizeof...(R)> panel_rows_table(std::integer_sequence<int, R...>) {
   return {panel_rows<R + 1>...};
@@ -431,7 +438,7 @@ torch::Tensor panel_linear_cpu(torch::Tensor x, torch::Tensor panels, int64_t ou
   const int64_t xs = x.stride(0);
   at::parallel_for(0, num_panels, 4, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      // more than 16 rows: the panel is read again per tile of 16, from cache
+      // more rows than one tile: the panel is read again per tile, from cache
       for (int64_t r0 = 0; r0 < rows; r0 += kMaxTileRows) {
         const int64_t tile = std::min<int64_t>(kMaxTileRows, rows - r0);
         kPanelRowsFor[tile - 1](xp + r0 * xs, xs, wp + p * k * kPanelCols, k, yp + r0 * out_features, out_features,

@@ -1,28 +1,30 @@
 """nn.Linear for the CPU serving path: a panel GEMV for decode-sized batches, prepacked oneDNN for the rest.
 
 At a few rows a linear layer is a read of its whole weight. The C++ panel kernel (kernels/cpu.py) streams a
-[ceil(out / 16), in, 16] copy of the weight, prefetched ahead, at close to the memory bandwidth, and keeps up
-to 16 rows of x against each panel in registers. All of a step's linears, the paths in turns (the GEMM table
-in docs/benchmarks.md, "Where an engine step's time goes"): panels 24 / 26 / 34 / 55 ms at 1 / 8 / 16 / 32
-rows, oneDNN with a prepacked weight 32 / 37 / 51 / 61 ms, PyTorch's default fp32 GEMM (F.linear) level with
-the panels at one row but 56 / 68 / 68 ms at 8 / 16 / 32 rows. Prefill-sized batches (hundreds of rows) stay on
-oneDNN, whose blocking reuses each weight across many rows.
+[ceil(out / 16), in, 16] copy of the weight, prefetched ahead, at close to the memory bandwidth, and keeps a
+tile of rows of x (16 with AVX-512, 6 with AVX2) against each panel in registers. All of a step's linears
+(the GEMM table in docs/benchmarks.md, "Where an engine step's time goes"), on an AVX-512 machine: panels
+24 / 26 / 34 / 55 / 82 ms at 1 / 8 / 16 / 32 / 64 rows, oneDNN with a prepacked weight 32 / 37 / 51 / 61 /
+101 ms, PyTorch's default fp32 GEMM (F.linear) level with the panels at one row but 56 / 68 / 68 / 118 ms
+from 8 rows. Prefill-sized batches (hundreds of rows) stay on oneDNN, whose blocking reuses each weight
+across many rows.
 Keeping both layouts doubles the linear weights' memory on the CPU path. Only the layout differs: the
 product is the same fp32 arithmetic, summed in another order.
 """
 
 from __future__ import annotations
 
+import structlog
 import torch
 from torch import nn
 
 from kernels import cpu
 
 PACK_FOR_ROWS = 16  # the row count oneDNN picks the packed layout for; any row count still works
-# development sweeps of all of SmolLM2's linears: panels clearly ahead of oneDNN up to 20 rows, level to ahead
-# at 24-64 (two or more passes of 16 rows per panel; 82 vs 101 ms at 64 in the recorded table), oneDNN ahead
-# from ~96 rows and at prefill sizes
-PANEL_MAX_ROWS = 32
+# Panels are ahead of oneDNN up to 64 rows on both machines measured (82 vs 101 ms at 64 with AVX-512; 158 vs
+# 217 ms on an AVX2-only EPYC, level there at 128 rows); oneDNN is ahead from ~96 rows with AVX-512. 64 is
+# also the default max_num_seqs, so every decode step of a default engine runs on the panels.
+PANEL_MAX_ROWS = 64
 
 
 def onednn_prepack_available() -> bool:
@@ -62,6 +64,13 @@ def use_cpu_linears(model: nn.Module) -> int:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child.weight.device.type == "cpu":
-                setattr(module, name, CpuLinear(child))
+                try:
+                    setattr(module, name, CpuLinear(child))
+                except RuntimeError as err:
+                    # oneDNN refuses some dtypes on some CPUs (bf16 without AVX-512 BW/VL/DQ or AVX-NE-CONVERT):
+                    # those linears stay nn.Linear, which PyTorch runs on any CPU
+                    structlog.get_logger("tokenbus.engine").info(
+                        "cpu_linear_prepack_unavailable", dtype=str(child.weight.dtype), reason=str(err)[:200])
+                    return swapped
                 swapped += 1
     return swapped

@@ -232,6 +232,8 @@ class LlamaForCausalLM(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary: RotaryEmbedding | None = None  # attached by the engine, sized to its context
+        # on the CPU, a pure decode step's layers as one C++ call (cpu_decode.FusedDecodeLayers), same result
+        self.fused_decode: Any = None
 
     def attach_rotary(self, rotary: RotaryEmbedding) -> None:
         self.rotary = rotary
@@ -245,9 +247,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rotary = self.rotary.cos_sin(positions, x.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, rotary, kv_cache, meta)
+        if self.fused_decode is not None and self.fused_decode.serves(x, meta):
+            x, residual = self.fused_decode(x, rotary, kv_caches, meta)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, rotary, kv_cache, meta)
         return self.norm.add(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,71 @@
+"""A pure decode step's decoder layers as one C++ call on the CPU (kernels/csrc/decode_layers.cpp).
+
+The call runs the same C++ kernels the per-layer path of llama.py runs, in the same order, so its output is
+the same to the bit; what it saves is the Python between them (module calls, dispatch checks, argument
+conversion), about as long as the kernels themselves at a decode step's few rows. Steps with prompt tokens,
+batches too wide for the panel linears, and models or dtypes the C++ layer does not cover (QK-norm, any
+dtype but float32) keep the per-layer path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu
+from worker.attention_metadata import AttentionMetadata
+from worker.models.cpu_linear import PANEL_MAX_ROWS, CpuLinear
+
+NO_BIAS = torch.empty(0)  # the C++ side reads an empty tensor as "no bias"
+
+
+class FusedDecodeLayers:
+    def __init__(self, model: torch.nn.Module, ext) -> None:
+        arch = model.arch
+        self.ext = ext
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.intermediate_size, self.eps = arch.intermediate_size, arch.rms_norm_eps
+        self.scale = arch.head_dim**-0.5
+        self.weights: list[torch.Tensor] = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv_bias = attn.qkv_proj.bias
+            self.weights += [
+                layer.input_layernorm.weight.detach(), attn.qkv_proj.panels,
+                qkv_bias if qkv_bias is not None else NO_BIAS, attn.o_proj.panels,
+                layer.post_attention_layernorm.weight.detach(), mlp.gate_up_proj.panels, mlp.down_proj.panels,
+            ]
+
+    @classmethod
+    def build(cls, model: torch.nn.Module) -> FusedDecodeLayers | None:
+        """The fused layers for a CPU float32 model whose linears are panel CpuLinears, else None."""
+        arch = getattr(model, "arch", None)
+        if arch is None or arch.qk_norm:
+            return None
+        probe = model.embed_tokens.weight
+        ext = cpu.usable(probe)
+        if ext is None or not hasattr(ext, "decode_layers_cpu"):
+            return None
+        linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        if not all(isinstance(m, CpuLinear) and m.panels is not None for m in linears):
+            return None
+        return cls(model, ext)
+
+    def serves(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        return meta.num_prefill_tokens == 0 and x.shape[0] <= PANEL_MAX_ROWS and x.is_contiguous()
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last layer's output, residual before it), as the loop over DecoderLayer.forward returns them."""
+        caches = [cache for pair in kv_caches for cache in pair]
+        x, residual = self.ext.decode_layers_cpu(
+            x, rotary[0], rotary[1], meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
+            self.weights, caches, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size,
+            self.eps, self.scale,
+        )
+        return x, residual
