@@ -107,3 +107,22 @@ def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def cpu_name() -> str:
+    """The CPU model and its widest vector ISA: the CPU kernels compile for it, and the numbers depend on it."""
+    import platform
+
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
+    name = model or platform.processor() or platform.machine()
+    return f"{name}, {isa}" if isa else name

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,7 @@ SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(SCRIPTS)
 sys.path.insert(0, SCRIPTS)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # redis_server.RedisServer: a throwaway redis-server
-from bench_common import hf_continuous_batching, hf_static_batches, write_section  # noqa: E402
+from bench_common import cpu_name, hf_continuous_batching, hf_static_batches, write_section  # noqa: E402
 from bench_e2e_report import (  # noqa: E402
     Row,
     agreement_matrix,
@@ -225,7 +224,7 @@ def report(args, rows: list[Row], sweep, phase_seconds, prompt_ids, max_tokens) 
     header = (f"Workload: {len(prompt_ids)} chat prompts ({sum(map(len, prompt_ids))} prompt tokens), output "
               f"lengths long-tailed 8–{args.max_tokens} ({sum(max_tokens)} tokens), greedy, EOS ignored; "
               f"SmolLM2-135M fp32 on CPU, {args.threads} torch threads for every system, one system at a time, "
-              f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores); run {when} with "
+              f"{cpu_name()} ({os.cpu_count()} cores); run {when} with "
               f"`scripts/bench_e2e.py`.")
     parts = []
     if any(r.run for r in rows):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 
@@ -20,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import (  # noqa: E402
     SystemResult,
     agreement,
+    cpu_name,
     hf_continuous_batching,
     hf_one_at_a_time,
     hf_static_batches,
@@ -78,7 +78,7 @@ def main() -> None:
     lines = [
         f"Workload: {len(items)} chat prompts ({sum(map(len, prompt_ids))} prompt tokens), output lengths "
         f"long-tailed 8–256 ({sum(max_tokens)} tokens), greedy, EOS ignored; SmolLM2-135M fp32 on CPU, "
-        f"{args.threads} torch threads, {platform.processor() or platform.machine()}; "
+        f"{args.threads} torch threads, {cpu_name()}; "
         f"run {time.strftime('%Y-%m-%d %H:%M')} with `scripts/bench_engine.py`.",
         "",
         f"| system | tok/s | × {'baseline' if not args.skip_one_at_a_time else 'first row'} | "
