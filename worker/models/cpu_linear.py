@@ -2,12 +2,13 @@
 
 At a few rows a linear layer is a read of its whole weight. The C++ panel kernel (kernels/cpu.py) streams a
 [ceil(out / 16), in, 16] copy of the weight, prefetched ahead, at close to the memory bandwidth, and keeps a
-tile of rows of x (16 with AVX-512, 6 with AVX2) against each panel in registers. All of a step's linears
-(the GEMM table in docs/benchmarks.md, "Where an engine step's time goes"), on an AVX-512 machine: panels
-24 / 26 / 34 / 55 / 82 ms at 1 / 8 / 16 / 32 / 64 rows, oneDNN with a prepacked weight 32 / 37 / 51 / 61 /
-101 ms, PyTorch's default fp32 GEMM (F.linear) level with the panels at one row but 56 / 68 / 68 / 118 ms
-from 8 rows. Prefill-sized batches (hundreds of rows) stay on oneDNN, whose blocking reuses each weight
-across many rows.
+tile of rows of x (16 with AVX-512, 6 with AVX2) against each panel in registers. All of a step's linears at
+1 / 8 / 16 / 32 / 64 rows, the paths in turns, median of 5 (`scripts/profile_engine.py`'s GEMM table):
+on an AVX-512 machine (an earlier session) panels 24 / 26 / 34 / 55 / 82 ms, oneDNN with a prepacked weight
+32 / 37 / 51 / 61 / 101 ms, PyTorch's default fp32 GEMM (F.linear) 25 / 56 / 68 / 68 / 118 ms; on an AVX2-only
+EPYC (docs/benchmarks.md) panels 38 / 46 / 66 / 101 / 166 ms, prepacked oneDNN 52 / 72 / 91 / 140 / 224 ms,
+F.linear 68 / 138 / 163 / 308 / 364 ms. Prefill-sized batches (hundreds of rows) stay on oneDNN, whose
+blocking reuses each weight across many rows.
 Keeping both layouts doubles the linear weights' memory on the CPU path. Only the layout differs: the
 product is the same fp32 arithmetic, summed in another order.
 """
