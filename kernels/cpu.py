@@ -42,7 +42,8 @@ log = structlog.get_logger("tokenbus.kernels")
 ENABLED = os.environ.get("TOKENBUS_CPU_KERNELS", "1") != "0"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The "flags" line of /proc/cpuinfo (the instruction sets the build compiles for), or "" where unreadable."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
@@ -60,7 +61,7 @@ def cache_root() -> Path:
 def extension() -> ModuleType | None:
     """The compiled module, or None (with one logged warning) where it cannot be built."""
     sources = [path.read_text() for path in SOURCES]
-    key = "\n".join([*sources, " ".join(CFLAGS), torch.__version__, _cpu_flags()])
+    key = "\n".join([*sources, " ".join(CFLAGS), torch.__version__, cpu_flags()])
     name = "tokenbus_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:16]
     started = time.perf_counter()
     try:

@@ -113,16 +113,15 @@ def cpu_name() -> str:
     """The CPU model and its widest vector ISA: the CPU kernels compile for it, and the numbers depend on it."""
     import platform
 
-    model, flags = "", set()
+    from kernels.cpu import cpu_flags
+
+    model = ""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and not model:
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     except OSError:
         pass
+    flags = set(cpu_flags().split(":", 1)[-1].split())
     isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
     name = model or platform.processor() or platform.machine()
     return f"{name}, {isa}" if isa else name
