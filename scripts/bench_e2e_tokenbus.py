@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import time
@@ -50,14 +49,14 @@ def engine_offline(prompt_ids: list[list[int]], max_tokens: list[int], max_num_s
 
 def _step_seconds(metrics_port: int) -> tuple[int, float]:
     """(steps, seconds inside engine steps) so far, from the worker's tokenbus_step_seconds histogram."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    values = {}
-    for name in ("tokenbus_step_seconds_count", "tokenbus_step_seconds_sum"):
-        match = re.search(rf"^{name} (\S+)$", text, re.M)
-        if match is None:
-            raise RuntimeError(f"the worker's /metrics has no {name}")
-        values[name] = float(match.group(1))
-    return int(values["tokenbus_step_seconds_count"]), values["tokenbus_step_seconds_sum"]
+    samples = {sample.name: sample.value for family in text_string_to_metric_families(text)
+               if family.name == "tokenbus_step_seconds" for sample in family.samples}
+    if "tokenbus_step_seconds_count" not in samples:
+        raise RuntimeError("the worker's /metrics has no tokenbus_step_seconds histogram")
+    return int(samples["tokenbus_step_seconds_count"]), samples["tokenbus_step_seconds_sum"]
 
 
 def _start_worker(redis_url: str, threads: int, log_path: str, max_num_seqs: int,

@@ -72,8 +72,24 @@ class ExclusiveTimer:
         return out
 
 
-def instrument(engine, timer: ExclusiveTimer) -> dict:
-    """Wrap the engine's parts; returns a dict the schedule wrapper fills with the current batch's shape."""
+def record_batch_shape(engine) -> dict:
+    """Wrap the scheduler so the returned dict always holds the current step's running sequences ("seqs")
+    and prompt tokens ("prefill_tokens")."""
+    shape: dict = {}
+    schedule = engine.scheduler.schedule
+
+    def schedule_and_record():
+        batch = schedule()
+        shape["seqs"] = len(batch.seqs)
+        shape["prefill_tokens"] = sum(n for n in batch.num_new_tokens if n > 1)
+        return batch
+
+    engine.scheduler.schedule = schedule_and_record
+    return shape
+
+
+def instrument(engine, timer: ExclusiveTimer) -> None:
+    """Wrap the engine's parts, each with its category's timer."""
     import kernels
     from worker.models import layer_ops
 
@@ -96,18 +112,8 @@ def instrument(engine, timer: ExclusiveTimer) -> dict:
     engine.runner._prepare = timer.wrap("prepare", engine.runner._prepare)
     engine.runner.run = timer.wrap("runner_other", engine.runner.run)
 
-    shape: dict = {}
-    schedule = engine.scheduler.schedule
-
-    def schedule_and_record():
-        batch = schedule()
-        shape["seqs"] = len(batch.seqs)
-        shape["prefill_tokens"] = sum(n for n in batch.num_new_tokens if n > 1)
-        return batch
-
-    engine.scheduler.schedule = timer.wrap("scheduler", schedule_and_record)
+    engine.scheduler.schedule = timer.wrap("scheduler", engine.scheduler.schedule)
     engine.step = timer.wrap("engine_other", engine.step)
-    return shape
 
 
 def main() -> None:
@@ -130,26 +136,21 @@ def main() -> None:
     items = workload(args.num_prompts, max_tokens=args.max_tokens)
     engine.generate([items[0][0]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
 
+    shape = record_batch_shape(engine)
+
     # First as it serves: a pure decode step's layers are one C++ call, whose parts cannot be timed apart.
-    fused_by_batch: dict[int, list[float]] = defaultdict(list)
-    fused_shape: dict = {}
-    schedule = engine.scheduler.schedule
+    fused_by_batch: dict[int, list[float]] = defaultdict(list)  # decode batch size -> step seconds
 
-    def schedule_and_count():
-        batch = schedule()
-        fused_shape["seqs"] = len(batch.seqs)
-        fused_shape["prefill"] = any(n > 1 for n in batch.num_new_tokens)
-        return batch
+    def fused_step(wall: float) -> None:
+        if not shape["prefill_tokens"]:
+            fused_by_batch[shape["seqs"]].append(wall)
 
-    engine.scheduler.schedule = schedule_and_count
-    fused_total, fused_tokens = _run(engine, items, SamplingParams, lambda wall: None if fused_shape["prefill"]
-                                     else fused_by_batch[fused_shape["seqs"]].append(wall), "fused")
-    engine.scheduler.schedule = schedule
+    fused_total, fused_tokens = _run(engine, items, fused_step, "fused")
 
     # Then the per-layer path, every part wrapped: it runs the same kernels, with Python between them.
     fused_layers, engine.model.fused_decode = engine.model.fused_decode, None
     timer = ExclusiveTimer()
-    shape = instrument(engine, timer)
+    instrument(engine, timer)
     kinds = {"decode": defaultdict(float), "mixed": defaultdict(float)}
     steps = {"decode": 0, "mixed": 0}
     step_wall = {"decode": 0.0, "mixed": 0.0}
@@ -164,7 +165,7 @@ def main() -> None:
         if kind == "decode":
             by_batch[shape["seqs"]].append(wall)
 
-    total, tokens = _run(engine, items, SamplingParams, timed_step, "layers")
+    total, tokens = _run(engine, items, timed_step, "layers")
 
     engine.model.fused_decode = fused_layers  # the aten ops as served
     ops_table = torch_ops(engine, items, args.torch_ops) if args.torch_ops else ""
@@ -177,10 +178,12 @@ def main() -> None:
         print("\nwritten to", write_section("benchmarks.md", "profile", text))
 
 
-def _run(engine, items, sampling_params, on_step, prefix: str) -> tuple[float, int]:
+def _run(engine, items, on_step, prefix: str) -> tuple[float, int]:
     """The workload through engine.step(), on_step(wall seconds) after each; (seconds, tokens)."""
+    from worker import SamplingParams
+
     for i, (messages, m) in enumerate(items):
-        engine.add_request(f"{prefix}{i}", messages, sampling_params(max_tokens=m, temperature=0.0, ignore_eos=True))
+        engine.add_request(f"{prefix}{i}", messages, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
     tokens = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():

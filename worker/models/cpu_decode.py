@@ -43,7 +43,7 @@ class FusedDecodeLayers:
             return None
         probe = model.embed_tokens.weight
         ext = cpu.usable(probe)
-        if ext is None or not hasattr(ext, "decode_layers_cpu"):
+        if ext is None:
             return None
         linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)]
