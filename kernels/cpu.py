@@ -1,13 +1,12 @@
-"""The CPU serving path's C++ kernels (csrc/cpu_kernels.cpp), float32: write_kv and paged decode attention,
-plus the layer ops of worker/models/layer_ops.py (norm, SiLU·mul, RoPE), the greedy sampler's argmax and the
-panel linear of cpu_linear.py; and csrc/decode_layers.cpp, a decode step's layers composed of them in one
-call (worker/models/cpu_decode.py).
+"""The CPU serving path's C++ kernels, float32: csrc/cpu_kernels.cpp (write_kv and paged decode attention,
+RMSNorm, SiLU·mul, RoPE, a row-wise argmax and a panel GEMV) and csrc/decode_layers.cpp (a pure decode
+step's decoder layers composed of those kernels in one call). worker/engine/backends/cpu.py is their user.
 
 Built once per machine with torch's cpp_extension (g++ and ninja; ~25 s) into the tokenbus cache directory
 and loaded from there afterwards. The build is keyed by the source, the compiler flags, the torch version
 and the CPU's instruction sets (the code is compiled for the CPU it runs on). Where it cannot be built
-(no compiler, a read-only cache) the CPU path falls back to the PyTorch references with one warning, and
-TOKENBUS_CPU_KERNELS=0 (read when this module is first imported) asks for the references outright.
+(no compiler, a read-only cache) extension() returns None after one warning, and the engine serves with
+the PyTorch references.
 """
 
 from __future__ import annotations
@@ -25,21 +24,17 @@ import torch
 # one translation unit, in this order: decode_layers.cpp calls cpu_kernels.cpp's functions
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.cpp", "decode_layers.cpp")]
 FUNCTIONS = [
-    "write_kv_cpu", "paged_decode_attention_cpu",  # kernels/: the CPU versions of two reference functions
-    "add_rms_norm_cpu", "rms_norm_cpu", "silu_and_mul_cpu", "rotary_cpu",  # worker/models/layer_ops.py
-    "argmax_rows_cpu",  # worker/sampler.py
-    "panel_linear_cpu",  # worker/models/cpu_linear.py
-    "decode_layers_cpu",  # worker/models/cpu_decode.py
+    "write_kv_cpu", "paged_decode_attention_cpu",  # the CPU versions of two kernels/reference.py functions
+    "add_rms_norm_cpu", "rms_norm_cpu", "silu_and_mul_cpu", "rotary_cpu",  # a decoder layer's elementwise ops
+    "argmax_rows_cpu",  # greedy sampling
+    "panel_linear_cpu",  # decode-sized linear layers (worker/engine/backends/cpu_linear.py)
+    "decode_layers_cpu",  # a decode step's layers in one call (worker/engine/backends/cpu_decode.py)
 ]
 # -ffast-math lets g++ vectorise exp and the dot-product reductions (the kernels never rely on inf/NaN);
 # -fopenmp because at::parallel_for's OpenMP pragmas sit in ATen's headers: without it, one thread
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 log = structlog.get_logger("tokenbus.kernels")
-
-
-# read once: usable() runs for every op of every step (the worker sets it from its settings before importing)
-ENABLED = os.environ.get("TOKENBUS_CPU_KERNELS", "1") != "0"
 
 
 def cpu_flags() -> str:
@@ -51,14 +46,14 @@ def cpu_flags() -> str:
         return ""
 
 
-def cache_root() -> Path:
-    """tokenbus's cache directory (dequantised GGUF weights, built CPU kernels): TOKENBUS_CACHE_DIR or
-    ~/.cache/tokenbus."""
-    return Path(os.environ.get("TOKENBUS_CACHE_DIR") or Path.home() / ".cache" / "tokenbus")
+def cache_root(cache_dir: str | None = None) -> Path:
+    """tokenbus's cache directory (dequantised GGUF weights, built CPU kernels): cache_dir if given, else
+    TOKENBUS_CACHE_DIR, else ~/.cache/tokenbus."""
+    return Path(cache_dir or os.environ.get("TOKENBUS_CACHE_DIR") or Path.home() / ".cache" / "tokenbus")
 
 
 @functools.cache
-def extension() -> ModuleType | None:
+def extension(cache_dir: str | None = None) -> ModuleType | None:
     """The compiled module, or None (with one logged warning) where it cannot be built."""
     sources = [path.read_text() for path in SOURCES]
     key = "\n".join([*sources, " ".join(CFLAGS), torch.__version__, cpu_flags()])
@@ -67,7 +62,7 @@ def extension() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load_inline
 
-        build_dir = cache_root() / "cpu_kernels" / name
+        build_dir = cache_root(cache_dir) / "cpu_kernels" / name
         build_dir.mkdir(parents=True, exist_ok=True)
         module = load_inline(
             name, cpp_sources=sources, functions=FUNCTIONS, extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
@@ -83,9 +78,3 @@ def extension() -> ModuleType | None:
     log.debug("cpu_kernels_ready", module=name, seconds=round(time.perf_counter() - started, 1))
     return module
 
-
-def usable(t: torch.Tensor) -> ModuleType | None:
-    """The extension when it serves this tensor (a float32 CPU tensor, kernels enabled), else None."""
-    if not ENABLED or t.dtype != torch.float32 or t.device.type != "cpu":
-        return None
-    return extension()

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 import structlog
 
 from producer import openai_batch, scripts
-from producer.client import CHUNK, MAX_ERRORS_SHOWN, PendingJob
-from producer.errors import BatchNotFound, InvalidBatch, InvalidJob, TokenbusError, WaitTimeout
+from producer.errors import BatchNotFound, InvalidBatch, InvalidJob, TokenbusError, WaitTimeout, listing
 from producer.protocol import GROUP, BatchRecord, BatchStatus, check_job_id
+from producer.scripts import CHUNK, PendingJob
 
 if TYPE_CHECKING:
     from producer.client import Client
@@ -56,10 +56,9 @@ def parse_batch(lines: list[tuple[int, str]]) -> tuple[str, list[tuple[str, dict
         except InvalidJob as err:
             errors.append((number, str(err)))
     if errors:
-        shown = "\n  ".join(f"line {n}: {msg}" for n, msg in errors[:MAX_ERRORS_SHOWN])
-        more = f"\n  ... and {len(errors) - MAX_ERRORS_SHOWN} more" if len(errors) > MAX_ERRORS_SHOWN else ""
-        raise InvalidBatch(f"{len(errors)} of {len(lines)} lines are invalid; nothing was submitted:\n  "
-                           f"{shown}{more}", line_errors=errors)
+        problems = listing([f"line {n}: {msg}" for n, msg in errors])
+        raise InvalidBatch(f"{len(errors)} of {len(lines)} lines are invalid; nothing was submitted:{problems}",
+                           line_errors=errors)
     if not parsed:
         raise InvalidBatch("the batch input has no requests (no non-blank lines)")
     return endpoint, parsed

@@ -8,19 +8,20 @@ import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 import structlog
 
-from producer import scripts
-from producer.errors import InvalidJob, JobNotFound, QueueFull, TokenbusError, WaitTimeout
+from producer import batches, scripts
+from producer.errors import InvalidJob, JobNotFound, QueueFull, TokenbusError, WaitTimeout, listing
 from producer.protocol import (
     DEFAULT_MAX_QUEUE_LEN,
     DEFAULT_NAMESPACE,
     DEFAULT_RESULT_TTL,
     GROUP,
     TERMINAL_STATUSES,
+    BatchRecord,
     Heartbeat,
     Job,
     JobRequest,
@@ -31,24 +32,7 @@ from producer.protocol import (
     validate_request,
 )
 
-if TYPE_CHECKING:
-    from producer.protocol import BatchRecord
-
 log = structlog.get_logger("tokenbus.producer")
-
-CHUNK = 1000  # jobs per pipeline round trip
-MAX_ERRORS_SHOWN = 20
-
-
-@dataclass
-class PendingJob:
-    """A validated job about to be written: what the submit script needs."""
-
-    job_id: str
-    request_json: str
-    batch_id: str = ""
-    custom_id: str = ""
-
 
 @dataclass
 class TokenChunk:
@@ -125,7 +109,7 @@ class Client:
         requests: Iterable[dict[str, Any] | JobRequest],
         *,
         job_ids: Iterable[str | None] | None = None,
-        chunk_size: int = CHUNK,
+        chunk_size: int = scripts.CHUNK,
     ) -> list[str]:
         """Validate every request, then queue them all, pipelined. Nothing is written if any is invalid.
 
@@ -142,14 +126,14 @@ class Client:
                 jid = req.pop("job_id")
             try:
                 jid = check_job_id(jid) if jid is not None else uuid.uuid4().hex
-                pending.append(PendingJob(jid, validate_request(req).to_json()))
+                pending.append(scripts.PendingJob(jid, validate_request(req).to_json()))
             except InvalidJob as err:
                 errors.append(f"request {i}: {err}" if len(requests) > 1 else str(err))
         if errors:
             raise InvalidJob(_many_errors(errors, len(requests)))
         return self.enqueue(pending, chunk_size=chunk_size)
 
-    def enqueue(self, jobs: list[PendingJob], chunk_size: int = CHUNK) -> list[str]:
+    def enqueue(self, jobs: list[scripts.PendingJob], chunk_size: int = scripts.CHUNK) -> list[str]:
         """Write validated jobs (SUBMIT_JOB per job, EVALSHA pipelined in chunks). Returns their ids."""
         if not jobs:
             return []
@@ -209,9 +193,9 @@ class Client:
         """Records in the order asked; None where there is no record (never submitted, or expired)."""
         job_ids = list(job_ids)
         out: list[Job | None] = []
-        for start in range(0, len(job_ids), CHUNK):
+        for start in range(0, len(job_ids), scripts.CHUNK):
             pipe = self.redis.pipeline(transaction=False)
-            for jid in job_ids[start:start + CHUNK]:
+            for jid in job_ids[start:start + scripts.CHUNK]:
                 pipe.hgetall(self.keys.job(jid))
             out.extend(Job.from_record(rec) if rec else None for rec in pipe.execute())
         return out
@@ -351,19 +335,15 @@ class Client:
 
     # ---- batches (see producer/batches.py) -----------------------------------------------------
     def submit_batch(self, source: str | Path | Iterable[str], **kwargs: Any) -> BatchRecord:
-        from producer import batches
         return batches.submit_batch(self, source, **kwargs)
 
     def get_batch(self, batch_id: str) -> BatchRecord:
-        from producer import batches
         return batches.get_batch(self, batch_id)
 
     def cancel_batch(self, batch_id: str) -> BatchRecord:
-        from producer import batches
         return batches.cancel_batch(self, batch_id)
 
     def export_batch(self, batch_id: str, out: str | Path, **kwargs: Any) -> int:
-        from producer import batches
         return batches.export_batch(self, batch_id, out, **kwargs)
 
     def close(self) -> None:
@@ -386,8 +366,6 @@ def _heartbeat(raw: str | None) -> Heartbeat | None:
 
 
 def _many_errors(errors: list[str], total: int) -> str:
-    shown = "\n  ".join(errors[:MAX_ERRORS_SHOWN])
-    more = f"\n  ... and {len(errors) - MAX_ERRORS_SHOWN} more" if len(errors) > MAX_ERRORS_SHOWN else ""
     if total == 1:
         return errors[0]
-    return f"{len(errors)} of {total} requests are invalid; nothing was submitted:\n  {shown}{more}"
+    return f"{len(errors)} of {total} requests are invalid; nothing was submitted:{listing(errors)}"

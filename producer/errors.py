@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+MAX_ERRORS_SHOWN = 20
+
+
+def listing(problems: list[str]) -> str:
+    """The first MAX_ERRORS_SHOWN problems, one per indented line, and how many more there are."""
+    shown = "\n  ".join(problems[:MAX_ERRORS_SHOWN])
+    more = len(problems) - MAX_ERRORS_SHOWN
+    return f"\n  {shown}" + (f"\n  ... and {more} more" if more > 0 else "")
+
 
 class TokenbusError(Exception):
     """Base class: the CLI prints these as one line and exits non-zero."""

@@ -8,15 +8,21 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from producer.errors import InvalidJob
-from producer.protocol import Job, JobRequest, JobStatus, describe_validation_error, validate_request
+from producer.protocol import (
+    GenerationParams,
+    Job,
+    JobRequest,
+    JobStatus,
+    describe_validation_error,
+    validate_request,
+)
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
-# Body fields passed through under the same name (OpenAI's and the engine's extras, as vLLM accepts them).
-_SAME_NAME = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
-              "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
-              "stop_token_ids", "skip_special_tokens"}
+# Body fields passed through under the same name: every generation field (OpenAI's and the engine's extras,
+# as vLLM accepts them) but logprobs, whose OpenAI meaning differs per endpoint (mapped below).
+_SAME_NAME = (set(GenerationParams.model_fields) - {"logprobs"}) | {"model"}
 _IGNORED = {"user"}  # accepted, no effect on generation
 _CHAT_FIELDS = _SAME_NAME | _IGNORED | {"messages", "max_completion_tokens", "n", "logprobs", "top_logprobs",
                                         "stream", "metadata"}

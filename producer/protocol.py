@@ -110,7 +110,8 @@ _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class GenerationParams(BaseModel):
-    """The engine's SamplingParams fields, same names and defaults, validated the same way."""
+    """The generation fields of a job: their one definition. The engine's SamplingParams is this class plus
+    what it derives (worker/engine/sampling_params.py), so both sides accept and refuse the same values."""
 
     model_config = _STRICT
 

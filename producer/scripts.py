@@ -11,12 +11,26 @@ from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 from redis.commands.core import Script
 
 from producer.protocol import DEFAULT_RESULT_TTL, EVENTS_MAXLEN, GROUP, JobResult, JobStatus, Keys
+
+CHUNK = 1000  # jobs per pipeline round trip
+
+
+@dataclass
+class PendingJob:
+    """A validated job about to be written: the ARGV of SUBMIT_JOB."""
+
+    job_id: str
+    request_json: str
+    batch_id: str = ""
+    custom_id: str = ""
+
 
 # Shared Lua: count one ended job in its batch, and end the batch when every job has ended.
 # status is the job's terminal status, which is also the counter's field name.

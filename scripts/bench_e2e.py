@@ -35,7 +35,6 @@ import torch
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(SCRIPTS)
 sys.path.insert(0, SCRIPTS)
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # redis_server.RedisServer: a throwaway redis-server
 from bench_common import cpu_name, hf_continuous_batching, hf_static_batches, write_section  # noqa: E402
 from bench_e2e_report import (  # noqa: E402
     Row,
@@ -116,10 +115,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
-    from redis_server import RedisServer
     from transformers import AutoModelForCausalLM
 
-    from worker import loader
+    from producer.local_redis import RedisServer
+    from worker.engine import loader
 
     source = loader.resolve("smollm2-135m")
     tokenizer = loader.load_tokenizer(source)

@@ -30,7 +30,7 @@ def _load(threads: int) -> Any:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from worker import loader
+        from worker.engine import loader
 
         torch.set_num_threads(threads)
         source = loader.resolve("smollm2-135m")

@@ -94,9 +94,8 @@ def run_e2e(redis_url: str, prompt_ids: list[list[int]], max_tokens: list[int], 
     The worker's step histogram gives the steps it took and the time spent outside them: the queue's own
     overhead, measured inside one run (a ratio to the offline engine's separate run also carries the drift).
     """
-    from redis_server import free_port
-
     from producer import Client
+    from producer.local_redis import free_port
 
     metrics_port = free_port()
     worker = _start_worker(redis_url, threads, log_path, max_num_seqs, max_num_batched_tokens, metrics_port)

@@ -91,7 +91,7 @@ def make_checkpoint(directory: str, shape: dict, device: str) -> str:
     """A random-weight checkpoint (bf16 safetensors + the SmolLM2 tokenizer) the engine loads as a dir."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from worker import loader
+    from worker.engine import loader
 
     fields = dict(shape)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
@@ -137,7 +137,7 @@ def sync(device: str) -> None:
 
 def run_engine(path: str, work: Workload, device: str, dtype: str, bandwidth: float, smoke: bool) -> Result:
     from worker import Engine, SamplingParams
-    from worker.model_runner import kv_bytes_per_block
+    from worker.engine.model_runner import kv_bytes_per_block
 
     options = dict(max_num_seqs=256, max_num_batched_tokens=8192, block_size=16)
     if smoke:

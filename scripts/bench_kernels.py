@@ -139,7 +139,8 @@ def bench_config(torch, do_bench, name, shape, batch, ctx, copy_bw):
     """One row: (shape, batch, context, decode us, GB/s, % copy, SDPA us, prefill us, TFLOP/s, SDPA us)."""
     from torch.nn.attention.bias import causal_lower_right
 
-    import kernels
+    from kernels.decode_attention import paged_decode_attention_triton
+    from kernels.prefill_attention import paged_prefill_attention_triton
 
     hq, hk, d = shape
     dtype, dev = torch.bfloat16, "cuda"
@@ -152,7 +153,7 @@ def bench_config(torch, do_bench, name, shape, batch, ctx, copy_bw):
     table = torch.randperm(num_blocks, device=dev).to(torch.int32).view(batch, blocks_per_seq)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
     q = torch.randn(batch, hq, d, device=dev, dtype=dtype)
-    dec_ms = do_bench(partial(kernels.paged_decode_attention, q, k_cache, v_cache, table, seq_lens, scale))
+    dec_ms = do_bench(partial(paged_decode_attention_triton, q, k_cache, v_cache, table, seq_lens, scale))
     kv_bytes = 2 * batch * ctx * hk * d * el + 2 * q.numel() * el
     gbps = kv_bytes / (dec_ms * 1e-3) / 1e9
 
@@ -164,7 +165,7 @@ def bench_config(torch, do_bench, name, shape, batch, ctx, copy_bw):
     chunk = min(ctx, PREFILL_CHUNK)
     qp = torch.randn(batch * chunk, hq, d, device=dev, dtype=dtype)
     cu = torch.arange(0, batch + 1, device=dev, dtype=torch.int32) * chunk
-    pre_ms = do_bench(partial(kernels.paged_prefill_attention, qp, k_cache, v_cache, table, cu, seq_lens, scale))
+    pre_ms = do_bench(partial(paged_prefill_attention_triton, qp, k_cache, v_cache, table, cu, seq_lens, scale))
     # the chunk ends the context: its query j sees ctx - chunk + j + 1 keys
     visible = batch * (chunk * (ctx - chunk) + chunk * (chunk + 1) // 2)
     tflops = 4 * visible * hq * d / (pre_ms * 1e-3) / 1e12
@@ -178,7 +179,7 @@ def bench_config(torch, do_bench, name, shape, batch, ctx, copy_bw):
 
 
 def bench_write_kv(torch, do_bench):
-    import kernels
+    from kernels.kv_write import write_kv_triton
 
     lines = []
     for name, (_, hk, d) in SHAPES.items():
@@ -187,7 +188,7 @@ def bench_write_kv(torch, do_bench):
             v_cache = torch.randn_like(k_cache)
             slots = torch.randperm(k_cache.shape[0] * BLOCK_SIZE, device="cuda")[:tokens]
             k = torch.randn(tokens, hk, d, device="cuda", dtype=torch.bfloat16)
-            ms = do_bench(partial(kernels.write_kv, k, k, k_cache, v_cache, slots))
+            ms = do_bench(partial(write_kv_triton, k, k, k_cache, v_cache, slots))
             moved = 4 * k.numel() * k.element_size()  # read k, v; write both
             lines.append(f"| {name} | {tokens} | {ms * 1e3:.1f} | {moved / (ms * 1e-3) / 1e9:.0f} |")
     return lines

@@ -57,7 +57,7 @@ def main() -> None:
     server = None
     url = a.url
     if url is None:
-        from redis_server import RedisServer
+        from producer.local_redis import RedisServer
         server = RedisServer().start()
         url = server.url
     try:

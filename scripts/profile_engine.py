@@ -90,24 +90,22 @@ def record_batch_shape(engine) -> dict:
 
 def instrument(engine, timer: ExclusiveTimer) -> None:
     """Wrap the engine's parts, each with its category's timer."""
-    import kernels
-    from worker.models import layer_ops
-
-    model = engine.model
+    model, backend = engine.model, engine.backend
     for layer in model.layers:
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             lin.forward = timer.wrap("linear", lin.forward)
-    layer_ops.rms_norm = timer.wrap("norm", layer_ops.rms_norm)
-    layer_ops.add_rms_norm = timer.wrap("norm", layer_ops.add_rms_norm)
-    layer_ops.silu_and_mul = timer.wrap("silu_mul", layer_ops.silu_and_mul)
-    layer_ops.apply_rotary = timer.wrap("rope", layer_ops.apply_rotary)
+    # instance attributes shadow the backend's methods: every module calls them through engine.backend
+    backend.rms_norm = timer.wrap("norm", backend.rms_norm)
+    backend.add_rms_norm = timer.wrap("norm", backend.add_rms_norm)
+    backend.silu_and_mul = timer.wrap("silu_mul", backend.silu_and_mul)
+    backend.rotary = timer.wrap("rope", backend.rotary)
     model.rotary.cos_sin = timer.wrap("rope", model.rotary.cos_sin)
     model.embed_tokens.forward = timer.wrap("embed", model.embed_tokens.forward)
     model.forward = timer.wrap("model_other", model.forward)
     model.compute_logits = timer.wrap("lm_head", model.compute_logits)
-    kernels.write_kv = timer.wrap("kv_write", kernels.write_kv)
-    kernels.paged_decode_attention = timer.wrap("attention", kernels.paged_decode_attention)
-    kernels.paged_prefill_attention = timer.wrap("attention", kernels.paged_prefill_attention)
+    backend.write_kv = timer.wrap("kv_write", backend.write_kv)
+    backend.decode_attention = timer.wrap("attention", backend.decode_attention)
+    backend.prefill_attention = timer.wrap("attention", backend.prefill_attention)
     engine.runner.sampler = timer.wrap("sampling", engine.runner.sampler)
     engine.runner._prepare = timer.wrap("prepare", engine.runner._prepare)
     engine.runner.run = timer.wrap("runner_other", engine.runner.run)
@@ -148,7 +146,7 @@ def main() -> None:
     fused_total, fused_tokens = _run(engine, items, fused_step, "fused")
 
     # Then the per-layer path, every part wrapped: it runs the same kernels, with Python between them.
-    fused_layers, engine.model.fused_decode = engine.model.fused_decode, None
+    fused_layers, engine.backend.fused = engine.backend.fused, None
     timer = ExclusiveTimer()
     instrument(engine, timer)
     kinds = {"decode": defaultdict(float), "mixed": defaultdict(float)}
@@ -167,7 +165,7 @@ def main() -> None:
 
     total, tokens = _run(engine, items, timed_step, "layers")
 
-    engine.model.fused_decode = fused_layers  # the aten ops as served
+    engine.backend.fused = fused_layers  # the aten ops as served
     ops_table = torch_ops(engine, items, args.torch_ops) if args.torch_ops else ""
     batches = [int(b) for b in args.linear_batches.split(",") if b]
     linear_table = linear_paths(engine.model, batches) if batches else ""
@@ -190,7 +188,7 @@ def _run(engine, items, on_step, prefix: str) -> tuple[float, int]:
         t = time.perf_counter()
         engine.step()
         on_step(time.perf_counter() - t)
-        tokens += len(engine.new_tokens)
+        tokens += len(engine.deltas)
     return time.perf_counter() - start, tokens
 
 
@@ -230,7 +228,7 @@ def linear_paths(model, batches: list[int], repeats: int = 5) -> str:
     """The model's own weights through several GEMM paths: what the linear layers cost per step each way."""
     import torch.nn.functional as F
 
-    from worker.models.cpu_linear import PANEL_MAX_ROWS
+    from worker.engine.backends.cpu_linear import PANEL_MAX_ROWS
 
     modules = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)]
@@ -249,9 +247,9 @@ def linear_paths(model, batches: list[int], repeats: int = 5) -> str:
                   f"{PANEL_MAX_ROWS} rows)"] = (
                 lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), packed, torch.float32)
     from kernels import cpu
-    from worker.models.cpu_linear import pack_panels
+    from worker.engine.backends.cpu_linear import pack_panels
 
-    if (ext := cpu.usable(weights[0])) is not None:
+    if (ext := cpu.extension()) is not None:
         panels = [(pack_panels(w), w.shape[0]) for w in weights]
         paths[f"C++ panel kernel, fp32 (panel_linear_cpu: CpuLinear up to {PANEL_MAX_ROWS} rows)"] = (
             lambda x, w: ext.panel_linear_cpu(x, w[0], w[1], None), panels, torch.float32)

@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from redis_server import RedisServer  # noqa: E402
+from producer.local_redis import RedisServer  # noqa: E402
 
 
 @pytest.fixture
@@ -85,7 +85,7 @@ class ServeThread:
 @pytest.fixture
 def serve(redis_server):
     """serve(engine, **settings) -> ServeThread: a started in-process worker on the test's redis_server."""
-    from worker.serve import Server
+    from worker.serve.server import Server
     from worker.settings import WorkerSettings
 
     started: list[ServeThread] = []

@@ -1,4 +1,4 @@
-"""The fused CPU decode layers (worker/models/cpu_decode.py) against the per-layer path they replace.
+"""The fused CPU decode layers (worker/engine/backends/cpu_decode.py) against the per-layer path they replace.
 
 Both run the same C++ kernels in the same order, so every step's hidden states must be equal to the bit;
 the engine-level checks against Hugging Face `generate` (test_engine_families, test_engine_smollm2) run
@@ -13,7 +13,7 @@ from tiny_models import make_tiny_model
 
 from kernels import cpu
 from worker import Engine, SamplingParams
-from worker.models.cpu_decode import FusedDecodeLayers
+from worker.engine.backends.cpu_decode import FusedDecodeLayers
 
 PROMPTS = ["Hello there", "The capital of France is", "1, 2, 3,", "def f(x):\n    return", "a b c d e f g h",
            "Once upon a time"]
@@ -41,7 +41,7 @@ def _hidden_per_step(engine: Engine) -> tuple[list[torch.Tensor], int]:
     hiddens: list[torch.Tensor] = []
     fused_calls = 0
     compute_logits = engine.model.compute_logits
-    fused = engine.model.fused_decode
+    fused = engine.backend.fused
 
     def record(hidden: torch.Tensor) -> torch.Tensor:
         hiddens.append(hidden.clone())
@@ -58,13 +58,13 @@ def _hidden_per_step(engine: Engine) -> tuple[list[torch.Tensor], int]:
 
     engine.model.compute_logits = record
     if fused is not None:
-        engine.model.fused_decode = Counting()
+        engine.backend.fused = Counting()
     try:
         params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
         engine.generate(PROMPTS, params)
     finally:
         engine.model.compute_logits = compute_logits
-        engine.model.fused_decode = fused
+        engine.backend.fused = fused
     return hiddens, fused_calls
 
 
@@ -73,12 +73,12 @@ def test_fused_decode_equals_the_per_layer_path(ext, tmp_path_factory, shape):
     model_type, overrides = SHAPES[shape]
     directory = make_tiny_model(str(tmp_path_factory.mktemp(shape)), model_type, **overrides)
     engine = Engine(directory, device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=16)
-    assert isinstance(engine.model.fused_decode, FusedDecodeLayers)
+    assert isinstance(engine.backend.fused, FusedDecodeLayers)
     fused, fused_steps = _hidden_per_step(engine)
-    saved = engine.model.fused_decode
-    engine.model.fused_decode = None
+    saved = engine.backend.fused
+    engine.backend.fused = None
     per_layer, _ = _hidden_per_step(engine)
-    engine.model.fused_decode = saved
+    engine.backend.fused = saved
     assert fused_steps > 10, "the fused layers should have run every pure decode step"
     assert len(fused) == len(per_layer)
     for step, (a, b) in enumerate(zip(fused, per_layer, strict=True)):
@@ -87,20 +87,20 @@ def test_fused_decode_equals_the_per_layer_path(ext, tmp_path_factory, shape):
 
 def test_fused_decode_is_not_built_where_it_does_not_apply(ext, tmp_path_factory):
     qwen3 = make_tiny_model(str(tmp_path_factory.mktemp("qwen3")), "qwen3")  # QK-norm: not in the C++ layer
-    assert Engine(qwen3, device="cpu", dtype="float32").model.fused_decode is None
+    assert Engine(qwen3, device="cpu", dtype="float32").backend.fused is None
     llama = make_tiny_model(str(tmp_path_factory.mktemp("llama")), "llama")
     bf16 = Engine(llama, device="cpu", dtype="bfloat16")  # on a CPU oneDNN will not prepack bf16 for, too
-    assert bf16.model.fused_decode is None
+    assert getattr(bf16.backend, "fused", None) is None
     out = bf16.generate(["Hello there"], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 5
 
 
 def test_fused_decode_leaves_prefill_and_wide_batches_to_the_per_layer_path(ext, tmp_path_factory):
-    from worker.attention_metadata import AttentionMetadata
-    from worker.models.cpu_linear import PANEL_MAX_ROWS
+    from worker.engine.attention_metadata import AttentionMetadata
+    from worker.engine.backends.cpu_linear import PANEL_MAX_ROWS
 
     directory = make_tiny_model(str(tmp_path_factory.mktemp("llama-serves")), "llama")
-    fused = Engine(directory, device="cpu", dtype="float32").model.fused_decode
+    fused = Engine(directory, device="cpu", dtype="float32").backend.fused
 
     def meta(prefill_tokens: int) -> AttentionMetadata:
         return AttentionMetadata(torch.zeros(1, dtype=torch.long), prefill_tokens, None, None, None, None, None)

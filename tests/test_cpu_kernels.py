@@ -12,9 +12,9 @@ import pytest
 import torch
 from test_kernels import LENGTH_CASES, paged_cache, strided
 
-import kernels
 from kernels import cpu
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
+from worker.engine.backends import CpuBackend, select_backend
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_bad_input_is_refused_with_a_reason(ext):
                                        torch.ones(2, dtype=torch.int32), 1.0)
 
 
-def test_dispatch_uses_the_cpp_kernels_for_float32(ext, monkeypatch):
+def test_the_cpu_backend_runs_the_cpp_kernels_for_float32(ext, monkeypatch):
     calls = []
 
     def spy(name):
@@ -97,21 +97,22 @@ def test_dispatch_uses_the_cpp_kernels_for_float32(ext, monkeypatch):
         return wrapped
 
     spied = type("Spied", (), {n: staticmethod(spy(n)) for n in cpu.FUNCTIONS})
-    monkeypatch.setattr(cpu, "extension", lambda: spied)
+    monkeypatch.setattr(cpu, "extension", lambda cache_dir=None: spied)
+    backend = select_backend("cpu", torch.float32)
+    assert isinstance(backend, CpuBackend) and backend.name == "cpu-cpp"
     gen = torch.Generator().manual_seed(11)
     k_cache, v_cache, table = paged_cache([9, 30], 16, 2, 32, torch.float32, gen, device="cpu")
     q = torch.randn(2, 4, 32, generator=gen)
     seq_lens = torch.tensor([9, 30], dtype=torch.int32)
-    kernels.write_kv(q[:, :2], q[:, 2:], k_cache, v_cache, torch.tensor([3, -1]))
-    out = kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 0.2)
+    backend.write_kv(q[:, :2], q[:, 2:], k_cache, v_cache, torch.tensor([3, -1]))
+    out = backend.decode_attention(q, k_cache, v_cache, table, seq_lens, 0.2)
     torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, table, seq_lens, 0.2))
     assert calls == ["write_kv_cpu", "paged_decode_attention_cpu"]
-    assert kernels.backend("cpu", torch.float32) == "cpu-cpp"
-    # bf16 on the CPU, or the kernels switched off, serve through the references
-    assert kernels.backend("cpu", torch.bfloat16) == "torch-reference"
-    monkeypatch.setattr(cpu, "ENABLED", False)  # what TOKENBUS_CPU_KERNELS=0 sets at import
-    assert kernels.backend("cpu", torch.float32) == "torch-reference"
-    kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 0.2)
+    # bf16 on the CPU, or the kernels switched off (cpu_kernels=False), serve through the references
+    assert select_backend("cpu", torch.bfloat16).name == "torch-reference"
+    off = select_backend("cpu", torch.float32, cpu_kernels_enabled=False)
+    assert off.name == "torch-reference"
+    off.decode_attention(q, k_cache, v_cache, table, seq_lens, 0.2)
     assert len(calls) == 2
 
 
@@ -119,7 +120,8 @@ def test_a_failed_build_falls_back_to_the_reference(tmp_path):
     """No compiler: one warning naming the fix, then the references serve. In a child process, because torch's
     extension loader remembers a failed build for the rest of the process."""
     env = dict(os.environ, CXX=str(tmp_path / "no-such-g++"), TOKENBUS_CACHE_DIR=str(tmp_path / "cache"))
-    code = "import torch, kernels; print('BACKEND', kernels.backend('cpu', torch.float32))"
+    code = ("import torch; from worker.engine.backends import select_backend; "
+            "print('BACKEND', select_backend('cpu', torch.float32).name)")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-2000:]
@@ -128,7 +130,7 @@ def test_a_failed_build_falls_back_to_the_reference(tmp_path):
 
 
 @pytest.mark.parametrize("block_size,hq,hk,head_dim", [(16, 9, 3, 64), (32, 8, 1, 64), (8, 4, 4, 32)])
-def test_prefill_dispatch_matches_reference(ext, block_size, hq, hk, head_dim):
+def test_prefill_as_decodes_matches_reference(ext, block_size, hq, hk, head_dim):
     """CPU prefill runs each query token as a decode over its own prefix: chunks after earlier chunks, whole
     prompts, single tokens and an empty entry, as in the Triton prefill test."""
     gen = torch.Generator().manual_seed(block_size + hq + head_dim)
@@ -143,7 +145,7 @@ def test_prefill_dispatch_matches_reference(ext, block_size, hq, hk, head_dim):
     cu_seqlens_q = torch.tensor(cu, dtype=torch.int32)
     q = strided(torch.randn(cu[-1], hq, head_dim, generator=gen), gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    out = kernels.paged_prefill_attention(q, k_cache, v_cache, table, cu_seqlens_q, seq_lens, head_dim**-0.5)
+    out = CpuBackend(ext).prefill_attention(q, k_cache, v_cache, table, cu_seqlens_q, seq_lens, head_dim**-0.5)
     ref = paged_prefill_attention_ref(q, k_cache, v_cache, table, cu_seqlens_q, seq_lens, head_dim**-0.5)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -152,7 +154,7 @@ def test_prefill_dispatch_matches_reference(ext, block_size, hq, hk, head_dim):
 def test_cpu_linear_matches_f_linear(ext, rows):
     """CpuLinear: the panel kernel up to PANEL_MAX_ROWS rows, oneDNN beyond; both equal F.linear (fp32, other
     summation order). Awkward widths: out not a multiple of 16, a bias, x rows strided (a slice)."""
-    from worker.models.cpu_linear import PANEL_MAX_ROWS, CpuLinear
+    from worker.engine.backends.cpu_linear import PANEL_MAX_ROWS, CpuLinear
 
     gen = torch.Generator().manual_seed(rows)
     linear = torch.nn.Linear(200, 77, bias=True)
@@ -161,7 +163,7 @@ def test_cpu_linear_matches_f_linear(ext, rows):
         linear.bias.copy_(torch.randn(77, generator=gen))
     wide = torch.randn(rows, 250, generator=gen)
     x = wide[:, 25:225]
-    cpu_linear = CpuLinear(linear)
+    cpu_linear = CpuLinear(linear, ext)
     calls = []
     real = cpu_linear.ext
 
@@ -182,7 +184,7 @@ def test_panel_kernel_every_tile_height(ext):
     """The panel kernel has one loop per tile height (1-16 rows with AVX-512, 1-6 with AVX2) and reads a panel
     again per tile: every row count up to 70 against F.linear, in_features not a multiple of its prefetch
     distance."""
-    from worker.models.cpu_linear import pack_panels
+    from worker.engine.backends.cpu_linear import pack_panels
 
     gen = torch.Generator().manual_seed(7)
     weight = torch.randn(45, 1100, generator=gen) * 0.03
@@ -194,22 +196,22 @@ def test_panel_kernel_every_tile_height(ext):
                                    msg=lambda m, rows=rows: f"{rows} rows: {m}")
 
 
-def test_worker_sets_the_kernel_switch_before_kernels_is_imported():
-    """`--cpu-kernels false` works by setting TOKENBUS_CPU_KERNELS=0 before kernels/cpu.py is first imported
-    (it reads the variable once): importing the worker's entry point and parsing settings must not import it."""
-    code = ("import sys, worker.__main__ as m; m.load_settings(['--cpu-kernels', 'false']); "
-            "print('IMPORTED', 'kernels' in sys.modules)")
+def test_the_kernel_switch_reaches_the_engine_in_its_config():
+    """`--cpu-kernels false` travels in the EngineConfig the settings build (no environment variable read at
+    import), and parsing the worker's settings imports neither torch nor the kernels."""
+    code = ("import sys, worker.__main__ as m; c = m.load_settings(['--cpu-kernels', 'false']).engine_config(); "
+            "print('CONFIG', c.cpu_kernels, 'IMPORTED', 'torch' in sys.modules or 'kernels' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "IMPORTED False" in done.stdout
+    assert "CONFIG False IMPORTED False" in done.stdout
 
 
 @pytest.mark.parametrize("rows,vocab", [(0, 5), (1, 1), (3, 17), (64, 49152)])
 def test_argmax_rows_matches_torch(ext, rows, vocab):
     """The greedy sampler's argmax: the first maximum of each row, like torch.argmax, with ties, -inf (banned
     tokens) and rows that are a strided slice of a wider tensor."""
-    from worker.sampler import argmax_rows
+    from worker.engine.backends import CpuBackend
 
     gen = torch.Generator().manual_seed(rows * 1000 + vocab)
     wide = torch.randn(rows, vocab + 3, generator=gen)
@@ -221,4 +223,4 @@ def test_argmax_rows_matches_torch(ext, rows, vocab):
     out = ext.argmax_rows_cpu(logits)
     assert out.dtype == torch.int64
     assert torch.equal(out, logits.argmax(dim=-1))
-    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    assert torch.equal(CpuBackend(ext).argmax(logits), logits.argmax(dim=-1))

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import redis
 import yaml
-from redis_server import free_port
+
+from producer.local_redis import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_TEXT = (ROOT / "compose.yaml").read_text()
@@ -267,7 +268,7 @@ def test_compose_redis_auth_acl_healthcheck_and_aof(compose, compose_redis):
 
 def test_the_tokenbus_acl_user_runs_the_real_producer_and_worker_operations(compose_redis):
     from producer.client import Client
-    from worker.queue import Ending, JobQueue
+    from worker.serve.queue import Ending, JobQueue
 
     srv, _ = compose_redis
     url = app_url(srv.port)

@@ -107,7 +107,7 @@ def test_build_context_holds_what_copy_needs_and_builds_a_complete_wheel(tmp_pat
 
 
 def test_image_healthcheck_probes_the_worker_healthz():
-    from worker.metrics import WorkerMetrics
+    from worker.serve.metrics import WorkerMetrics
 
     (hc,) = [v for k, v in instructions() if k == "HEALTHCHECK"]
     assert "--start-period=" in hc

@@ -6,7 +6,7 @@ import pytest
 from hf_reference import hf_greedy, load_hf
 
 from worker import Engine, SamplingParams
-from worker.loader import resolve
+from worker.engine.loader import resolve
 
 PROMPTS = [
     "The capital of France is",
@@ -85,7 +85,7 @@ def run_staggered(engine: Engine, prompts, max_tokens, arrive_every: int = 2) ->
 
 
 def test_staggered_arrival_equals_hf(engine, hf_model):
-    assert engine.attention_backend == "cpu-cpp", "the CPU serving path should run the C++ kernels"
+    assert engine.backend.name == "cpu-cpp", "the CPU serving path should run the C++ kernels"
     outputs = run_staggered(engine, PROMPTS, MAX_TOKENS)
     assert_equals_hf(outputs, hf_model, engine, PROMPTS, MAX_TOKENS)
 
@@ -124,7 +124,7 @@ def test_long_prompt_is_chunk_prefilled_alongside_decodes(chunk_engine, hf_model
         prefilling = long_seq is not None and 0 < long_seq.num_pending_tokens and long_seq.num_output_tokens == 0
         for out in chunk_engine.step():
             outputs[out.request_id] = out.token_ids
-        if prefilling and "short" in batch_before and "short" in chunk_engine.new_tokens:
+        if prefilling and "short" in batch_before and "short" in chunk_engine.deltas:
             shared_steps += 1
     assert shared_steps >= 3, "the long prompt was not prefilled in chunks alongside the short one's decode"
     assert outputs["long"] == reference(hf_model, chunk_engine, long_prompt, 12)
@@ -182,6 +182,42 @@ def test_stop_token_ids_min_tokens_and_logprobs(engine):
     for token, row in zip(lp.token_ids, lp.logprobs, strict=True):
         assert token in row and len(row) == 3  # greedy: the chosen token is the top one
         assert max(row, key=row.get) == token and all(v <= 0 for v in row.values())
+
+
+def _step_texts(engine, requests: dict[str, tuple]) -> tuple[dict[str, str], dict[str, object]]:
+    """Run requests to the end: (each one's step deltas joined, its RequestOutput)."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    joined = dict.fromkeys(requests, "")
+    outputs = {}
+    while len(outputs) < len(requests):
+        for out in engine.step():
+            outputs[out.request_id] = out
+        for rid, delta in engine.deltas.items():
+            if rid in joined:
+                joined[rid] += delta.text
+    return joined, outputs
+
+
+def test_step_deltas_join_to_the_result_text(engine):
+    """One detokenizer for streaming and the result: the deltas join to the final text exactly, whatever the
+    request's skip_special_tokens, and a stop string is never handed out before the text is cut at it."""
+    chat = [{"role": "user", "content": "Say hi in French and in Japanese."}]
+    greedy = dict(max_tokens=40, temperature=0.0, ignore_eos=True)  # runs past <|im_end|>: special tokens
+    requests = {
+        "skip": (chat, SamplingParams(**greedy)),
+        "keep": (chat, SamplingParams(**greedy, skip_special_tokens=False)),
+        "stop": ("1, 2, 3, 4,", SamplingParams(max_tokens=20, temperature=0.0, stop=[" 7", "zzz"])),
+    }
+    joined, outputs = _step_texts(engine, requests)
+    for rid, out in outputs.items():
+        assert joined[rid] == out.text, rid
+    keep, skip = outputs["keep"], outputs["skip"]
+    assert keep.token_ids == skip.token_ids
+    assert keep.text == engine.tokenizer.decode(keep.token_ids, skip_special_tokens=False)
+    assert skip.text == engine.tokenizer.decode(skip.token_ids, skip_special_tokens=True)
+    assert "<|im_end|>" in keep.text and "<|im_end|>" not in skip.text
+    assert outputs["stop"].finish_reason == "stop" and " 7" not in joined["stop"]
 
 
 def test_ignore_eos_runs_to_max_tokens(engine):

@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -169,63 +168,67 @@ def test_write_kv_matches_reference(dtype, block_size, hk, head_dim):
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # a pure copy: bit-exact
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="checks the TRITON_INTERPRET=1 dispatch")
-def test_dispatch_sends_cpu_tensors_to_triton_when_interpreting(monkeypatch):
+@pytest.mark.skipif(not INTERPRETED, reason="checks the TRITON_INTERPRET=1 backend choice")
+def test_interpreter_sends_cpu_tensors_to_triton(monkeypatch):
+    from worker.engine.backends import reference, select_backend
+
     def refuse(*args, **kwargs):
         raise AssertionError("reference called while TRITON_INTERPRET=1")
 
+    backend = select_backend("cpu", torch.float32)
+    assert backend.name == "triton-interpreter"
     gen = torch.Generator().manual_seed(7)
     k_cache, v_cache, table = paged_cache([5, 20], 16, 2, 32, torch.float32, gen)
     q = torch.randn(2, 4, 32, generator=gen)
     seq_lens = torch.tensor([5, 20], dtype=torch.int32)
     expected = paged_decode_attention_ref(q, k_cache, v_cache, table, seq_lens, 0.2)
     for name in ("write_kv_ref", "paged_decode_attention_ref", "paged_prefill_attention_ref"):
-        monkeypatch.setattr(kernels, name, refuse)
-    torch.testing.assert_close(kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 0.2), expected)
-    kernels.paged_prefill_attention(q, k_cache, v_cache, table, torch.tensor([0, 1, 2], dtype=torch.int32),
-                                    seq_lens, 0.2)
-    kernels.write_kv(q[:, :2], q[:, 2:], k_cache, v_cache, torch.tensor([3, -1]))
+        monkeypatch.setattr(reference, name, refuse)
+    torch.testing.assert_close(backend.decode_attention(q, k_cache, v_cache, table, seq_lens, 0.2), expected)
+    backend.prefill_attention(q, k_cache, v_cache, table, torch.tensor([0, 1, 2], dtype=torch.int32), seq_lens, 0.2)
+    backend.write_kv(q[:, :2], q[:, 2:], k_cache, v_cache, torch.tensor([3, -1]))
     assert torch.equal(k_cache.view(-1, 2, 32)[3], q[0, :2])
 
 
-@pytest.mark.skipif(INTERPRETED, reason="checks the plain (no TRITON_INTERPRET) dispatch")
-def test_dispatch_keeps_cpu_tensors_off_triton(monkeypatch):
+@pytest.mark.skipif(INTERPRETED, reason="checks the plain (no TRITON_INTERPRET) backend choice")
+def test_cpu_tensors_stay_off_triton(monkeypatch):
     import kernels.decode_attention
     import kernels.kv_write
     import kernels.prefill_attention
+    from worker.engine.backends import select_backend
 
     def refuse(*args, **kwargs):
         raise AssertionError("Triton called for CPU tensors without TRITON_INTERPRET=1")
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(kernels.kv_write, "write_kv_triton", refuse)
     monkeypatch.setattr(kernels.decode_attention, "paged_decode_attention_triton", refuse)
     monkeypatch.setattr(kernels.prefill_attention, "paged_prefill_attention_triton", refuse)
+    backend = select_backend("cpu", torch.float32, cpu_kernels_enabled=False)
+    assert backend.name == "torch-reference"
     gen = torch.Generator().manual_seed(8)
     k_cache, v_cache, table = paged_cache([3], 16, 1, 32, torch.float32, gen, device="cpu")
     q = torch.randn(1, 2, 32, generator=gen)
     seq_lens = torch.tensor([3], dtype=torch.int32)
-    kernels.write_kv(q[:, :1], q[:, 1:], k_cache, v_cache, torch.tensor([2]))
+    backend.write_kv(q[:, :1], q[:, 1:], k_cache, v_cache, torch.tensor([2]))
     assert torch.equal(k_cache[0, 2], q[0, :1]) and torch.equal(v_cache[0, 2], q[0, 1:])
-    out = kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 0.2)
+    out = backend.decode_attention(q, k_cache, v_cache, table, seq_lens, 0.2)
     torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, table, seq_lens, 0.2))
-    out = kernels.paged_prefill_attention(q, k_cache, v_cache, table, torch.tensor([0, 1], dtype=torch.int32),
-                                          seq_lens, 0.2)
+    out = backend.prefill_attention(q, k_cache, v_cache, table, torch.tensor([0, 1], dtype=torch.int32), seq_lens,
+                                    0.2)
     torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, table, seq_lens, 0.2))
 
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="needs GPU-compiled kernels and no GPU")
-def test_compiled_kernels_refuse_cpu_tensors_clearly(monkeypatch):
-    # The kernel modules were imported without TRITON_INTERPRET (compiled for the GPU); the dispatch is told
-    # the interpreter is on (as when the variable changed between the two imports), so CPU tensors reach them.
-    import kernels.decode_attention  # noqa: F401
+def test_compiled_kernels_refuse_cpu_tensors_clearly():
+    # The kernel modules were imported without TRITON_INTERPRET (compiled for the GPU); a Triton backend made
+    # for the interpreter anyway (as when the variable changed between two imports) hands them CPU tensors.
+    from worker.engine.backends import TritonBackend
 
-    monkeypatch.setattr(kernels, "INTERPRET", True)
     q = torch.randn(1, 2, 32)
     cache = torch.randn(1, 16, 1, 32)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        kernels.paged_decode_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
-                                       torch.ones(1, dtype=torch.int32), 0.2)
+        TritonBackend(interpreted=True).decode_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+                                                         torch.ones(1, dtype=torch.int32), 0.2)
 
 
 def compile_for_sm90(launch):

@@ -1,4 +1,4 @@
-"""worker.metrics over real HTTP: scrape /metrics, parse it with prometheus_client's parser, poll /healthz."""
+"""worker.serve.metrics over real HTTP: scrape /metrics, parse it with prometheus_client's parser, poll /healthz."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.metrics import WorkerMetrics
+from worker.serve.metrics import WorkerMetrics
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from producer import scripts
 from producer.errors import JobNotFound, QueueFull
 from producer.protocol import GROUP, Keys
 from worker import SamplingParams
-from worker.queue import tokens_key
+from worker.serve.queue import tokens_key
 
 K = Keys("tokenbus")
 
@@ -290,7 +290,7 @@ def test_a_job_that_breaks_the_engine_step_fails_alone(serve_engine, serve, make
 
 
 def test_metrics_and_queue_config(serve_engine, serve, make_client, redis_server):
-    from worker.metrics import WorkerMetrics
+    from worker.serve.metrics import WorkerMetrics
 
     metrics = WorkerMetrics(model="tiny", worker="test-worker-0")
     client = make_client()

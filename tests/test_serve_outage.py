@@ -5,8 +5,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from redis_server import RedisServer
-
+from producer.local_redis import RedisServer
 from producer.protocol import GROUP, Keys
 
 K = Keys("tokenbus")

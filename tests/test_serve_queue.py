@@ -11,8 +11,8 @@ from pydantic import ValidationError
 
 from producer import scripts
 from producer.protocol import GROUP, Keys
-from worker.intake import IntakeBudget
-from worker.queue import JobQueue
+from worker.serve.intake import IntakeBudget
+from worker.serve.queue import JobQueue
 from worker.settings import WorkerSettings, load_settings
 
 NS = "tokenbus"
@@ -167,9 +167,9 @@ def test_intake_never_restarts_a_job_it_is_running(r):
     intake must recognise them (the lease registry) and not start them a second time."""
     import queue as queue_mod
 
-    from worker.completion import CompletionWriter
-    from worker.intake import Intake
-    from worker.leases import Leases
+    from worker.serve.completion import CompletionWriter
+    from worker.serve.intake import Intake
+    from worker.serve.leases import Leases
 
     jobs = JobQueue(r, NS, "worker-a", 60)
     leases = Leases()

@@ -29,7 +29,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
 def _tokenizer():
     from transformers import AutoTokenizer
 
-    from worker import loader
+    from worker.engine import loader
 
     return AutoTokenizer.from_pretrained(loader.resolve("smollm2-135m").directory)
 

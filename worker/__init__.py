@@ -1,4 +1,5 @@
-"""The tokenbus worker: the continuous-batching engine and the Redis serve loop around it.
+"""The tokenbus worker: the continuous-batching engine (worker/engine/) and the Redis serve loop around it
+(worker/serve/).
 
 `from worker import Engine, SamplingParams` works as usual; the names load on first use, so the worker's
 settings and CLI parsing do not pay for importing torch.
@@ -6,20 +7,17 @@ settings and CLI parsing do not pay for importing torch.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from worker.engine import Engine, EngineStats, RequestOutput
-    from worker.sampling_params import SamplingParams
+    from worker.engine import Engine, EngineConfig, EngineStats, RequestOutput, SamplingParams
 
-__all__ = ["Engine", "EngineStats", "RequestOutput", "SamplingParams"]
-
-_HOMES = {"Engine": "worker.engine", "EngineStats": "worker.engine", "RequestOutput": "worker.engine",
-          "SamplingParams": "worker.sampling_params"}
+__all__ = ["Engine", "EngineConfig", "EngineStats", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        return getattr(importlib.import_module(_HOMES[name]), name)
+    if name in __all__:
+        import worker.engine
+
+        return getattr(worker.engine, name)
     raise AttributeError(f"module 'worker' has no attribute {name!r}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 
@@ -10,21 +9,7 @@ import redis
 import structlog
 
 from worker.logging import configure_logging
-from worker.settings import WorkerSettings, load_settings
-
-
-def engine_options(settings: WorkerSettings) -> dict:
-    options = {
-        "device": settings.device,
-        "dtype": settings.dtype,
-        "block_size": settings.block_size,
-        "max_num_seqs": settings.max_num_seqs,
-        "max_num_batched_tokens": settings.max_num_batched_tokens,
-        "gpu_memory_utilization": settings.gpu_memory_utilization,
-    }
-    if settings.kv_cache_gb is not None:
-        options["kv_cache_gb"] = settings.kv_cache_gb
-    return options
+from worker.settings import load_settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,20 +29,21 @@ def main(argv: list[str] | None = None) -> int:
         log.error("bad_redis_url", error=str(err))
         return 2
 
-    # read from the environment by kernels/cpu.py and worker/loader.py, which the offline Engine also uses
-    os.environ["TOKENBUS_CPU_KERNELS"] = "1" if settings.cpu_kernels else "0"
-    if settings.cache_dir:
-        os.environ["TOKENBUS_CACHE_DIR"] = settings.cache_dir
+    try:
+        engine_config = settings.engine_config()
+    except ValueError as err:
+        log.error("bad_settings", error=str(err))
+        return 2
     from worker.engine import Engine  # torch: imported after the cheap checks
-    from worker.metrics import WorkerMetrics
-    from worker.serve import Server
+    from worker.serve.metrics import WorkerMetrics
+    from worker.serve.server import Server
 
     metrics = WorkerMetrics(model=settings.model, worker=settings.worker_name)
     if settings.metrics_port:
         port = metrics.start_http(settings.metrics_port)
         log.info("metrics_listening", port=port)
     try:
-        engine = Engine(settings.model, **engine_options(settings))
+        engine = Engine(engine_config)
     except (ValueError, OSError) as err:
         log.error("engine_load_failed", model=settings.model, error=str(err))
         metrics.stop_http()

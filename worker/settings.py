@@ -1,4 +1,5 @@
-"""Worker settings: one pydantic-settings model. Environment (TOKENBUS_*) first, CLI flags override."""
+"""Worker settings: one pydantic-settings model. Environment (TOKENBUS_*) first, CLI flags override. The engine's
+settings are EngineConfig's fields and defaults (worker/engine/config.py); engine_config() hands them over whole."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from producer.protocol import DEFAULT_MAX_QUEUE_LEN, DEFAULT_RESULT_TTL
+from worker.engine.config import EngineConfig
+
+_ENGINE = EngineConfig()  # the engine's defaults are the worker's: one definition
 
 
 def _default_worker_name() -> str:
@@ -22,23 +26,31 @@ class WorkerSettings(BaseSettings):
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server holding the job stream")
     namespace: str = Field("tokenbus", description="prefix of every Redis key")
-    model: str = Field("smollm2-135m", description="model name, local HF dir, hub id or GGUF file")
-    device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'")
-    dtype: str = Field("auto", description="'auto' (bfloat16 on cuda, float32 on cpu), or a torch dtype name")
-    block_size: int = Field(16, gt=0, description="tokens per KV-cache block")
-    max_num_seqs: int = Field(64, gt=0, description="most sequences in one batch")
-    max_num_batched_tokens: int = Field(2048, gt=0, description="token budget of one engine step")
+    model: str = Field(_ENGINE.model, description="model name, local HF dir, hub id or GGUF file")
+    device: str = Field(_ENGINE.device, description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'")
+    dtype: str = Field(_ENGINE.dtype, description="'auto' (bfloat16 on cuda, float32 on cpu), or a torch dtype name")
+    block_size: int = Field(_ENGINE.block_size, gt=0, description="tokens per KV-cache block")
+    max_num_seqs: int = Field(_ENGINE.max_num_seqs, gt=0, description="most sequences in one batch")
+    max_num_batched_tokens: int = Field(
+        _ENGINE.max_num_batched_tokens, gt=0, description="token budget of one engine step"
+    )
+    max_model_len: int | None = Field(
+        _ENGINE.max_model_len, gt=1, description="longest prompt + output in tokens; unset = the model's context"
+    )
     kv_cache_gb: float | None = Field(
-        None, gt=0, description="KV-cache size in GiB; unset = from gpu_memory_utilization (cuda) or 1 GiB"
+        _ENGINE.kv_cache_gb, gt=0,
+        description="KV-cache size in GiB; unset = from gpu_memory_utilization (cuda) or 1 GiB",
     )
     gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="share of GPU memory the worker may use (weights + KV cache)"
+        _ENGINE.gpu_memory_utilization, gt=0, le=1,
+        description="share of GPU memory the worker may use (weights + KV cache)",
     )
     cpu_kernels: bool = Field(
-        True, description="CPU float32: run the C++ kernels (built once per machine, ~25 s); false = PyTorch references"
+        _ENGINE.cpu_kernels,
+        description="CPU float32: run the C++ kernels (built once per machine, ~25 s); false = PyTorch references",
     )
     cache_dir: str | None = Field(
-        None, description="dequantised GGUF weights and built CPU kernels; unset = ~/.cache/tokenbus"
+        _ENGINE.cache_dir, description="dequantised GGUF weights and built CPU kernels; unset = ~/.cache/tokenbus"
     )
     worker_name: str = Field(default_factory=_default_worker_name, description="consumer name in the group")
     lease_ms: int = Field(
@@ -71,6 +83,10 @@ class WorkerSettings(BaseSettings):
             raise ValueError(f"unknown log level {v!r}")
         return v
 
+    def engine_config(self) -> EngineConfig:
+        """The engine's settings, handed to Engine whole (ValueError if they do not fit together)."""
+        return EngineConfig(**{name: getattr(self, name) for name in EngineConfig.__dataclass_fields__
+                               if name in type(self).model_fields})
 
     def queue_config(self) -> dict[str, int]:
         """The queue limits the operator set explicitly (env or flag): the producers' {ns}:config."""

@@ -1,7 +1,7 @@
 // The CPU serving path's kernels (fp32), built on first use by kernels/cpu.py with torch's cpp_extension:
 // write_kv and paged decode attention (same functions, layouts and results as kernels/reference.py), the
-// decoder layer's elementwise ops (worker/models/layer_ops.py), the greedy sampler's argmax
-// (worker/sampler.py) and the small-batch panel linear (worker/models/cpu_linear.py).
+// decoder layer's elementwise ops (worker/engine/backends/cpu.py), the greedy sampler's argmax
+// (worker/engine/backends/cpu.py) and the small-batch panel linear (worker/engine/backends/cpu_linear.py).
 // tests/test_cpu_kernels.py compares each with its PyTorch version.
 //
 // Layout (as everywhere in kernels/):
@@ -372,7 +372,7 @@ torch::Tensor argmax_rows_cpu(torch::Tensor logits) {
 
 // ---- small-batch linear layers ----
 // y [m, n] = x [m, k] · Wᵀ (+ bias) for the few rows of a decode step. The weight is kept as 16-column
-// panels, [ceil(n / 16), k, 16] (worker/models/cpu_linear.py packs it), so each panel streams from memory
+// panels, [ceil(n / 16), k, 16] (worker/engine/backends/cpu_linear.py packs it), so each panel streams from memory
 // once, front to back, while a tile of rows of x accumulates against it in registers: at a few rows a decode
 // step's linear layers are a read of every weight, and this reads at close to the memory bandwidth.
 

@@ -1,6 +1,6 @@
-// A pure decode step's decoder layers in one call (CPU, fp32): worker/models/cpu_decode.py.
+// A pure decode step's decoder layers in one call (CPU, fp32): worker/engine/backends/cpu_decode.py.
 // Built after cpu_kernels.cpp, in the same translation unit, and composed of its functions only, in the
-// order worker/models/llama.py calls them, so it computes exactly what the per-layer Python path computes.
+// order worker/engine/models/llama.py calls them, so it computes exactly what the per-layer Python path computes.
 //
 // Why: at a decode step's few rows each op takes microseconds, and the Python around it (module calls,
 // dispatch checks, argument conversion: ~10 calls a layer) cost about as much again; one call for all

@@ -1,7 +1,9 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) on a flat token batch, no padding.
 
-Every forward takes all tokens of a step as one [num_tokens] vector with their positions; attention and
-KV writes go through `kernels`, which know from the AttentionMetadata which tokens belong to whom.
+Every forward takes all tokens of a step as one [num_tokens] vector with their positions. The model holds
+the arithmetic's order; every kernel-level operation (attention and KV writes, which learn from the
+AttentionMetadata which tokens belong to whom; norms, RoPE, SiLU·mul; a whole-step fusion of the layers)
+goes through the engine's backend (worker/engine/backends).
 """
 
 from __future__ import annotations
@@ -13,9 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-import kernels
-from worker.attention_metadata import AttentionMetadata
-from worker.models import layer_ops
+from worker.engine.attention_metadata import AttentionMetadata
+from worker.engine.backends import Backend
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -90,17 +91,18 @@ class LlamaArch:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, backend: Backend) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_ops.rms_norm(x, self.weight, self.eps)
+        return self.backend.rms_norm(x, self.weight, self.eps)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): the residual add folded into the norm (may reuse x, residual)."""
-        return layer_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        return self.backend.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -132,16 +134,17 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: LlamaArch) -> None:
+    def __init__(self, arch: LlamaArch, backend: Backend) -> None:
         super().__init__()
+        self.backend = backend
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, backend) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, backend) if arch.qk_norm else None
 
     def forward(
         self,
@@ -158,15 +161,15 @@ class Attention(nn.Module):
         v = heads[:, self.num_heads + self.num_kv_heads :]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = layer_ops.apply_rotary(q, k, *rotary)
+        q, k = self.backend.rotary(q, k, *rotary)
         k_cache, v_cache = kv_cache
-        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         p = meta.num_prefill_tokens
         if p == 0:  # a pure decode step (most steps): the kernel's output is the attention output
             out = self._decode(q, kv_cache, meta)
         else:
             out = torch.empty_like(q)
-            out[:p] = kernels.paged_prefill_attention(
+            out[:p] = self.backend.prefill_attention(
                 q[:p], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
                 meta.prefill_seq_lens, self.scale,
             )
@@ -175,29 +178,30 @@ class Attention(nn.Module):
         return self.o_proj(out.view(num_tokens, self.q_size))
 
     def _decode(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
-        return kernels.paged_decode_attention(
+        return self.backend.decode_attention(
             q, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_seq_lens, self.scale
         )
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: LlamaArch) -> None:
+    def __init__(self, arch: LlamaArch, backend: Backend) -> None:
         super().__init__()
+        self.backend = backend
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(layer_ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: LlamaArch) -> None:
+    def __init__(self, arch: LlamaArch, backend: Backend) -> None:
         super().__init__()
-        self.self_attn = Attention(arch)
-        self.mlp = MLP(arch)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, backend)
+        self.mlp = MLP(arch, backend)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backend)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backend)
 
     def forward(self, x, residual, rotary, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """x is the previous layer's output, residual the stream before it (None at the first layer); returns
@@ -222,18 +226,17 @@ _FUSED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: LlamaArch) -> None:
+    def __init__(self, arch: LlamaArch, backend: Backend) -> None:
         super().__init__()
         self.arch = arch
+        self.backend = backend
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(arch, backend) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backend)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary: RotaryEmbedding | None = None  # attached by the engine, sized to its context
-        # on the CPU, a pure decode step's layers as one C++ call (cpu_decode.FusedDecodeLayers), same result
-        self.fused_decode: Any = None
 
     def attach_rotary(self, rotary: RotaryEmbedding) -> None:
         self.rotary = rotary
@@ -247,12 +250,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rotary = self.rotary.cos_sin(positions, x.dtype)
-        if self.fused_decode is not None and self.fused_decode.serves(x, meta):
-            x, residual = self.fused_decode(x, rotary, kv_caches, meta)
-        else:
-            residual = None
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                x, residual = layer(x, residual, rotary, kv_cache, meta)
+        x, residual = self.backend.run_layers(self, x, rotary, kv_caches, meta)
         return self.norm.add(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,25 +1,26 @@
-"""A pure decode step's decoder layers as one C++ call on the CPU (kernels/csrc/decode_layers.cpp).
+"""FusedDecodeLayers: a pure decode step's decoder layers as one C++ call (kernels/csrc/decode_layers.cpp).
 
-The call runs the same C++ kernels the per-layer path of llama.py runs, in the same order, so its output is
-the same to the bit; what it saves is the Python between them (module calls, dispatch checks, argument
+The call runs the same C++ kernels as the CpuBackend's per-layer path, in the same order, so its output is
+the same to the bit; what it saves is the Python between them (module calls, dispatch, argument
 conversion), about as long as the kernels themselves at a decode step's few rows. Steps with prompt tokens,
-batches too wide for the panel linears, and models or dtypes the C++ layer does not cover (QK-norm, any
-dtype but float32) keep the per-layer path.
+batches wider than the panel linears serve, and models the C++ layer does not cover (QK-norm) take the
+per-layer path.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
-from kernels import cpu
-from worker.attention_metadata import AttentionMetadata
-from worker.models.cpu_linear import PANEL_MAX_ROWS, CpuLinear
+from worker.engine.attention_metadata import AttentionMetadata
+from worker.engine.backends.cpu_linear import PANEL_MAX_ROWS, CpuLinear
 
 NO_BIAS = torch.empty(0)  # the C++ side reads an empty tensor as "no bias"
 
 
 class FusedDecodeLayers:
-    def __init__(self, model: torch.nn.Module, ext) -> None:
+    def __init__(self, model: torch.nn.Module, ext: ModuleType) -> None:
         arch = model.arch
         self.ext = ext
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -36,14 +37,10 @@ class FusedDecodeLayers:
             ]
 
     @classmethod
-    def build(cls, model: torch.nn.Module) -> FusedDecodeLayers | None:
+    def build(cls, model: torch.nn.Module, ext: ModuleType) -> FusedDecodeLayers | None:
         """The fused layers for a CPU float32 model whose linears are panel CpuLinears, else None."""
         arch = getattr(model, "arch", None)
-        if arch is None or arch.qk_norm:
-            return None
-        probe = model.embed_tokens.weight
-        ext = cpu.usable(probe)
-        if ext is None:
+        if arch is None or arch.qk_norm or model.embed_tokens.weight.dtype != torch.float32:
             return None
         linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)]

@@ -8,20 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu
-from worker.sequence import Sequence
-
-
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """logits [rows, vocab] -> each row's first maximum. On the CPU (float32) the C++ version: torch's argmax
-    took 3-6 ms a step at 64 sequences of a 49152-token vocabulary there, this ~0.5 ms."""
-    if logits.stride(-1) == 1 and (ext := cpu.usable(logits)) is not None:
-        return ext.argmax_rows_cpu(logits)
-    return logits.argmax(dim=-1)
+from worker.engine.backends import Backend
+from worker.engine.sequence import Sequence
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, eos_token_ids: list[int]) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, eos_token_ids: list[int], backend: Backend) -> None:
+        self.argmax = backend.argmax
         self.vocab_size = vocab_size
         self.device = device
         self.eos_token_ids = eos_token_ids
@@ -37,7 +30,7 @@ class Sampler:
         logprobs = self._top_logprobs(logits, seqs)
         greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
         if bool(greedy.all()):
-            return argmax_rows(logits).tolist(), logprobs
+            return self.argmax(logits).tolist(), logprobs
         temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=logits.device)
         scaled = self._filter(logits / temps[:, None], seqs)
         probs = torch.softmax(scaled, dim=-1)
@@ -55,13 +48,13 @@ class Sampler:
                 generator=self.unseeded
             )
         sampled = (probs / noise).argmax(dim=-1)
-        tokens = torch.where(greedy, argmax_rows(logits), sampled)
+        tokens = torch.where(greedy, self.argmax(logits), sampled)
         return tokens.tolist(), logprobs
 
     def _ban_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         for i, seq in enumerate(seqs):
             if seq.num_output_tokens < seq.params.min_tokens:
-                banned = list(seq.params.stop_token_ids)
+                banned = list(seq.params.stop_ids)
                 if not seq.params.ignore_eos:
                     banned += self.eos_token_ids
                 if banned:

@@ -1,30 +1,25 @@
-"""nn.Linear for the CPU serving path: a panel GEMV for decode-sized batches, prepacked oneDNN for the rest.
+"""CpuLinear: nn.Linear for the CPU serving path — a panel GEMV for decode-sized batches, prepacked oneDNN
+for the rest.
 
-At a few rows a linear layer is a read of its whole weight. The C++ panel kernel (kernels/cpu.py) streams a
-[ceil(out / 16), in, 16] copy of the weight, prefetched ahead, at close to the memory bandwidth, and keeps a
-tile of rows of x (16 with AVX-512, 6 with AVX2) against each panel in registers. All of a step's linears at
-1 / 8 / 16 / 32 / 64 rows, the paths in turns, median of 5 (`scripts/profile_engine.py`'s GEMM table):
-on an AVX-512 machine (an earlier session) panels 24 / 26 / 34 / 55 / 82 ms, oneDNN with a prepacked weight
-32 / 37 / 51 / 61 / 101 ms, PyTorch's default fp32 GEMM (F.linear) 25 / 56 / 68 / 68 / 118 ms; on an AVX2-only
-EPYC (docs/benchmarks.md) panels 38 / 46 / 66 / 101 / 166 ms, prepacked oneDNN 52 / 72 / 91 / 140 / 224 ms,
-F.linear 68 / 138 / 163 / 308 / 364 ms. Prefill-sized batches (hundreds of rows) stay on oneDNN, whose
-blocking reuses each weight across many rows.
-Keeping both layouts doubles the linear weights' memory on the CPU path. Only the layout differs: the
-product is the same fp32 arithmetic, summed in another order.
+At a few rows a linear layer is a read of its whole weight. The C++ panel kernel streams a
+[ceil(out / 16), in, 16] copy of the weight, prefetched ahead, and keeps a tile of rows of x against each
+panel in registers (16 rows with AVX-512, 6 with AVX2). Prefill-sized batches (hundreds of rows) go to
+oneDNN, whose blocking reuses each weight across many rows. Keeping both layouts doubles the linear weights'
+memory on the CPU path; the product is the same fp32 arithmetic, summed in another order.
+docs/kernels.md has the measurements behind PANEL_MAX_ROWS.
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import structlog
 import torch
 from torch import nn
 
-from kernels import cpu
-
 PACK_FOR_ROWS = 16  # the row count oneDNN picks the packed layout for; any row count still works
-# Panels are ahead of oneDNN up to 64 rows on both machines measured (82 vs 101 ms at 64 with AVX-512; 158 vs
-# 217 ms on an AVX2-only EPYC, level there at 128 rows); oneDNN is ahead from ~96 rows with AVX-512. 64 is
-# also the default max_num_seqs, so every decode step of a default engine runs on the panels.
+# the widest batch the panels serve: they were ahead of oneDNN up to 64 rows on every machine measured, and 64
+# is the CPU's default max_num_seqs, so every decode step of a default engine runs on them
 PANEL_MAX_ROWS = 64
 
 
@@ -41,14 +36,14 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 class CpuLinear(nn.Module):
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, ext: ModuleType | None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         # plain attributes, not parameters: packed weights are opaque to state_dict
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
         self.bias = linear.bias.detach().clone() if linear.bias is not None else None
-        self.ext = cpu.usable(weight)
+        self.ext = ext if weight.dtype == torch.float32 else None
         self.panels = pack_panels(weight) if self.ext is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +52,7 @@ class CpuLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-def use_cpu_linears(model: nn.Module) -> int:
+def use_cpu_linears(model: nn.Module, ext: ModuleType | None) -> int:
     """Swap every nn.Linear of a CPU model for CpuLinear; returns how many were swapped."""
     if not onednn_prepack_available():
         return 0
@@ -66,7 +61,7 @@ def use_cpu_linears(model: nn.Module) -> int:
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child.weight.device.type == "cpu":
                 try:
-                    setattr(module, name, CpuLinear(child))
+                    setattr(module, name, CpuLinear(child, ext))
                 except RuntimeError as err:
                     # oneDNN refuses some dtypes on some CPUs (bf16 without AVX-512 BW/VL/DQ or AVX-NE-CONVERT):
                     # those linears stay nn.Linear, which PyTorch runs on any CPU

@@ -17,9 +17,9 @@ from typing import Any
 
 import structlog
 
-from worker.backoff import REDIS_DOWN, Backoff
-from worker.messages import Revoke
-from worker.queue import JobQueue
+from worker.serve.backoff import REDIS_DOWN, Backoff
+from worker.serve.messages import Revoke
+from worker.serve.queue import JobQueue
 
 log = structlog.get_logger("tokenbus.worker")
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from worker.attention_metadata import AttentionMetadata
-from worker.models.llama import LlamaForCausalLM
-from worker.sampler import Sampler
-from worker.scheduler import ScheduledBatch
-from worker.sequence import Sequence
+from worker.engine.attention_metadata import AttentionMetadata
+from worker.engine.models.llama import LlamaForCausalLM
+from worker.engine.sampler import Sampler
+from worker.engine.scheduler import ScheduledBatch
+from worker.engine.sequence import Sequence
 
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:

@@ -10,16 +10,15 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
-from worker.backoff import REDIS_DOWN, Backoff
-from worker.leases import Leases
-from worker.messages import DeadLetter, HandBack, Partial
-from worker.queue import Ending, JobQueue
+from worker.serve.backoff import REDIS_DOWN, Backoff
+from worker.serve.leases import Leases
+from worker.serve.messages import DeadLetter, HandBack, Partial
+from worker.serve.queue import Ending, JobQueue
 
 log = structlog.get_logger("tokenbus.worker")
 
@@ -43,35 +42,16 @@ class FirstToken:
     at: float
 
 
-@dataclass
-class _Chunk:
-    """A Partial with its text, ready to write (text is decoded once, not again on a retry)."""
-
-    job_id: str
-    offset: int
-    token_ids: list[int]
-    text: str
-    done: bool
-
-
 class CompletionWriter(threading.Thread):
-    def __init__(
-        self,
-        jobs: JobQueue,
-        leases: Leases,
-        decode: Callable[[list[int]], str] | None = None,
-        metrics: Any | None = None,
-    ) -> None:
+    def __init__(self, jobs: JobQueue, leases: Leases, metrics: Any | None = None) -> None:
         super().__init__(name="tokenbus-writer", daemon=True)
         self.jobs = jobs
         self.leases = leases
-        self.decode = decode
         self.metrics = metrics
         self.inbox: queue.Queue = queue.Queue()
         self.stop_event = threading.Event()
         self._close_deadline: float | None = None
-        self._streams: dict[str, tuple[list[int], int]] = {}  # job -> (tokens so far, chars published)
-        self._unwritten: dict[str, _Chunk] = {}  # job -> its chunk in `pending`, still growing
+        self._unwritten: dict[str, Partial] = {}  # job -> its chunk in `pending`, still growing
         self.jobs_done = 0
         self.gave_up = False  # closed with results unwritten (Redis away): their leases lapse, they re-run
 
@@ -144,63 +124,38 @@ class CompletionWriter(threading.Thread):
         if not isinstance(msg, Partial):
             pending.append(msg)
             return
-        tokens, sent = self._streams.get(msg.job_id, ([], 0))
-        tokens = tokens + msg.token_ids
-        text = self.decode(tokens) if self.decode else ""
-        # Hold back a trailing replacement char: the next token may complete that character.
-        ready = len(text.rstrip("\ufffd")) if not msg.done else len(text)
-        self._streams[msg.job_id] = (tokens, max(sent, ready))
-        if msg.done:
-            self._streams.pop(msg.job_id, None)
-        new_text = text[sent:ready]
         chunk = self._unwritten.get(msg.job_id)
         if chunk is not None:  # Redis is behind (or away): one entry per job per write, not per step
-            chunk.token_ids = chunk.token_ids + msg.token_ids
-            chunk.text += new_text
+            chunk.token_ids += msg.token_ids
+            chunk.text += msg.text
             chunk.done = msg.done
             return
-        chunk = _Chunk(msg.job_id, msg.offset, list(msg.token_ids), new_text, msg.done)
+        chunk = Partial(msg.job_id, list(msg.token_ids), msg.offset, msg.text, msg.done)
         self._unwritten[msg.job_id] = chunk
         pending.append(chunk)
 
     def _write(self, pending: list[Any]) -> None:
-        pipe = self.jobs.r.pipeline(transaction=False)
+        batch = self.jobs.write_batch()
         finish_at: list[tuple[int, EndMsg]] = []
-        n = 0
         for msg in pending:
             if isinstance(msg, EndMsg):
                 if msg.dead is not None:
-                    self.jobs.dead_letter(pipe, msg.ending.job_id, msg.dead.reason, msg.dead.attempts,
-                                          msg.dead.request)
-                    n += 1
-                self.jobs.finish(pipe, msg.ending)
-                finish_at.append((n, msg))
-                n += 1
+                    batch.dead_letter(msg.ending.job_id, msg.dead.reason, msg.dead.attempts, msg.dead.request)
+                finish_at.append((batch.finish(msg.ending), msg))
             elif isinstance(msg, HandBack):
-                self.jobs.hand_back(pipe, msg.job_id, msg.entry_id, msg.count_attempt)
-                n += 1
+                batch.hand_back(msg.job_id, msg.entry_id, msg.count_attempt)
             elif isinstance(msg, FirstToken):
-                self.jobs.first_token(pipe, msg.job_id, msg.at)
-                n += 1
-            elif isinstance(msg, _Chunk):
-                self.jobs.publish_tokens(pipe, msg.job_id, msg.offset, msg.token_ids, msg.text, msg.done)
-                n += 2
-        # Per-command errors come back as values: one refused message must not hold up the others.
-        replies = pipe.execute(raise_on_error=False)
-        for reply in replies:
-            if isinstance(reply, REDIS_DOWN):
-                raise reply
-        for i, reply in enumerate(replies):
-            if isinstance(reply, Exception):
-                log.error("write_refused", error=str(reply), reply_index=i)
-                replies[i] = -2
+                batch.first_token(msg.job_id, msg.at)
+            elif isinstance(msg, Partial):
+                batch.publish_tokens(msg.job_id, msg.offset, msg.token_ids, msg.text, msg.done)
+        replies = batch.execute()
         orphans = [m for i, m in finish_at if int(replies[i]) == -1 and m.orphan is not None]
         if orphans:
-            pipe = self.jobs.r.pipeline(transaction=False)
+            batch = self.jobs.write_batch()
             for m in orphans:
                 dead = m.orphan
-                self.jobs.dead_letter(pipe, m.ending.job_id, dead.reason, dead.attempts, dead.request)
-            pipe.execute()
+                batch.dead_letter(m.ending.job_id, dead.reason, dead.attempts, dead.request)
+            batch.execute()
         for i, m in finish_at:
             self._ended(m, int(replies[i]))
         for msg in pending:

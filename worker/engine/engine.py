@@ -1,4 +1,9 @@
-"""The engine: requests in, one forward pass per step over every running sequence, results out as each ends."""
+"""The engine: requests in, one forward pass per step over every running sequence, results out as each ends.
+
+    add_request ──▶ Scheduler.schedule ──▶ ModelRunner.run (model + backend kernels, Sampler)
+                         ▲                                │
+                         └──── Scheduler.postprocess ◀────┘  tokens, text, stops; finished ones leave
+"""
 
 from __future__ import annotations
 
@@ -10,23 +15,23 @@ from typing import Any
 import structlog
 import torch
 
-import kernels
-from worker import loader
-from worker.block_manager import BlockManager
-from worker.engine_config import EngineConfig
-from worker.model_runner import ModelRunner, kv_bytes_per_block
-from worker.models.cpu_decode import FusedDecodeLayers
-from worker.models.cpu_linear import use_cpu_linears
-from worker.models.llama import LlamaArch, LlamaForCausalLM, RotaryEmbedding
-from worker.sampler import Sampler
-from worker.sampling_params import SamplingParams
-from worker.scheduler import Scheduler
-from worker.sequence import Sequence
-from worker.stop_checker import StopChecker
+from worker.engine import loader
+from worker.engine.backends import select_backend
+from worker.engine.block_manager import BlockManager
+from worker.engine.config import EngineConfig
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.model_runner import ModelRunner, kv_bytes_per_block
+from worker.engine.models.llama import LlamaArch, LlamaForCausalLM, RotaryEmbedding
+from worker.engine.sampler import Sampler
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import Sequence
+from worker.engine.stop_checker import StopChecker
 
 log = structlog.get_logger("tokenbus.engine")
 
 Prompt = str | list[int] | list[dict[str, Any]]
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -44,6 +49,14 @@ class RequestOutput:
 
 
 @dataclass
+class Delta:
+    """What one step added to a request's output: its new token ids and the text that is final now."""
+
+    token_ids: list[int]
+    text: str
+
+
+@dataclass
 class EngineStats:
     running: int
     waiting: int
@@ -56,47 +69,53 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model: str = "smollm2-135m", device: str = "auto", dtype: str = "auto", **options: Any):
-        self.config = EngineConfig(model=model, device=device, dtype=dtype, **options)
+    def __init__(self, model: str | EngineConfig = "smollm2-135m", **options: Any) -> None:
+        """Engine(EngineConfig(...)) or Engine(model, device=..., dtype=..., any other EngineConfig field)."""
+        if isinstance(model, EngineConfig):
+            if options:
+                raise TypeError("give an EngineConfig or keyword options, not both")
+            self.config = model
+        else:
+            self.config = EngineConfig(model=model, **options)
         cfg = self.config
-        self.device = torch.device(cfg.resolved_device)
-        self.dtype = cfg.torch_dtype
+        self.device = torch.device(_resolve_device(cfg.device))
+        self.dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else (
+            torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         started = time.perf_counter()
-        source = loader.resolve(model)
+        source = loader.resolve(cfg.model, cfg.cache_dir)
         hf_config = loader.load_config(source)
         arch = LlamaArch.from_hf_config(hf_config)
-        self.model_name = model
+        self.model_name = cfg.model
         self.tokenizer = loader.load_tokenizer(source)
         self.eos_token_ids = loader.load_generation_eos(source, hf_config, self.tokenizer)
         self.max_model_len = min(cfg.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
         if arch.sliding_window:
             # beyond the window our full attention would differ from the model's: stay inside it
             self.max_model_len = min(self.max_model_len, arch.sliding_window)
+        self.backend = select_backend(self.device, self.dtype, cfg.cpu_kernels, cfg.cache_dir)
         with torch.device("meta"):  # no memory is touched until the weights arrive
-            meta_model = LlamaForCausalLM(arch)
+            meta_model = LlamaForCausalLM(arch, self.backend)
         self.model = meta_model.to_empty(device=self.device).to(self.dtype)
         if arch.tie_word_embeddings:  # materialising from meta unties shared parameters
             self.model.lm_head.weight = self.model.embed_tokens.weight
         self.model.attach_rotary(RotaryEmbedding(hf_config, arch.head_dim, self.max_model_len).to(self.device))
         self.model.load_weights(loader.iter_weights(source))
         self.model.eval().requires_grad_(False)
-        if self.device.type == "cpu":
-            use_cpu_linears(self.model)
-            self.model.fused_decode = FusedDecodeLayers.build(self.model)
+        self.backend.prepare(self.model)
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, cfg.block_size)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.sampler = Sampler(arch.vocab_size, self.device, self.eos_token_ids)
+        self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
+        self.scheduler = Scheduler(self.block_manager, self.stop_checker, cfg.max_num_seqs,
+                                   cfg.max_num_batched_tokens)
+        self.sampler = Sampler(arch.vocab_size, self.device, self.eos_token_ids, self.backend)
         self.runner = ModelRunner(self.model, self.sampler, num_blocks, cfg.block_size, self.device, self.dtype)
-        self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
-        self.attention_backend = kernels.backend(self.device, self.dtype)  # logged: which kernels serve
         self.requests: dict[str, Sequence] = {}
-        self.new_tokens: dict[str, list[int]] = {}
+        self.deltas: dict[str, Delta] = {}
         self.generated_tokens = 0
         self.steps = 0
         log.info(
-            "engine_ready", model=model, device=str(self.device), dtype=str(self.dtype), kv_blocks=num_blocks,
-            block_size=cfg.block_size, max_model_len=self.max_model_len, attention=self.attention_backend,
+            "engine_ready", model=cfg.model, device=str(self.device), dtype=str(self.dtype), kv_blocks=num_blocks,
+            block_size=cfg.block_size, max_model_len=self.max_model_len, backend=self.backend.name,
             load_s=round(time.perf_counter() - started, 2),
         )
 
@@ -105,14 +124,16 @@ class Engine:
         per_block = kv_bytes_per_block(self.model, cfg.block_size, self.dtype)
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks
-        if self.device.type == "cuda":
+        if cfg.kv_cache_gb is not None:
+            budget = cfg.kv_cache_gb * 1024**3
+        elif self.device.type == "cuda":
             torch.cuda.synchronize()
             free, total = torch.cuda.mem_get_info(self.device)
             # keep (1 - utilization) of the card plus activation headroom for the largest step
             headroom = total * (1 - cfg.gpu_memory_utilization) + self._activation_bytes()
             budget = max(free - headroom, 0)
         else:
-            budget = cfg.kv_cache_gb * 1024**3
+            budget = 1024**3
         blocks = int(budget // per_block)
         if blocks < 1:
             raise ValueError("no memory left for the KV cache: raise kv_cache_gb / gpu_memory_utilization")
@@ -178,7 +199,8 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
-        seq = Sequence(request_id, prompt_ids, params, time.time(), generator=generator)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        seq = Sequence(request_id, prompt_ids, params, time.time(), detokenizer, generator=generator)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -200,40 +222,30 @@ class Engine:
         return max(0, s.max_num_seqs - len(s.running) - len(s.waiting))
 
     def step(self) -> list[RequestOutput]:
-        self.new_tokens = {}
+        """One forward pass. Returns the requests that ended in it; `deltas` holds what every request that
+        sampled a token gained (streaming, time to first token)."""
+        self.deltas = {}
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        seqs, tokens, logprob_rows = self.runner.run(batch)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
-        finished: list[RequestOutput] = []
-        now = time.time()
-        for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
-            seq.token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if logprob_rows is not None and logprob_rows[i] is not None:
-                row, top_ids, top_vals = logprob_rows[i]
-                entry = dict(zip(top_ids, top_vals, strict=True))
-                entry[token] = float(row[token])
-                seq.logprobs.append(entry)
-            self.new_tokens[seq.request_id] = [token]
-            self.generated_tokens += 1
-            reason = self.stop_checker.check(seq)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                del self.requests[seq.request_id]
-                finished.append(self._output(seq))
+        sampled, tokens, logprob_rows = self.runner.run(batch)
+        finished = self.scheduler.postprocess(batch, sampled, tokens, logprob_rows, time.time())
+        for seq, token in zip(sampled, tokens, strict=True):
+            self.deltas[seq.request_id] = Delta([token], seq.take_text())
+        self.generated_tokens += len(tokens)
         self.steps += 1
-        return finished
+        outputs = []
+        for seq in finished:
+            del self.requests[seq.request_id]
+            outputs.append(self._output(seq))
+        return outputs
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids,
-            text=self.stop_checker.final_text(seq),
+            text=seq.output_text,
             finish_reason=seq.finish_reason or "abort",
             logprobs=seq.logprobs,
             arrival_time=seq.arrival_time,
@@ -267,3 +279,11 @@ class Engine:
             for out in self.step():
                 results[out.request_id] = out
         return [results[rid] for rid in ids]
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available here")
+    return device

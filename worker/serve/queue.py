@@ -1,4 +1,6 @@
-"""The worker's Redis operations on the jobs stream and job records. Each method is one round trip (or one
+"""Every Redis call the worker makes: the jobs stream, job records, leases, results, the heartbeat.
+
+JobQueue's methods are one round trip each; the completion writer batches its writes on a WriteBatch (one
 pipeline). Retrying after a connection error is the caller's business, and every write here may be repeated
 after an unknown outcome: the shared Lua scripts never end a job twice or overwrite an ended one."""
 
@@ -10,10 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+import structlog
 
 from producer import scripts as shared
 from producer.protocol import EVENTS_MAXLEN, GROUP, Keys
-from worker import queue_scripts
+from worker.serve import queue_scripts
+from worker.serve.backoff import REDIS_DOWN
+
+log = structlog.get_logger("tokenbus.worker")
 
 # Idle time given to a handed-back entry: past any worker's lease, so the next XAUTOCLAIM anywhere takes it.
 # Not larger: the server subtracts it from "now" in milliseconds.
@@ -94,9 +100,16 @@ class JobQueue:
         """('running', attempts) to run it; else its terminal status or 'missing' (entry acked already)."""
         return shared.start_job(self.r, self.keys, job_id, entry_id, self.consumer)
 
-    def drop_entry(self, entry_id: str) -> None:
-        """Acknowledge and delete an entry that names no job: there is no record to end."""
+    def dead_letter_now(self, job_id: str, reason: str, attempts: int, request: str) -> None:
+        self.dead_letter(self.r, job_id, reason, attempts, request)
+
+    def drop_entry(self, entry_id: str, dead: tuple[str, str, str] | None = None) -> None:
+        """Acknowledge and delete an entry that names no job: there is no record to end. dead = (job id, reason,
+        request) dead-letters it in the same transaction."""
         pipe = self.r.pipeline(transaction=True)
+        if dead is not None:
+            job_id, reason, request = dead
+            self.dead_letter(pipe, job_id, reason, 0, request)
         pipe.xack(self.keys.jobs, GROUP, entry_id)
         pipe.xdel(self.keys.jobs, entry_id)
         pipe.execute()
@@ -120,7 +133,10 @@ class JobQueue:
     def cancel_requests(self) -> set[str]:
         return {_str(x) for x in self.r.smembers(self.keys.cancel)}
 
-    # ---- endings (queued on a pipeline; the caller executes it) ----------------------------------------
+    # ---- endings (queued on a pipeline: see WriteBatch) ---------------------------------------------------
+
+    def write_batch(self) -> WriteBatch:
+        return WriteBatch(self)
 
     def finish(self, pipe: redis.client.Pipeline, e: Ending) -> None:
         shared.finish_job(
@@ -173,6 +189,54 @@ class JobQueue:
         except redis.ResponseError:  # no group yet
             return 0, 0
         return int(depth), int(pending["pending"]) if pending else 0
+
+
+class WriteBatch:
+    """Writes queued on one pipeline and sent in one round trip. Each queuing method returns the index of its
+    reply, so the caller can read the outcome of its own writes from execute()'s list."""
+
+    def __init__(self, jobs: JobQueue) -> None:
+        self.jobs = jobs
+        self.pipe = jobs.r.pipeline(transaction=False)
+        self._replies = 0
+
+    def _queued(self, replies: int) -> int:
+        self._replies += replies
+        return self._replies - 1
+
+    def finish(self, e: Ending) -> int:
+        """The finish script's reply: 1 ended now, 0 ended before, -1 no record."""
+        self.jobs.finish(self.pipe, e)
+        return self._queued(1)
+
+    def dead_letter(self, job_id: str, reason: str, attempts: int, request: str) -> None:
+        self.jobs.dead_letter(self.pipe, job_id, reason, attempts, request)
+        self._queued(1)
+
+    def hand_back(self, job_id: str, entry_id: str, count_attempt: bool) -> None:
+        self.jobs.hand_back(self.pipe, job_id, entry_id, count_attempt)
+        self._queued(1)
+
+    def first_token(self, job_id: str, at: float) -> None:
+        self.jobs.first_token(self.pipe, job_id, at)
+        self._queued(1)
+
+    def publish_tokens(self, job_id: str, offset: int, token_ids: list[int], text: str, done: bool) -> None:
+        self.jobs.publish_tokens(self.pipe, job_id, offset, token_ids, text, done)
+        self._queued(2)
+
+    def execute(self) -> list[Any]:
+        """Send everything. An outage raises (nothing is known to be written); a command Redis refuses comes
+        back as -2 in its place, logged, so one refused write never holds up the others."""
+        replies = self.pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, REDIS_DOWN):
+                raise reply
+        for i, reply in enumerate(replies):
+            if isinstance(reply, Exception):
+                log.error("write_refused", error=str(reply), reply_index=i)
+                replies[i] = -2
+        return replies
 
 
 def _str(x: Any) -> str:

@@ -19,12 +19,12 @@ from typing import Any
 import structlog
 
 from producer.protocol import ErrorCode
-from worker.backoff import REDIS_DOWN, Backoff
-from worker.completion import CompletionWriter, FirstToken
-from worker.intake import BLOCK_MS, Intake, IntakeBudget
-from worker.leases import Housekeeper, Leases
-from worker.messages import HandBack, Partial, Revoke, StartedJob, Wake
-from worker.queue import Ending, JobQueue
+from worker.serve.backoff import REDIS_DOWN, Backoff
+from worker.serve.completion import CompletionWriter, FirstToken
+from worker.serve.intake import BLOCK_MS, Intake, IntakeBudget
+from worker.serve.leases import Housekeeper, Leases
+from worker.serve.messages import HandBack, Partial, Revoke, StartedJob, Wake
+from worker.serve.queue import Ending, JobQueue
 from worker.settings import WorkerSettings
 
 log = structlog.get_logger("tokenbus.worker")
@@ -46,10 +46,7 @@ class Server:
         self.capacity = settings.max_num_seqs + settings.intake_lookahead
         self.budget = IntakeBudget(self.capacity)
 
-        def decode(ids: list[int]) -> str:
-            return engine.tokenizer.decode(ids, skip_special_tokens=True)
-
-        self.writer = CompletionWriter(self.jobs, self.leases, decode=decode, metrics=metrics)
+        self.writer = CompletionWriter(self.jobs, self.leases, metrics=metrics)
         self.intake = Intake(
             self.jobs, self.leases, self.budget, self.inbox, self.writer,
             model_names={settings.model, engine.model_name}, lease_ms=settings.lease_ms,
@@ -248,7 +245,7 @@ class Server:
             self.metrics.observe_step(elapsed, stats.running, stats.waiting, stats.used_blocks,
                                       stats.free_blocks, stats.preemptions)
         now = time.time()
-        for job_id, tokens in self.engine.new_tokens.items():
+        for job_id, delta in self.engine.deltas.items():
             job = self.running.get(job_id)
             if job is None:
                 continue
@@ -256,8 +253,8 @@ class Server:
                 job.first_token_at = now
                 self.writer.put(FirstToken(job_id, now))
             if job.stream:
-                self.writer.put(Partial(job_id, list(tokens), job.published))
-                job.published += len(tokens)
+                self.writer.put(Partial(job_id, delta.token_ids, job.published, delta.text))
+                job.published += len(delta.token_ids)
         for out in finished:
             job = self.running.pop(out.request_id, None)
             if job is not None:

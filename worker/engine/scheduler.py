@@ -3,7 +3,8 @@
 Every step the running sequences go first (one token each while decoding, the next chunk while their
 prompt is being prefilled), then waiting requests are admitted while seats, token budget and KV blocks
 last. When blocks run out the newest running sequence is preempted by recompute: its blocks are freed
-and it goes back to the front of the waiting queue to be prefilled again later.
+and it goes back to the front of the waiting queue to be prefilled again later. After the forward pass,
+postprocess() is the one place sequences take their new tokens and those that are done leave.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from worker.block_manager import BlockManager
-from worker.sequence import Sequence, SequenceStatus
+from worker.engine.block_manager import BlockManager
+from worker.engine.sequence import Sequence, SequenceStatus
+from worker.engine.stop_checker import StopChecker
 
 
 @dataclass
@@ -26,8 +28,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, stop_checker: StopChecker, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
         self.block_manager = block_manager
+        self.stop_checker = stop_checker
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -76,6 +80,30 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], tokens: list[int],
+                    logprob_rows: list | None, now: float) -> list[Sequence]:
+        """After the forward pass of `batch`: its tokens are in the KV cache; each sampled sequence takes its
+        token (and logprobs, and text), and those that are done leave, their blocks freed. Returns those."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+        finished = []
+        for i, (seq, token) in enumerate(zip(sampled, tokens, strict=True)):
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if logprob_rows is not None and logprob_rows[i] is not None:
+                row, top_ids, top_vals = logprob_rows[i]
+                entry = dict(zip(top_ids, top_vals, strict=True))
+                entry[token] = float(row[token])
+                seq.logprobs.append(entry)
+            text_from = len(seq.output_text)
+            seq.output_text += seq.detokenizer.step(token)
+            reason = self.stop_checker.check(seq, text_from)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from worker.sequence import Sequence
+from worker.engine.sequence import Sequence
 
 
 class BlockManager:

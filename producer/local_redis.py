@@ -1,4 +1,5 @@
-"""A real `redis-server` on a free port in a temp dir, for tests that need to stop, kill or restart it.
+"""A throwaway real `redis-server` on a free port in a temp dir: the tests start one each (and stop, kill or
+restart it), the benchmarks one per run.
 
     srv = RedisServer()            # picks a free port; appendonly=False -> data lives only in memory
     srv.start(); srv.url           # "redis://127.0.0.1:PORT/0"

@@ -13,13 +13,13 @@ import time
 import structlog
 
 from producer.errors import InvalidJob
-from producer.protocol import GROUP, JOB_ID_RE, ErrorCode, JobRequest, parse_request
-from worker.backoff import REDIS_DOWN, Backoff
-from worker.completion import CompletionWriter
-from worker.leases import Leases
-from worker.messages import DeadLetter, StartedJob
-from worker.queue import Ending, Entry, JobQueue
-from worker.sampling_params import SamplingParams
+from producer.protocol import JOB_ID_RE, ErrorCode, JobRequest, parse_request
+from worker.engine.sampling_params import SamplingParams
+from worker.serve.backoff import REDIS_DOWN, Backoff
+from worker.serve.completion import CompletionWriter
+from worker.serve.leases import Leases
+from worker.serve.messages import DeadLetter, StartedJob
+from worker.serve.queue import Ending, Entry, JobQueue
 
 log = structlog.get_logger("tokenbus.worker")
 
@@ -159,8 +159,8 @@ class Intake(threading.Thread):
             # Ended while queued (cancelled) or no record (expired, never submitted): the script acked it.
             log.info("job_skipped", job_id=job_id, entry_id=entry.entry_id, status=status)
             if status == "missing":
-                self._retry(backoff, lambda: self.jobs.dead_letter(
-                    self.jobs.r, job_id, "no job record (expired or never submitted)", 0, raw))
+                self._retry(backoff, lambda: self.jobs.dead_letter_now(
+                    job_id, "no job record (expired or never submitted)", 0, raw))
             return
         if attempts > self.max_attempts:
             reason = (f"gave up after {attempts - 1} attempts: every worker that ran this job stopped "
@@ -183,11 +183,8 @@ class Intake(threading.Thread):
         if request.model is not None and request.model not in self.model_names:
             raise ModelMismatch(f"this job asks for model {request.model!r}; this worker serves "
                              f"{sorted(self.model_names)[0]!r}")
-        try:
-            params = SamplingParams(**request.sampling_fields())
-        except (ValueError, TypeError) as err:
-            raise InvalidJob(f"invalid job: {err}") from None
-        return request, params
+        # validated with the request already (SamplingParams is the same model): this cannot fail
+        return request, SamplingParams.model_validate(request.sampling_fields())
 
     def _fail(self, entry: Entry, job_id: str, reason: str, code: str, raw: str) -> None:
         log.warning("job_rejected", job_id=job_id, entry_id=entry.entry_id, reason=reason)
@@ -195,11 +192,7 @@ class Intake(threading.Thread):
                         orphan=DeadLetter(reason, 0, raw))
 
     def _drop(self, entry: Entry, job_id: str, reason: str, raw: str) -> None:
-        pipe = self.jobs.r.pipeline(transaction=True)
-        self.jobs.dead_letter(pipe, job_id, reason, 0, raw)
-        pipe.xack(self.jobs.keys.jobs, GROUP, entry.entry_id)
-        pipe.xdel(self.jobs.keys.jobs, entry.entry_id)
-        pipe.execute()
+        self.jobs.drop_entry(entry.entry_id, dead=(job_id, reason, raw))
 
     def _retry(self, backoff: Backoff, op):
         """Run one Redis write until it goes through: a job read from the stream is never just dropped."""

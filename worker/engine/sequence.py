@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.sampling_params import SamplingParams
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -22,25 +23,22 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    detokenizer: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] | None = None
-    output_text: str = ""
+    output_text: str = ""  # the detokenizer's text so far (cut at a stop string once one matched)
+    text_taken: int = 0  # characters of output_text already handed out (streaming)
     first_token_time: float | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
-    # incremental detokenisation offsets (only used when stop strings are set)
-    prefix_offset: int = 0
-    read_offset: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-        self.prefix_offset = max(len(self.prompt_token_ids) - 5, 0)
-        self.read_offset = len(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
 
@@ -64,3 +62,15 @@ class Sequence:
     def num_pending_tokens(self) -> int:
         """Tokens not yet in the KV cache: the whole prompt at first, 1 while decoding."""
         return self.num_tokens - self.num_computed_tokens
+
+    def take_text(self) -> str:
+        """Output text not handed out yet. While a stop string may still cut the text, its last
+        len(longest stop) - 1 characters wait: they could be the start of one."""
+        end = len(self.output_text)
+        if self.status is not SequenceStatus.FINISHED and self.params.stop_strings:
+            end -= max(len(s) for s in self.params.stop_strings) - 1
+        if end <= self.text_taken:
+            return ""
+        text = self.output_text[self.text_taken : end]
+        self.text_taken = end
+        return text

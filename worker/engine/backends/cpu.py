@@ -1,0 +1,107 @@
+"""CpuBackend: how a step runs on the CPU in float32 — the whole fast path in one place.
+
+    attention, KV write   C++ kernels (kernels/csrc/cpu_kernels.cpp); a prompt chunk's causal attention runs
+                          as one decode per query token over its own prefix
+    norms, SiLU·mul, RoPE one C++ pass each, in place where the layer allows it
+    linear layers         CpuLinear (cpu_linear.py): a panel GEMV for decode-sized batches, oneDNN above
+    a pure decode step    all decoder layers in one C++ call (cpu_decode.py), the same kernels in the same
+                          order, so the same result to the bit
+    greedy sampling       a row-wise argmax in C++
+Anything a kernel does not take (a strided view it cannot read, other dtypes) runs as in the ReferenceBackend.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+
+from worker.engine.backends.cpu_decode import FusedDecodeLayers
+from worker.engine.backends.cpu_linear import use_cpu_linears
+from worker.engine.backends.reference import ReferenceBackend
+
+if TYPE_CHECKING:
+    from worker.engine.attention_metadata import AttentionMetadata
+
+
+class CpuBackend(ReferenceBackend):
+    name = "cpu-cpp"
+
+    def __init__(self, ext: ModuleType) -> None:
+        self.ext = ext
+        self.fused: FusedDecodeLayers | None = None
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        use_cpu_linears(model, self.ext)
+        self.fused = FusedDecodeLayers.build(model, self.ext)
+
+    # ---- attention ----------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _takes(t: torch.Tensor, cache: torch.Tensor) -> bool:
+        return t.dtype == cache.dtype == torch.float32 and t.stride(-1) == 1 and cache.is_contiguous()
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        if self._takes(k, k_cache) and v.stride(-1) == 1:
+            self.ext.write_kv_cpu(k, v, k_cache, v_cache, slot_mapping)
+        else:
+            super().write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
+        if not self._takes(q, k_cache):
+            return super().decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return self.ext.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+    def prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                          scale: float) -> torch.Tensor:
+        """Causal prefill as decodes: query token i of a sequence attends to the tokens up to its position,
+        which is a one-token decode over a prefix of the same block table."""
+        if not self._takes(q, k_cache):
+            return super().prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+        q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+        seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
+        index_in_seq = torch.arange(q.shape[0]) - cu_seqlens_q[:-1].long()[seq_of_token]
+        token_lens = (seq_lens.long() - q_lens)[seq_of_token] + index_in_seq + 1
+        token_tables = block_tables.index_select(0, seq_of_token)
+        return self.ext.paged_decode_attention_cpu(q, k_cache, v_cache, token_tables, token_lens.int(), scale)
+
+    # ---- layer ops ----------------------------------------------------------------------------------------
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.float32:
+            return self.ext.rms_norm_cpu(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.is_contiguous() and x.dtype == torch.float32:
+            self.ext.add_rms_norm_cpu(x, residual, weight, eps)  # both in place: x = norm, residual = sum
+            return x, residual
+        return super().add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.dtype == torch.float32:
+            return self.ext.silu_and_mul_cpu(gate_up)
+        return super().silu_and_mul(gate_up)
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if cos.is_contiguous() and q.dtype == torch.float32 and k.stride(-1) == 1:
+            self.ext.rotary_cpu(q, k, cos, sin)  # in place
+            return q, k
+        return super().rotary(q, k, cos, sin)
+
+    # ---- whole layers and sampling ------------------------------------------------------------------------
+
+    def run_layers(self, model: torch.nn.Module, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                   meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused is not None and self.fused.serves(x, meta):
+            return self.fused(x, rotary, kv_caches, meta)
+        return super().run_layers(model, x, rotary, kv_caches, meta)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if logits.stride(-1) == 1 and logits.dtype == torch.float32:
+            return self.ext.argmax_rows_cpu(logits)
+        return super().argmax(logits)

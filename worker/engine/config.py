@@ -1,0 +1,52 @@
+"""EngineConfig: every engine setting in one object, checked once. The worker's settings build it whole
+(worker/settings.py `WorkerSettings.engine_config()`); the offline Engine takes the same fields as keywords.
+
+Imports no torch, so the worker's settings and CLI can use its defaults without paying for torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m"  # a built-in name, a local HF dir, a hub id or a .gguf file
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
+    block_size: int = 16  # tokens per KV-cache block
+    max_num_seqs: int = 64  # sequences in one batch
+    max_num_batched_tokens: int = 2048  # token budget of one step (prompt chunks + one per decoding sequence)
+    max_model_len: int | None = None  # None = the model's own context
+    kv_cache_gb: float | None = None  # KV-cache size; None = from gpu_memory_utilization (cuda) or 1 GiB (cpu)
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the card the engine may fill (weights + KV cache)
+    num_kv_blocks: int | None = None  # a fixed block count (tests, benchmarks); overrides both sizes above
+    cpu_kernels: bool = True  # CPU float32: the C++ kernels; False = the PyTorch references
+    cache_dir: str | None = None  # dequantised GGUF weights, built CPU kernels; None = TOKENBUS_CACHE_DIR or
+    # ~/.cache/tokenbus
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.block_size not in (8, 16, 32, 64, 128):
+            problems.append(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
+        if self.max_num_seqs < 1:
+            problems.append(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            problems.append(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): each running sequence needs one token of the budget"
+            )
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            problems.append(f"dtype must be 'auto' or one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            problems.append(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            problems.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            problems.append(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            problems.append(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if problems:
+            raise ValueError("invalid engine config: " + "; ".join(problems))

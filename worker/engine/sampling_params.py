@@ -1,0 +1,51 @@
+"""SamplingParams: what a request asks of generation.
+
+The fields, their defaults and their checks are the wire protocol's `GenerationParams` (producer/protocol.py,
+their one definition); this subclass adds only what the engine derives from them. A job's generation fields
+become SamplingParams unchanged, and a bad value fails with the same message on both sides.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+from pydantic import ValidationError
+
+from producer.protocol import GenerationParams, describe_validation_error
+
+
+class SamplingParams(GenerationParams):
+    @cached_property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @cached_property
+    def stop_ids(self) -> frozenset[int]:
+        return frozenset(self.stop_token_ids or ())
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return list(cls.model_fields)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
+        """SamplingParams from plain values, or ValueError naming every bad or unknown field."""
+        unknown = sorted(set(values) - set(cls.model_fields))
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; known ones are {cls.field_names()}")
+        try:
+            return cls.model_validate(values)
+        except ValidationError as err:
+            raise ValueError(f"invalid sampling parameters: {describe_validation_error(err)}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump()

@@ -1,0 +1,40 @@
+"""Decides after each new token whether a sequence is done: EOS, stop token ids, stop strings (in the
+detokenizer's text), max_tokens / min_tokens and the model's context."""
+
+from __future__ import annotations
+
+from worker.engine.sequence import Sequence
+
+
+class StopChecker:
+    def __init__(self, eos_token_ids: list[int], max_model_len: int) -> None:
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def check(self, seq: Sequence, new_text_from: int) -> str | None:
+        """The finish reason ("stop" | "length") once seq's newest token ends it, else None. new_text_from is
+        where this token's text starts in seq.output_text."""
+        params = seq.params
+        token = seq.token_ids[-1]
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if token in params.stop_ids:
+                return "stop"
+            if params.stop_strings and self._cut_at_stop_string(seq, new_text_from):
+                return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _cut_at_stop_string(seq: Sequence, new_text_from: int) -> bool:
+        text = seq.output_text
+        longest = max(len(s) for s in seq.params.stop_strings)
+        # a stop string completed by this token ends in the new text, so it starts at most this far back
+        window_start = max(0, new_text_from - longest + 1)
+        hits = [i for s in seq.params.stop_strings if (i := text.find(s, window_start)) != -1]
+        if not hits:
+            return False
+        seq.output_text = text[: min(hits)]
+        return True

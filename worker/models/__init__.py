@@ -1,3 +1,0 @@
-from worker.models.llama import SUPPORTED_MODEL_TYPES, LlamaArch, LlamaForCausalLM
-
-__all__ = ["SUPPORTED_MODEL_TYPES", "LlamaArch", "LlamaForCausalLM"]
