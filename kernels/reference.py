@@ -1,4 +1,4 @@
-"""Plain PyTorch versions of the paged-attention kernels: the definition of "correct".
+"""Plain PyTorch versions of the kernels: the definition of "correct".
 
 Layout shared by every kernel here and in the Triton files:
   k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
@@ -6,11 +6,17 @@ Layout shared by every kernel here and in the Triton files:
   seq_lens          int32 [num_seqs]: tokens already in the cache for each sequence (the new ones included)
   slot_mapping      int64 [num_tokens] = block_id * block_size + offset, -1 = skip (padding)
 The CPU serving path runs these, so they are vectorised rather than looped per token.
+
+The decoder layer's elementwise ops at the end of this file (RMSNorm with the residual add, rotary, SiLU*mul,
+fused by norm.py, rope.py and activation.py) are Hugging Face's eager arithmetic, written out: each op runs
+in the tensors' dtype (PyTorch computes an fp16/bf16 op in fp32 and rounds its result), so these equal
+transformers' LlamaRMSNorm / apply_rotary_pos_emb / silu(gate) * up to the bit.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def write_kv_ref(
@@ -110,3 +116,61 @@ def paged_prefill_attention_ref(
         oi = torch.einsum("kgqt,tkd->qkgd", probs, values)
         out[q_start:q_end] = oi.reshape(q_len, num_q_heads, head_dim).to(q.dtype)
     return out
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., hidden] -> weight * x / sqrt(mean(x^2) + eps): normalised in fp32, rounded to x's dtype, then
+    scaled (LlamaRMSNorm); the result has x's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h.to(x.dtype)).to(x.dtype)
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place, x and residual [n, hidden]: residual += x, then x = rms_norm_ref(residual). Returns (x, residual)."""
+    residual.copy_(residual + x)
+    x.copy_(rms_norm_ref(residual, weight, eps))
+    return x, residual
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # cos/sin [n, head_dim] or [n, 1, head_dim] (RotaryEmbedding.cos_sin): broadcast over the heads of x
+    cos, sin = cos.view(cos.shape[0], 1, cos.shape[-1]), sin.view(sin.shape[0], 1, sin.shape[-1])
+    return x * cos + _rotate_half(x) * sin
+
+
+def rotary_ref(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: x = x * cos + rotate_half(x) * sin (neox / Hugging Face style) for q [n, num_heads, head_dim]
+    and k [n, num_kv_heads, head_dim]; cos, sin [n, head_dim] or [n, 1, head_dim] in q's dtype. Returns (q, k)."""
+    q.copy_(_rotated(q, cos, sin))
+    k.copy_(_rotated(k, cos, sin))
+    return q, k
+
+
+def rotary_write_kv_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """q rotated in place (returned); k rotated and v written into the caches at slot_mapping (-1 = skip);
+    k itself is left as it was."""
+    q.copy_(_rotated(q, cos, sin))
+    write_kv_ref(_rotated(k, cos, sin), v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up [n, 2 * inter] (gate first, then up) -> silu(gate) * up [n, inter], in `out` if given."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    result = F.silu(gate) * up
+    if out is None:
+        return result
+    return out.copy_(result)
