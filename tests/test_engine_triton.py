@@ -1,8 +1,9 @@
 """The engine with the Triton kernels forced on (CPU, TRITON_INTERPRET=1) equals Hugging Face `generate`.
 
 The engine run happens in a child process because Triton reads TRITON_INTERPRET when the kernel modules
-are first imported (see tests/test_kernels.py); the child refuses the PyTorch references outright, so a
-pass means every attention call and KV write went through the Triton kernels. The HF reference runs here.
+are first imported (see tests/test_kernels.py); the child refuses the PyTorch references outright and
+counts every Triton kernel's calls, so a pass means every attention call, KV write, norm, RoPE and SiLU·mul
+went through the Triton kernels (none fell back silently). The HF reference runs here.
 Run directly, this file is the child: `python tests/test_engine_triton.py MODEL_DIR` prints JSON.
 """
 
@@ -28,13 +29,15 @@ MAX_TOKENS = [20, 9, 14, 24]
 def run_engine_with_triton(directory: str) -> dict:
     """Child side: the engine on CPU with the interpreted Triton kernels; the references would raise."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    import kernels
+    import kernels.activation as activation
     import kernels.decode_attention as decode
-    import kernels.kv_write as kv_write
+    import kernels.norm as norm
     import kernels.prefill_attention as prefill
+    import kernels.rope as rope
     from worker import Engine, SamplingParams
+    from worker.engine.backends import reference
 
-    calls = {"write_kv": 0, "decode": 0, "prefill": 0}
+    calls = {"rotary_write_kv": 0, "decode": 0, "prefill": 0, "rms_norm": 0, "add_rms_norm": 0, "silu_and_mul": 0}
 
     def counted(module, attr, key):
         inner = getattr(module, attr)
@@ -48,11 +51,15 @@ def run_engine_with_triton(directory: str) -> dict:
     def refuse(*args, **kwargs):
         raise AssertionError("a PyTorch reference ran although TRITON_INTERPRET=1")
 
-    for name in ("write_kv_ref", "paged_decode_attention_ref", "paged_prefill_attention_ref"):
-        setattr(kernels, name, refuse)
-    counted(kv_write, "write_kv_triton", "write_kv")
+    for name in ("write_kv_ref", "paged_decode_attention_ref", "paged_prefill_attention_ref", "rms_norm_ref",
+                 "add_rms_norm_ref", "rotary_ref", "silu_and_mul_ref"):
+        setattr(reference, name, refuse)
+    counted(rope, "rotary_write_kv_triton", "rotary_write_kv")
     counted(decode, "paged_decode_attention_triton", "decode")
     counted(prefill, "paged_prefill_attention_triton", "prefill")
+    counted(norm, "rms_norm_triton", "rms_norm")
+    counted(norm, "add_rms_norm_triton", "add_rms_norm")
+    counted(activation, "silu_and_mul_triton", "silu_and_mul")
 
     engine = Engine(directory, device="cpu", dtype="float32", block_size=16, max_num_seqs=3,
                     max_num_batched_tokens=16, kv_cache_gb=0.01)
@@ -62,7 +69,7 @@ def run_engine_with_triton(directory: str) -> dict:
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs[out.request_id] = {"prompt": out.prompt_token_ids, "tokens": out.token_ids}
-    return {"outputs": outputs, "calls": calls}
+    return {"outputs": outputs, "calls": calls, "steps": engine.steps, "layers": engine.model.arch.num_layers}
 
 
 def test_engine_with_triton_kernels_equals_hf(tmp_path):
@@ -76,7 +83,13 @@ def test_engine_with_triton_kernels_equals_hf(tmp_path):
                           text=True, timeout=900)
     assert proc.returncode == 0, f"engine child failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert all(n > 0 for n in result["calls"].values()), result["calls"]
+    calls, per_step = result["calls"], result["steps"] * result["layers"]
+    # every layer of every step: one fused RoPE + KV write, one SiLU·mul, two residual-add norms (the first
+    # layer's input norm is a plain one, the final norm an add); attention once or twice (prefill + decode)
+    assert calls["rotary_write_kv"] == calls["silu_and_mul"] == per_step, calls
+    assert calls["rms_norm"] == result["steps"] and calls["add_rms_norm"] == 2 * per_step, calls
+    assert calls["decode"] > 0 and calls["prefill"] > 0, calls
+    assert calls["decode"] + calls["prefill"] >= per_step, calls
 
     hf = load_hf(directory)
     for i, max_tokens in enumerate(MAX_TOKENS):

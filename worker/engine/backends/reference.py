@@ -1,8 +1,10 @@
-"""ReferenceBackend: every operation of a step in plain PyTorch. The other backends subclass it and replace
-what they run faster; what they do not replace runs as here.
+"""ReferenceBackend: every operation of a step in plain PyTorch, through kernels/reference.py (the definition
+of correct). The other backends subclass it and replace what they run faster; what they do not replace runs
+as here.
 
 The layer ops are Hugging Face's arithmetic (normalise in fp32, scale in the model dtype; rotate-half RoPE),
-so a model served by this backend matches `transformers` token for token in float32.
+so a model served by this backend matches `transformers` token for token in float32. add_rms_norm and rotary
+work in place, as every backend's do: their inputs are a step's intermediates, used once.
 """
 
 from __future__ import annotations
@@ -10,9 +12,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
-from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
+from kernels.reference import (
+    add_rms_norm_ref,
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    rms_norm_ref,
+    rotary_ref,
+    silu_and_mul_ref,
+    write_kv_ref,
+)
 
 if TYPE_CHECKING:
     from worker.engine.attention_metadata import AttentionMetadata
@@ -39,26 +48,31 @@ class ReferenceBackend:
     # ---- the elementwise parts of a decoder layer ---------------------------------------------------------
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * h.to(dtype)
+        """x [n, hidden] or [n, heads, head_dim] (a QK-norm's strided view) -> a new normalised tensor."""
+        return rms_norm_ref(x, weight, eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(residual + x), residual + x). Subclasses may write both into x and residual."""
-        residual = residual + x
-        return self.rms_norm(residual, weight, eps), residual
+        """In place: residual += x, x = rms_norm(residual). Returns (x, residual)."""
+        return add_rms_norm_ref(x, residual, weight, eps)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[n, 2 * inter] -> silu(gate) * up, [n, inter]."""
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul_ref(gate_up)
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [n, hq, d], k [n, hk, d]; cos, sin [n, 1, d]. Subclasses may rotate q and k in place."""
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        """In place: q [n, hq, d] and k [n, hk, d] rotated by cos, sin [n, 1, d]. Returns (q, k)."""
+        return rotary_ref(q, k, cos, sin)
+
+    def rotary_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> torch.Tensor:
+        """q rotated (returned); rotated k and v written into the paged cache. k may be left rotated or not:
+        attention reads K back from the cache."""
+        q, k = self.rotary(q, k, cos, sin)
+        self.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q
 
     # ---- whole layers and sampling ------------------------------------------------------------------------
 
@@ -75,7 +89,3 @@ class ReferenceBackend:
         """[rows, vocab] -> each row's first maximum (int64)."""
         return logits.argmax(dim=-1)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,5 +1,7 @@
-"""TritonBackend: paged attention and the KV write in our Triton kernels (kernels/*.py); CUDA tensors, or
-CPU tensors under TRITON_INTERPRET=1 (tests). The layer ops still run as in the ReferenceBackend."""
+"""TritonBackend: a step's kernel-level ops in our Triton kernels (kernels/*.py) on CUDA tensors, or on CPU
+tensors under TRITON_INTERPRET=1 (tests): paged attention, the KV write fused with RoPE, residual add +
+RMSNorm, SiLU·mul. Each is one launch, with no host sync and no data-dependent allocation, so a decode
+step can be captured in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -11,14 +13,22 @@ from worker.engine.backends.reference import ReferenceBackend
 class TritonBackend(ReferenceBackend):
     def __init__(self, interpreted: bool = False) -> None:
         # imported here, not at module level: Triton must see TRITON_INTERPRET before these modules load
+        from kernels.activation import silu_and_mul_triton
         from kernels.decode_attention import paged_decode_attention_triton
         from kernels.kv_write import write_kv_triton
+        from kernels.norm import add_rms_norm_triton, rms_norm_triton
         from kernels.prefill_attention import paged_prefill_attention_triton
+        from kernels.rope import rotary_triton, rotary_write_kv_triton
 
         self.name = "triton-interpreter" if interpreted else "triton"
         self._write_kv = write_kv_triton
         self._decode = paged_decode_attention_triton
         self._prefill = paged_prefill_attention_triton
+        self._rms_norm = rms_norm_triton
+        self._add_rms_norm = add_rms_norm_triton
+        self._silu_and_mul = silu_and_mul_triton
+        self._rotary = rotary_triton
+        self._rotary_write_kv = rotary_write_kv_triton
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         self._write_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -29,3 +39,22 @@ class TritonBackend(ReferenceBackend):
     def prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                           scale: float) -> torch.Tensor:
         return self._prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._silu_and_mul(gate_up)
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rotary(q, k, cos, sin)
+
+    def rotary_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> torch.Tensor:
+        return self._rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)

@@ -161,9 +161,8 @@ class Attention(nn.Module):
         v = heads[:, self.num_heads + self.num_kv_heads :]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.backend.rotary(q, k, *rotary)
         k_cache, v_cache = kv_cache
-        self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = self.backend.rotary_write_kv(q, k, v, *rotary, k_cache, v_cache, meta.slot_mapping)
         p = meta.num_prefill_tokens
         if p == 0:  # a pure decode step (most steps): the kernel's output is the attention output
             out = self._decode(q, kv_cache, meta)
