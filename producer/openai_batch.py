@@ -55,6 +55,20 @@ def parse_line(text: str) -> tuple[InputLine, dict[str, Any]]:
     return line, fields
 
 
+def body_fields(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A validated JobRequest dict for one request body of `url`, as a batch line's body is mapped.
+
+    For callers that are not reading a batch file (the HTTP gateway). Raises InvalidJob naming the field."""
+    if not isinstance(body, dict):
+        raise InvalidJob(f"body: a request body must be a JSON object, got {type(body).__name__}")
+    fields = _chat_fields(body) if url == CHAT else _completion_fields(body)
+    try:
+        validate_request(fields)
+    except InvalidJob as err:
+        raise InvalidJob("body: " + str(err).removeprefix("invalid job: ")) from None
+    return fields
+
+
 def _check_known(body: dict[str, Any], allowed: set[str], url: str) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
