@@ -110,7 +110,7 @@ def test_each_key_sees_only_its_own_files_batches_and_jobs(gateway_stack, tmp_pa
         with pytest.raises(openai.NotFoundError) as err:
             call()
         assert err.value.status_code == 404 and err.value.type == "invalid_request_error"
-    with pytest.raises(openai.BadRequestError):  # bob cannot start a batch from alice's file either
+    with pytest.raises(openai.NotFoundError):  # bob cannot start a batch from alice's file either
         bob.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
     assert batch.id not in [b.id for b in bob.batches.list()]
     assert file_id not in [f.id for f in bob.files.list()]

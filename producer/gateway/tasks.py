@@ -37,7 +37,7 @@ def context() -> GatewayContext:
     return _CTX
 
 
-def set_context(ctx: GatewayContext) -> None:
+def set_context(ctx: GatewayContext | None) -> None:
     global _CTX
     _CTX = ctx
 
