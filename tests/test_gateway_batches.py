@@ -114,3 +114,21 @@ def test_list_batches_with_cursor_pagination(gateway_stack, tmp_path):
     assert [b.id for b in client.batches.list(limit=2)] == newest_first  # the SDK follows the cursor
     for bid in made:
         gateway_stack.wait_batch(client, bid)
+
+
+def test_batch_past_its_window_ends_expired_with_partial_output(gateway_stack, tmp_path):
+    client = gateway_stack.openai("bob")
+    lines = [chat_line("quick", "Hi", max_tokens=1)]
+    lines += [chat_line(f"slow-{i}", "Write a poem.", max_tokens=64, ignore_eos=True) for i in range(12)]
+    uploaded = client.files.create(file=write_jsonl(tmp_path / "slow.jsonl", lines).open("rb"), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1, 120,
+               "a first finished request", list(gateway_stack.procs.values()), every=0.1)
+    # As if 24 hours had passed: the watcher cancels what is left and the batch ends expired.
+    gateway_stack.redis.client().hset(f"tokenbus:gw:batch:{batch.id}", "expires_at", 1.0)
+    done = gateway_stack.wait_batch(client, batch.id, timeout=120)
+    assert done.status == "expired" and done.expired_at and done.cancelled_at is None
+    assert done.request_counts.completed >= 1 and done.request_counts.failed >= 1
+    output = [json.loads(x)["custom_id"] for x in client.files.content(done.output_file_id).text.splitlines()]
+    assert "quick" in output and len(output) == done.request_counts.completed

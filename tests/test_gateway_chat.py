@@ -35,8 +35,8 @@ def test_chat_completion_equals_the_same_job_submitted_directly(gateway_stack):
 
 def test_chat_completion_streams_server_sent_events(gateway_stack):
     client = gateway_stack.openai("alice")
-    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

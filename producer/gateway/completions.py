@@ -125,8 +125,10 @@ async def _sse(ctx: GatewayContext, job_id: str, endpoint: str, model: str | Non
         if chat:
             yield _event(chunk("", None, role=True))
         tokens = ctx.client.stream(job_id, timeout=ctx.settings.completion_timeout_s)
+        streamed = ""
         async for part in iterate_in_threadpool(tokens):
             if part.text:
+                streamed += part.text
                 yield _event(chunk(part.text, None))
         # The done chunk and the record's end are written together by the worker; wait for the record.
         job = await ctx.waiter.wait(job_id, 30.0)
@@ -137,6 +139,9 @@ async def _sse(ctx: GatewayContext, job_id: str, endpoint: str, model: str | Non
         else:
             if job.result.model:
                 base["model"] = job.result.model
+            # A worker run with stream_tokens off publishes nothing: the text then comes in one piece.
+            if len(job.result.text) > len(streamed) and job.result.text.startswith(streamed):
+                yield _event(chunk(job.result.text[len(streamed):], None))
             yield _event(chunk(None, job.result.finish_reason))
             if include_usage:
                 yield _event(base | {"choices": [], "usage": job.result.usage.model_dump()})

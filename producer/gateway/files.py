@@ -45,8 +45,8 @@ class FileMeta(BaseModel):
 
 class FileStore:
     def __init__(self, r: redis.Redis, keys: GatewayKeys, root: Path, max_line_bytes: int) -> None:
+        # No mkdir here: the serving processes make the directory (a mere import must not create one).
         self.r, self.keys, self.root, self.max_line_bytes = r, keys, Path(root), max_line_bytes
-        self.root.mkdir(parents=True, exist_ok=True)
 
     def path(self, file_id: str) -> Path:
         # Two hex characters of fan-out keep any one directory small.
