@@ -117,6 +117,7 @@ def test_each_key_sees_only_its_own_files_batches_and_jobs(gateway_stack, tmp_pa
     with gateway_stack.http("bob") as http:
         assert http.get(f"/v1/jobs/{job_id}").status_code == 404
         assert http.get(f"/v1/jobs/{batch.id}-0").status_code == 404  # a job of alice's batch
+        assert http.get(f"/v1/jobs/{job_id}:tokens").status_code == 404  # not another key's type
     with gateway_stack.http("alice") as http:
         assert http.get(f"/v1/jobs/{job_id}").json()["status"] == "finished"
         assert http.get(f"/v1/jobs/{batch.id}-0").json()["batch_id"] == batch.id

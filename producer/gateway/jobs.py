@@ -13,7 +13,7 @@ from producer.gateway.context import GatewayContext
 from producer.gateway.errors import APIError, not_found
 from producer.gateway.http import get_ctx
 from producer.openai_batch import response_body
-from producer.protocol import Job, JobStatus
+from producer.protocol import JOB_ID_RE, Job, JobStatus
 
 router = APIRouter()
 OWNERSHIP_SLACK_S = 24 * 3600  # the ownership record outlives the job's record (result_ttl) by this
@@ -30,6 +30,8 @@ def record_ownership(ctx: GatewayContext, job_id: str, who: str, endpoint: str) 
 
 def owned_job(ctx: GatewayContext, who: str, job_id: str) -> tuple[Job, str]:
     """(job, endpoint) for a job of this owner: its own chat/completion job or a job of one of its batches."""
+    if not JOB_ID_RE.match(job_id):  # also keeps ids like `x:tokens` from addressing other keys
+        raise not_found("job", job_id)
     owner_of, endpoint = ctx.redis.hmget(ctx.gkeys.job(job_id), "owner", "endpoint")
     job = ctx.client.get_many([job_id])[0]
     if owner_of is None and job is not None and job.batch_id:

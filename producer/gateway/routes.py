@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from producer.gateway import batch_service
 from producer.gateway.auth import owner
-from producer.gateway.errors import invalid
+from producer.gateway.errors import APIError, invalid
 from producer.gateway.http import get_ctx, json_body
 from producer.gateway.upload import receive_upload
 
@@ -59,8 +59,13 @@ async def retrieve_file(file_id: str, request: Request, who: str = Depends(owner
 async def file_content(file_id: str, request: Request, who: str = Depends(owner)) -> FileResponse:
     ctx = get_ctx(request)
     meta = await run_in_threadpool(ctx.files.get, who, file_id)
+    path = ctx.files.path(meta.id)
+    if not path.is_file():
+        raise APIError(500, f"the content of {meta.id} is missing from this gateway's files_dir; every gateway "
+                            "and tasks process must mount the same directory (TOKENBUS_GATEWAY_FILES_DIR)",
+                       code="file_content_missing")
     # FileResponse sends the file in chunks: a big output file never sits in memory.
-    return FileResponse(ctx.files.path(meta.id), media_type="application/jsonl", filename=meta.filename,
+    return FileResponse(path, media_type="application/jsonl", filename=meta.filename,
                         content_disposition_type="attachment")
 
 
