@@ -72,3 +72,36 @@ def test_webhook_url_is_checked_at_create(gateway_stack, tmp_path):
     with gateway_stack.http("bob") as http:
         resp = http.post("/v1/batches", content=payload, headers={"content-type": "application/json"})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "priority"
+
+
+def test_a_webhook_that_never_succeeds_ends_in_rq_failed_registry(redis_server, tmp_path):
+    """Retries run out -> RQ's failed-job registry (what `rq info` shows and `rq requeue` retries)."""
+    from rq import SimpleWorker
+    from rq.registry import FailedJobRegistry
+
+    from producer.gateway import tasks
+    from producer.gateway.batch_records import GatewayBatch
+    from producer.gateway.context import GatewayContext
+    from producer.gateway.settings import GatewaySettings
+
+    settings = GatewaySettings(redis_url=redis_server.url, api_keys="k", files_dir=tmp_path,
+                               webhook_secret=WEBHOOK_SECRET, webhook_retry_intervals="0,0",
+                               webhook_allow_private=True)
+    ctx = GatewayContext(settings)
+    tasks.set_context(ctx)
+    try:
+        with WebhookReceiver(fail_first=100) as hooks:
+            gw = GatewayBatch(id="batch_doomed", owner="key_x", input_file_id="file-x", endpoint="/v1/completions",
+                              completion_window="24h", created_at=1.0, expires_at=2.0, final_status="completed",
+                              ended_at=1.5, total=0, completed=0, failed=0, webhook_url=hooks.url)
+            ctx.redis.hset(ctx.gkeys.batch(gw.id), mapping=gw.fields())
+            assert tasks.enqueue_webhook(ctx, gw) and not tasks.enqueue_webhook(ctx, gw)  # queued once only
+            SimpleWorker([ctx.queue], connection=ctx.rq_redis).work(burst=True)
+            assert [a["status"] for a in hooks.attempts] == [500, 500, 500]  # the first try and two retries
+        assert FailedJobRegistry(queue=ctx.queue).get_job_ids() == ["webhook-batch_doomed"]
+        record = ctx.redis.hgetall(ctx.gkeys.batch(gw.id))
+        assert record["webhook_attempts"] == "3" and "answered 500" in record["webhook_last_error"]
+        assert "webhook_delivered_at" not in record
+    finally:
+        tasks.set_context(None)
+        ctx.close()
