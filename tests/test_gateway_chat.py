@@ -69,6 +69,8 @@ def test_bad_requests_name_the_field(gateway_stack):
     with pytest.raises(openai.NotFoundError) as err:  # the worker serves another model
         client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=2)
     assert err.value.code == "model_not_found" and "gpt-4o" in err.value.message
+    with pytest.raises(openai.APIError, match="gpt-4o"):  # streamed: the error arrives as an event
+        list(client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=2, stream=True))
     with gateway_stack.http("alice") as http:
         resp = http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert resp.status_code == 400 and set(resp.json()["error"]) == {"message", "type", "param", "code"}

@@ -84,10 +84,10 @@ def openai_status(gw: GatewayBatch, core: BatchRecord | None) -> str:
         return "cancelling" if gw.cancel_requested_at else "validating"
     if core.status == BatchStatus.completed:
         return "finalizing"
-    if core.status in (BatchStatus.cancelling, BatchStatus.cancelled):
-        # An expiry cancels the rest of the batch too, but OpenAI shows no "cancelling" for it.
-        return "finalizing" if gw.expire_requested_at and core.is_terminal else \
-            "in_progress" if gw.expire_requested_at else "cancelling"
+    if gw.expire_requested_at:  # an expiry cancels the rest too, but OpenAI shows no "cancelling" for it
+        return "finalizing" if core.is_terminal else "in_progress"
+    if gw.cancel_requested_at or core.status in (BatchStatus.cancelling, BatchStatus.cancelled):
+        return "cancelling"  # until the files of what finished exist; then "cancelled"
     return "in_progress"
 
 

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 
-from producer.errors import InvalidJob
+from producer.errors import InvalidJob, WaitTimeout
 from producer.gateway.auth import owner
 from producer.gateway.context import GatewayContext
 from producer.gateway.errors import APIError, invalid
@@ -126,10 +126,17 @@ async def _sse(ctx: GatewayContext, job_id: str, endpoint: str, model: str | Non
             yield _event(chunk("", None, role=True))
         tokens = ctx.client.stream(job_id, timeout=ctx.settings.completion_timeout_s)
         streamed = ""
-        async for part in iterate_in_threadpool(tokens):
-            if part.text:
-                streamed += part.text
-                yield _event(chunk(part.text, None))
+        try:
+            async for part in iterate_in_threadpool(tokens):
+                if part.text:
+                    streamed += part.text
+                    yield _event(chunk(part.text, None))
+        except WaitTimeout:
+            # Headers are sent: the error goes in the stream, where the SDKs look for it.
+            limit = ctx.settings.completion_timeout_s
+            yield _event(APIError(504, f"job {job_id} did not finish within {limit:g} s, so it was cancelled; "
+                                       "ask for fewer tokens or use a batch", code="timeout").body())
+            return  # `ended` stays False: the finally below cancels the job
         # The done chunk and the record's end are written together by the worker; wait for the record.
         job = await ctx.waiter.wait(job_id, 30.0)
         ended = job is not None
