@@ -175,4 +175,8 @@ def worker_process(tmp_path):
 
 # ---- the gateway (tests/test_gateway_*.py): one deployment of real processes per session ------------------
 
-from gateway_harness import gateway_stack  # noqa: E402, F401
+from gateway_harness import gateway_stack, release_gateway_stack  # noqa: E402, F401
+
+
+def pytest_runtest_teardown(item, nextitem):
+    release_gateway_stack(nextitem)

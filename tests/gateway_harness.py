@@ -142,11 +142,27 @@ def stop_stack(stack: Stack) -> None:
     stack.redis.cleanup()
 
 
-@pytest.fixture(scope="session")
-def gateway_stack(tmp_path_factory):
-    stack = start_stack(tmp_path_factory.mktemp("gateway"))
-    yield stack
-    stop_stack(stack)
+_STACK: Stack | None = None
+
+
+@pytest.fixture
+def gateway_stack(tmp_path_factory) -> Stack:
+    """The running deployment, started by the first test that asks and shared by the tests after it."""
+    global _STACK
+    if _STACK is None:
+        _STACK = start_stack(tmp_path_factory.mktemp("gateway"))
+    for p in _STACK.procs.values():
+        p.check_alive()
+    return _STACK
+
+
+def release_gateway_stack(nextitem: pytest.Item | None) -> None:
+    """conftest's pytest_runtest_teardown: stop the deployment once the next test does not use it, so its
+    worker (a model in memory) does not idle through the rest of the suite. A later user restarts it."""
+    global _STACK
+    if _STACK is not None and (nextitem is None or "gateway_stack" not in getattr(nextitem, "fixturenames", ())):
+        stop_stack(_STACK)
+        _STACK = None
 
 
 # ---- batch files ---------------------------------------------------------------------------------------------

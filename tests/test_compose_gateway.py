@@ -1,9 +1,12 @@
 """The gateway's compose services, checked without Docker (as tests/test_deploy.py does for the worker):
-their settings parse as meant, and the gateway's Redis ACL user can do the gateway's and RQ's work."""
+their settings parse as meant, and the gateway's Redis ACL user can do the gateway's and RQ's work.
+(Named to sort away from test_gateway_*, which share one running deployment, gateway_harness.py.)"""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import tomllib
 
 import pytest
@@ -75,3 +78,10 @@ def test_the_gateway_acl_user_runs_producer_and_rq_work(compose, tmp_path):
         tasks.set_context(None)
         admin.close()
         srv.kill()
+
+
+def test_gateway_imports_no_torch():
+    code = ("import sys; from producer.gateway.app import create_app; from producer.gateway.settings import "
+            "GatewaySettings; import producer.gateway.tasks_worker; create_app(GatewaySettings(api_keys='k')); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
