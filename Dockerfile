@@ -30,7 +30,7 @@ RUN pip install . \
 # Not root: the worker needs no privileges. The cache dirs exist with the right owner so that the named
 # volumes mounted there (compose.yaml) start out writable by this user.
 RUN useradd --create-home --uid 1000 tokenbus \
-    && mkdir -p /home/tokenbus/.cache/huggingface /home/tokenbus/.triton \
+    && mkdir -p /home/tokenbus/.cache/huggingface /home/tokenbus/.triton /home/tokenbus/gateway-files \
     && chown -R tokenbus:tokenbus /home/tokenbus
 USER 1000:1000
 WORKDIR /home/tokenbus

@@ -53,12 +53,21 @@ def parse_line(text: str) -> tuple[InputLine, dict[str, Any]]:
         raise InvalidJob(describe_validation_error(err)) from None
     if not line.custom_id:
         raise InvalidJob("custom_id must not be empty")
-    fields = _chat_fields(line.body) if line.url == CHAT else _completion_fields(line.body)
+    return line, body_fields(line.url, line.body)
+
+
+def body_fields(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A validated JobRequest dict for one request body of `url`, as a batch line's body is mapped.
+
+    For callers that are not reading a batch file (the HTTP gateway). Raises InvalidJob naming the field."""
+    if not isinstance(body, dict):
+        raise InvalidJob(f"body: a request body must be a JSON object, got {type(body).__name__}")
+    fields = _chat_fields(body) if url == CHAT else _completion_fields(body)
     try:
         validate_request(fields)
     except InvalidJob as err:
         raise InvalidJob("body: " + str(err).removeprefix("invalid job: ")) from None
-    return line, fields
+    return fields
 
 
 def _check_known(body: dict[str, Any], allowed: set[str], url: str) -> None:

@@ -171,3 +171,12 @@ def worker_process(tmp_path):
     yield start
     for wp in procs:
         wp.kill()
+
+
+# ---- the gateway (tests/test_gateway_*.py): one deployment of real processes per session ------------------
+
+from gateway_harness import gateway_stack, release_gateway_stack  # noqa: E402, F401
+
+
+def pytest_runtest_teardown(item, nextitem):
+    release_gateway_stack(nextitem)

@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_TEXT = (ROOT / "compose.yaml").read_text()
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 DEPLOY_DOC = (ROOT / "docs" / "deployment.md").read_text()
-ENV = {"REDIS_PASSWORD": "a1" * 12, "TOKENBUS_REDIS_PASSWORD": "b2" * 12}
+ENV = {"REDIS_PASSWORD": "a1" * 12, "TOKENBUS_REDIS_PASSWORD": "b2" * 12, "TOKENBUS_GATEWAY_REDIS_PASSWORD": "c3" * 12,
+       "TOKENBUS_GATEWAY_API_KEYS": "sk-d4d4d4d4d4d4d4d4,sk-e5e5e5e5e5e5e5e5"}
 BIN = Path(sys.executable).parent
 
 

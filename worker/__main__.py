@@ -8,7 +8,7 @@ import sys
 import redis
 import structlog
 
-from worker.logging import configure_logging
+from producer.logs import configure_logging
 from worker.settings import load_settings
 
 

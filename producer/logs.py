@@ -1,4 +1,5 @@
-"""structlog setup: key=value lines on a terminal, one JSON object per line otherwise (log shippers)."""
+"""structlog set-up for every tokenbus process (worker, gateway, its tasks): key=value lines on a terminal, one JSON
+object per line otherwise (log shippers)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import sys
 import structlog
 
 
-def configure_logging(level: str = "info", json: bool | None = None) -> None:
+def configure_logging(level: str = "info", json: bool | None = None, libraries: str = "warning") -> None:
+    """libraries: the least level of stdlib-logging libraries shown (uvicorn and RQ: "info"; transformers: not)."""
     if json is None:
         json = not sys.stderr.isatty()
     numeric = logging.getLevelNamesMapping()[level.upper()]
@@ -26,5 +28,7 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
-    # Libraries that use stdlib logging (transformers, redis) go to stderr at the same level.
-    logging.basicConfig(level=max(numeric, logging.WARNING), stream=sys.stderr)
+    # Libraries that use stdlib logging go to the same stream, at this level or `libraries`, whichever is higher.
+    floor = logging.getLevelNamesMapping()[libraries.upper()]
+    logging.basicConfig(level=max(numeric, floor), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
