@@ -28,8 +28,8 @@ or cancelled. The Redis URL and namespace default to $TOKENBUS_REDIS_URL (or $TO
 def _json_value(text: str) -> Any:
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {text!r}") from None
+    except (ValueError, RecursionError):  # JSONDecodeError, huge integers, deep nesting
+        raise argparse.ArgumentTypeError(f"not valid JSON: {text[:80]!r}") from None
 
 
 def _int_list(text: str) -> list[int]:

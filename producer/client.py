@@ -168,6 +168,11 @@ class Client:
                        args=[job.job_id, job.request_json, now, limit, self.result_ttl, job.batch_id,
                              job.custom_id], client=pipe)
             for job, (code, value) in zip(chunk, pipe.execute(), strict=True):
+                if int(code) == -2:
+                    raise InvalidJob(
+                        f"job id {job.job_id!r} of batch {job.batch_id!r} is taken by another job (batch "
+                        f"{value or 'none'}); the batch would adopt that job's result. Use another batch id "
+                        f"({len(accepted)} of this call's jobs were queued before this one)")
                 if int(code) == -1:
                     log.warning("queue_full", queue=self.keys.jobs, depth=int(value), limit=limit,
                                 accepted=len(accepted), refused=len(jobs) - len(accepted))

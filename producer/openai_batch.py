@@ -41,6 +41,10 @@ def parse_line(text: str) -> tuple[InputLine, dict[str, Any]]:
         raw = json.loads(text)
     except json.JSONDecodeError as err:
         raise InvalidJob(f"not valid JSON ({err.msg} at column {err.colno})") from None
+    except RecursionError:
+        raise InvalidJob("not a batch line: its JSON is nested too deeply") from None
+    except ValueError as err:  # an integer past Python's digits limit
+        raise InvalidJob(f"not a batch line: {err}") from None
     try:
         line = InputLine.model_validate(raw)
     except ValidationError as err:
@@ -49,7 +53,7 @@ def parse_line(text: str) -> tuple[InputLine, dict[str, Any]]:
         raise InvalidJob("custom_id must not be empty")
     fields = _chat_fields(line.body) if line.url == CHAT else _completion_fields(line.body)
     try:
-        validate_request(fields)
+        validate_request(fields).to_json()  # to_json: the size limit, and text that is valid Unicode
     except InvalidJob as err:
         raise InvalidJob("body: " + str(err).removeprefix("invalid job: ")) from None
     return line, fields
