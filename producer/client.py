@@ -75,7 +75,9 @@ class Client:
         result_ttl: int | None = None,
         redis_client: redis.Redis | None = None,
     ) -> None:
-        self.redis = redis_client or redis.Redis.from_url(url, decode_responses=True)
+        # encoding_errors="replace": a record holding bytes that are not UTF-8 (a raw submit that skipped this
+        # client) still reads back, with U+FFFD, instead of raising UnicodeDecodeError.
+        self.redis = redis_client or redis.Redis.from_url(url, decode_responses=True, encoding_errors="replace")
         if not self.redis.get_encoder().decode_responses:
             raise TokenbusError("Client needs a redis client made with decode_responses=True")
         self.keys = Keys(namespace)

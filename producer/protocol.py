@@ -271,9 +271,12 @@ class Job(BaseModel):
         for key in ("request", "result"):
             if data.get(key):
                 try:
-                    data[key] = json.loads(data[key])
-                except json.JSONDecodeError:
-                    data[key] = None if key == "result" else {"_unparsed": data[key]}
+                    value = json.loads(data[key])
+                except (ValueError, RecursionError):  # not JSON, a huge integer, deep nesting
+                    value = None
+                if not isinstance(value, dict):
+                    value = None if key == "result" else {"_unparsed": data[key]}
+                data[key] = value
             else:
                 data.pop(key, None)
         return cls.model_validate({k: v for k, v in data.items() if v != ""})

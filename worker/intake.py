@@ -13,7 +13,7 @@ import time
 import structlog
 
 from producer.errors import InvalidJob
-from producer.protocol import GROUP, JOB_ID_RE, ErrorCode, JobRequest, parse_request
+from producer.protocol import GROUP, ErrorCode, JobRequest, is_valid_id, parse_request
 from worker.backoff import REDIS_DOWN, Backoff
 from worker.completion import CompletionWriter
 from worker.leases import Leases
@@ -105,7 +105,7 @@ class Intake(threading.Thread):
             try:
                 entries = self._read(allowance)
                 for entry in entries:
-                    self._admit(entry, backoff)
+                    self._admit_one(entry, backoff)
                 backoff.succeeded()
             except REDIS_DOWN as err:
                 backoff.failed(err)
@@ -130,13 +130,35 @@ class Intake(threading.Thread):
 
     # ---- one entry ----------------------------------------------------------------------------------
 
+    def _admit_one(self, entry: Entry, backoff: Backoff) -> None:
+        """Admit one entry; whatever goes wrong with it ends it alone, never the rest of the read."""
+        try:
+            self._admit(entry, backoff)
+        except REDIS_DOWN:
+            raise
+        except Exception as err:
+            log.exception("entry_error", entry_id=entry.entry_id, job_id=entry.fields.get("job_id"))
+            reason = f"malformed entry: the worker could not process it ({type(err).__name__}: {err})"
+            self._reject(entry, entry.fields.get("job_id", ""), reason, backoff)
+
+    def _reject(self, entry: Entry, job_id: str, reason: str, backoff: Backoff) -> None:
+        """Dead-letter an entry that cannot run; a job record it names ends failed (status, TTL, event)."""
+        raw = entry.fields.get("request", "")
+        if job_id and self._retry(backoff, lambda: self.jobs.has_record(job_id)) \
+                and self.leases.entry_of(job_id) is None:
+            log.warning("job_rejected", job_id=job_id, entry_id=entry.entry_id, reason=reason)
+            self.writer.end(Ending(job_id, entry.entry_id, "failed", error=reason,
+                                   error_code=ErrorCode.invalid_request), dead=DeadLetter(reason, 0, raw))
+            return
+        log.warning("entry_dropped", entry_id=entry.entry_id, reason=reason)
+        self._retry(backoff, lambda: self._drop(entry, job_id, reason, raw))
+
     def _admit(self, entry: Entry, backoff: Backoff) -> None:
         job_id = entry.fields.get("job_id", "")
         raw = entry.fields.get("request", "")
-        if not JOB_ID_RE.match(job_id):
-            reason = f"malformed entry: job_id {job_id!r} missing or invalid (fields: {sorted(entry.fields)})"
-            log.warning("entry_dropped", entry_id=entry.entry_id, reason=reason)
-            self._retry(backoff, lambda: self._drop(entry, job_id, reason, raw))
+        if not is_valid_id(job_id):
+            reason = f"malformed entry: job_id {job_id[:210]!r} missing or invalid (fields: {sorted(entry.fields)})"
+            self._reject(entry, job_id, reason, backoff)
             return
         held = self.leases.entry_of(job_id)
         if held is not None:
@@ -149,6 +171,9 @@ class Intake(threading.Thread):
         if entry.reclaimed:
             log.info("entry_reclaimed", job_id=job_id, entry_id=entry.entry_id)
         try:
+            if entry.not_utf8:
+                raise InvalidJob(f"invalid job: the entry's {', '.join(entry.not_utf8)} field is not valid "
+                                 "UTF-8; send the request as UTF-8 JSON text")
             request, params = self._validate(raw)
         except InvalidJob as err:
             code = ErrorCode.model_mismatch if isinstance(err, ModelMismatch) else ErrorCode.invalid_request

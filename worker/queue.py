@@ -27,6 +27,7 @@ class Entry:
     entry_id: str
     fields: dict[str, str]
     reclaimed: bool = False  # taken over from a worker whose lease lapsed
+    not_utf8: tuple[str, ...] = ()  # fields whose bytes are not valid UTF-8 (decoded with U+FFFD here)
 
 
 @dataclass
@@ -93,6 +94,10 @@ class JobQueue:
     def start(self, job_id: str, entry_id: str) -> tuple[str, int]:
         """('running', attempts) to run it; else its terminal status or 'missing' (entry acked already)."""
         return shared.start_job(self.r, self.keys, job_id, entry_id, self.consumer)
+
+    def has_record(self, job_id: str) -> bool:
+        """Whether `{ns}:job:{job_id}` is a job record (a hash): an entry naming it must end it."""
+        return _str(self.r.type(self.keys.job(job_id))) == "hash"
 
     def drop_entry(self, entry_id: str) -> None:
         """Acknowledge and delete an entry that names no job: there is no record to end."""
@@ -180,6 +185,15 @@ def _str(x: Any) -> str:
 
 
 def _entry(entry_id: Any, fields: dict[Any, Any] | None) -> Entry:
-    decoded = {_str(k): (v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v))
-               for k, v in (fields or {}).items()}
-    return Entry(_str(entry_id), decoded)
+    decoded: dict[str, str] = {}
+    not_utf8: list[str] = []
+    for k, v in (fields or {}).items():
+        key = _str(k) if not isinstance(k, bytes) else k.decode("utf-8", "replace")
+        if isinstance(v, bytes):
+            try:
+                v = v.decode("utf-8")
+            except UnicodeDecodeError:
+                not_utf8.append(key)
+                v = v.decode("utf-8", "replace")
+        decoded[key] = str(v)
+    return Entry(_str(entry_id), decoded, not_utf8=tuple(not_utf8))
