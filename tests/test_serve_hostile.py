@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
+from collections import Counter, deque
 
 from producer import Client, scripts
 from producer.protocol import GROUP, Keys
@@ -74,3 +74,108 @@ def test_undecodable_entries_fail_alone_and_never_wedge_a_read(serve_engine, ser
     assert all(ended[j] == 1 for j in [*good, *bad]), ended
     assert_queue_empty(r)
     assert handle.server.intake.is_alive() and handle.stop() == 0
+
+
+# ---- 1: token ids past the vocabulary, and step failures pinned on their job -----------------------------
+
+
+def long_jobs(client: Client, n: int, max_tokens: int = 60) -> list[str]:
+    return client.submit_many([{"prompt": f"long {i}", "max_tokens": max_tokens, "ignore_eos": True,
+                                "temperature": 0.0} for i in range(n)])
+
+
+def test_token_ids_past_the_vocabulary_fail_their_job_alone(serve_engine, serve, redis_server):
+    client = Client(redis_server.url)
+    vocab = serve_engine.model.arch.vocab_size
+    good = long_jobs(client, 4)
+    # valid for the protocol (the producer knows no vocabulary), out of range for this model
+    bad = [client.submit("poison", stop_token_ids=[10**9], min_tokens=2, max_tokens=5) for _ in range(3)]
+    bad.append(client.submit(prompt_token_ids=[1, vocab], max_tokens=3))
+    bad.append(client.submit("poison", stop_token_ids=[vocab], max_tokens=3, repetition_penalty=1.2))
+    good += long_jobs(client, 2, max_tokens=10)
+    handle = serve(serve_engine)
+    jobs = {j.id: j for j in client.as_completed(good + bad, timeout=180)}
+    for job_id in bad:
+        job = jobs[job_id]
+        assert job.status == "failed" and job.error_code == "invalid_request", job
+        assert f"out of the vocabulary [0, {vocab})" in job.error
+    assert all(jobs[g].status == "finished" and jobs[g].attempts == 1 for g in good)
+    assert handle.stop() == 0, "the worker kept serving"
+
+
+def test_sampler_pins_a_row_failure_on_its_request(serve_engine):
+    import torch
+
+    from worker.sampler import RequestError
+    from worker.sampling_params import SamplingParams
+    from worker.sequence import Sequence
+
+    ok = Sequence("ok", [1, 2, 3], SamplingParams(min_tokens=2, stop_token_ids=[5]), time.time())
+    bad = Sequence("bad", [1, 2, 3], SamplingParams(min_tokens=2, stop_token_ids=[10**9]), time.time())
+    logits = torch.zeros(2, serve_engine.model.arch.vocab_size)
+    try:
+        serve_engine.sampler(logits, [ok, bad])
+    except RequestError as err:
+        assert err.request_id == "bad" and "IndexError" in str(err)
+    else:
+        raise AssertionError("an out-of-range stop token id must fail the sampler")
+
+
+def test_a_step_failure_is_pinned_on_the_job_that_caused_it(serve_engine, serve, redis_server, monkeypatch):
+    # The engine as it was before add_request checked stop_token_ids: the real sampler then raises the real
+    # IndexError mid-step. The loop must fail that job alone, leaving the rest of the batch running.
+    monkeypatch.setattr(serve_engine, "_check_stop_token_ids", lambda params: None)
+    client = Client(redis_server.url)
+    good = long_jobs(client, 4)
+    bad = [client.submit("poison", stop_token_ids=[10**9], min_tokens=2, max_tokens=5) for _ in range(3)]
+    good += long_jobs(client, 2, max_tokens=10)
+    handle = serve(serve_engine)
+    jobs = {j.id: j for j in client.as_completed(good + bad, timeout=180)}
+    for job_id in bad:
+        assert jobs[job_id].status == "failed" and jobs[job_id].error_code == "worker_error"
+        assert "IndexError" in jobs[job_id].error and "broke the engine step" in jobs[job_id].error
+    assert all(jobs[g].status == "finished" and jobs[g].attempts == 1 for g in good)
+    assert handle.server.suspects == deque() and handle.server.step_failures == 0, "nobody was isolated"
+    assert handle.stop() == 0
+
+
+def test_three_jobs_that_break_the_engine_do_not_stop_the_worker(serve_engine, serve, redis_server,
+                                                                 monkeypatch):
+    # Fault injection: any step with a "breaks-" job in the engine raises, as an unattributed kernel fault
+    # would. Isolation finds each one alone; a probe shows the engine itself works, so none counts against it.
+    real_step = serve_engine.step
+
+    def step():
+        if any(rid.startswith("breaks-") for rid in serve_engine.requests):
+            raise RuntimeError("simulated kernel fault")
+        return real_step()
+
+    monkeypatch.setattr(serve_engine, "step", step)
+    client = Client(redis_server.url)
+    good = long_jobs(client, 3, max_tokens=8)
+    bad = [client.submit("poisons the batch", job_id=f"breaks-{i}", max_tokens=5) for i in range(3)]
+    good += long_jobs(client, 2, max_tokens=8)
+    handle = serve(serve_engine)
+    jobs = {j.id: j for j in client.as_completed(good + bad, timeout=180)}
+    assert all(jobs[b].status == "failed" and jobs[b].error_code == "worker_error" for b in bad)
+    assert all(jobs[g].status == "finished" and jobs[g].attempts == 1 for g in good), "no attempt lost"
+    assert handle.stop() == 0, "three bad jobs in a row are not a broken engine"
+
+
+def test_a_broken_engine_still_stops_the_worker(serve_engine, serve, redis_server, monkeypatch):
+    def step():
+        raise RuntimeError("simulated lost device")
+
+    monkeypatch.setattr(serve_engine, "step", step)
+    client = Client(redis_server.url)
+    ids = long_jobs(client, 3, max_tokens=8)
+    handle = serve(serve_engine)
+    handle.thread.join(60)
+    assert not handle.thread.is_alive() and handle.exit_code == 1, "the probe fails too: the engine is broken"
+    jobs = client.get_many(ids)
+    failed = [j for j in jobs if j.status == "failed"]
+    assert len(failed) == 1 and failed[0].error_code == "worker_error", "only the isolated job is failed"
+    for job in jobs:
+        if job.status != "failed":  # handed back (that attempt counted) or never started: queued, not lost
+            assert job.status == "queued" and job.attempts <= 1 and job.worker is None, job
+    assert not serve_engine.has_unfinished_requests()

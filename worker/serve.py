@@ -25,6 +25,7 @@ from worker.intake import BLOCK_MS, Intake, IntakeBudget
 from worker.leases import Housekeeper, Leases
 from worker.messages import HandBack, Partial, Revoke, StartedJob, Wake
 from worker.queue import Ending, JobQueue
+from worker.sampling_params import SamplingParams
 from worker.settings import WorkerSettings
 
 log = structlog.get_logger("tokenbus.worker")
@@ -32,6 +33,7 @@ log = structlog.get_logger("tokenbus.worker")
 IDLE_WAIT_S = 0.2  # how long an idle loop waits for a message before it beats the health check
 MAX_STEP_FAILURES = 3  # consecutive failed steps before the worker gives up (exit 1, supervisor restarts it)
 REVOKE_MEMORY_S = 300.0  # how long a revoke for a job not yet in the engine is remembered
+CANARY_ID = "tokenbus:canary"  # engine request id of the health probe (job ids cannot contain ':')
 
 
 class Server:
@@ -264,6 +266,16 @@ class Server:
                 self._end_with_output(job, out)
 
     def _step_failed(self, err: Exception) -> None:
+        culprit = self.running.get(getattr(err, "request_id", None) or "")
+        if culprit is not None:
+            # The engine named the request whose own row broke the step (sampler.RequestError), before any
+            # sequence changed: that job fails, the rest of the batch steps on, and the engine is not at fault.
+            log.warning("job_broke_step", job_id=culprit.job_id, error=str(err))
+            del self.running[culprit.job_id]
+            self._abort_quietly(culprit.job_id)
+            self._end(culprit, "failed", error_code=ErrorCode.worker_error,
+                      error=f"worker error: this job broke the engine step ({type(err).__name__}: {err})")
+            return
         self.step_failures += 1
         jobs = list(self.running.values())
         log.exception("engine_step_failed", jobs=[j.job_id for j in jobs], consecutive=self.step_failures)
@@ -275,6 +287,12 @@ class Server:
             self._end(jobs[0], "failed", error_code=ErrorCode.worker_error,
                       error=f"worker error: the engine failed while running this job ({type(err).__name__}: "
                             f"{err})")
+            # Its fault, or the engine's (a lost GPU fails every job alone too)? A one-token probe in the
+            # now empty engine tells: if it runs, the failure was the job's and does not count against us.
+            if self._engine_works():
+                self.step_failures = 0
+            else:
+                self.step_failures = MAX_STEP_FAILURES
         else:
             log.warning("isolating_jobs", jobs=[j.job_id for j in jobs])
             self.suspects.extend(jobs)
@@ -282,6 +300,20 @@ class Server:
             # Several failures in a row, whatever ran: the engine itself is broken (a lost GPU, say).
             log.error("engine_broken", consecutive_failures=self.step_failures)
             self.exit_code = 1
+
+    def _engine_works(self) -> bool:
+        """Run a one-token request in the (empty) engine: False if the engine itself fails."""
+        try:
+            self.engine.add_request(CANARY_ID, [0], SamplingParams(max_tokens=1, ignore_eos=True))
+            for _ in range(8):  # a one-token prompt ends on its first step; a few more cover a busy engine
+                if any(out.request_id == CANARY_ID for out in self.engine.step()):
+                    return True
+            return False
+        except Exception:
+            log.exception("engine_probe_failed")
+            return False
+        finally:
+            self._abort_quietly(CANARY_ID)
 
     def _seat_set_aside(self) -> None:
         """Re-run suspects one at a time in an otherwise empty engine, then seat the jobs held meanwhile."""
