@@ -179,3 +179,63 @@ def test_a_broken_engine_still_stops_the_worker(serve_engine, serve, redis_serve
         if job.status != "failed":  # handed back (that attempt counted) or never started: queued, not lost
             assert job.status == "queued" and job.attempts <= 1 and job.worker is None, job
     assert not serve_engine.has_unfinished_requests()
+
+
+# ---- 3: a worker never leases more than max_num_seqs + intake_lookahead jobs -------------------------------
+
+
+class LeaseWatch:
+    """Samples, in a thread, how many jobs one worker holds: its lease registry, its entries pending in the
+    group, and the records `running` under its name."""
+
+    def __init__(self, server, r, job_ids: list[str]) -> None:
+        import threading
+
+        self.server, self.r, self.job_ids = server, r, job_ids
+        self.peak_leases = self.peak_pending = self.peak_running = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        name = self.server.jobs.consumer
+        rounds = 0
+        while not self.stop.is_set():
+            self.peak_leases = max(self.peak_leases, len(self.server.leases))
+            rounds += 1
+            if rounds % 10 == 0:  # the Redis views are slower to read
+                consumers = {c["name"].decode(): c["pending"] for c in self.r.xinfo_consumers(K.jobs, GROUP)}
+                self.peak_pending = max(self.peak_pending, consumers.get(name, 0))
+                pipe = self.r.pipeline(transaction=False)
+                for jid in self.job_ids:
+                    pipe.hmget(K.job(jid), "status", "worker")
+                running = sum(1 for st, w in pipe.execute() if st == b"running" and w == name.encode())
+                self.peak_running = max(self.peak_running, running)
+            time.sleep(0.001)
+
+    def finish(self) -> tuple[int, int, int]:
+        self.stop.set()
+        self.thread.join(5)
+        return self.peak_leases, self.peak_pending, self.peak_running
+
+
+def test_intake_never_leases_more_than_its_capacity(serve_engine, serve, redis_server):
+    r = redis_server.client()
+    client = Client(redis_server.url)
+    # A dead worker's 40 started jobs (their leases lapse) ahead of 260 new ones: reclaimed entries count too.
+    ghost = client.submit_many([{"prompt": f"orphan {i}", "max_tokens": 2, "ignore_eos": True} for i in range(40)])
+    for entry_id, fields in r.xreadgroup(GROUP, "ghost", {K.jobs: ">"}, count=40)[0][1]:
+        assert scripts.start_job(r, K, fields[b"job_id"].decode(), entry_id.decode(), "ghost")[0] == "running"
+    fresh = client.submit_many([{"prompt": f"short {i}", "max_tokens": 1 + i % 3, "ignore_eos": True}
+                                for i in range(260)])
+    ids = ghost + fresh
+    handle = serve(serve_engine, max_num_seqs=8, intake_lookahead=4, lease_ms=300)
+    watch = LeaseWatch(handle.server, r, ids)
+    jobs = list(client.as_completed(ids, timeout=300))
+    leases, pending, running = watch.finish()
+    assert all(j.status == "finished" for j in jobs)
+    assert sum(j.attempts == 2 for j in jobs) == 40, "the ghost's jobs were reclaimed"
+    print(f"peak leases {leases}, pending entries {pending}, running records {running}")
+    assert 8 <= leases <= 12, f"{leases} jobs leased at once; the limit is max_num_seqs 8 + lookahead 4"
+    assert pending <= 12 and running <= 12, (pending, running)
+    assert handle.stop() == 0

@@ -32,31 +32,47 @@ class ModelMismatch(InvalidJob):
 
 class IntakeBudget:
     """How many more jobs intake may read: the engine's room (seats + look-ahead - running - waiting), set
-    by the engine thread after every step, minus the jobs read and not yet taken by the engine."""
+    by the engine thread after every step, minus the jobs read and not yet taken by the engine.
 
-    def __init__(self, room: int) -> None:
+    With `leases` and `limit` (the worker's capacity, max_num_seqs + intake_lookahead) it is also never more
+    than `limit - len(leases)`: the lease registry holds every job this worker started and has not yet
+    ended *in Redis* (in transit, in the engine, set aside, or ended with its result still being written),
+    so one read - XAUTOCLAIM and XREADGROUP together - can never take the worker past its limit."""
+
+    def __init__(self, room: int, leases: Leases | None = None, limit: int | None = None) -> None:
         self._cond = threading.Condition()
         self._room = room
         self._in_transit = 0
+        self._leases = leases
+        self._limit = limit if limit is not None else room
+
+    def _allowance(self) -> int:
+        free = self._room - self._in_transit
+        if self._leases is not None:
+            free = min(free, self._limit - len(self._leases))
+        return free
 
     def set_room(self, room: int) -> None:
         with self._cond:
             self._room = room
-            if room - self._in_transit > 0:
+            if self._allowance() > 0:
                 self._cond.notify_all()
 
     def wait(self, timeout: float) -> int:
         with self._cond:
-            self._cond.wait_for(lambda: self._room - self._in_transit > 0, timeout)
-            return max(0, self._room - self._in_transit)
+            self._cond.wait_for(lambda: self._allowance() > 0, timeout)
+            return max(0, self._allowance())
 
     def sent(self, n: int = 1) -> None:
         with self._cond:
             self._in_transit += n
 
     def taken(self, n: int = 1) -> None:
+        """The engine took n jobs: no longer in transit, and they hold n of the room until the next set_room
+        (without this the room set before they arrived was counted again: one worker read 2x its capacity)."""
         with self._cond:
             self._in_transit -= n
+            self._room -= n
 
     def wake(self) -> None:
         with self._cond:

@@ -46,7 +46,9 @@ class Server:
         self.leases = Leases()
         self.inbox: queue.Queue = queue.Queue()
         self.capacity = settings.max_num_seqs + settings.intake_lookahead
-        self.budget = IntakeBudget(self.capacity)
+        # never more than `capacity` jobs leased here, however far behind the writer is
+        self.budget = IntakeBudget(self.capacity, leases=self.leases, limit=self.capacity)
+        self.leases.on_release = self.budget.wake
 
         def decode(ids: list[int]) -> str:
             return engine.tokenizer.decode(ids, skip_special_tokens=True)
