@@ -239,3 +239,52 @@ def test_intake_never_leases_more_than_its_capacity(serve_engine, serve, redis_s
     assert 8 <= leases <= 12, f"{leases} jobs leased at once; the limit is max_num_seqs 8 + lookahead 4"
     assert pending <= 12 and running <= 12, (pending, running)
     assert handle.stop() == 0
+
+
+# ---- 4: gauges and heartbeat after every running job was cancelled ---------------------------------------
+
+
+def test_gauges_and_heartbeat_drop_when_cancelled_jobs_leave(serve_engine, serve, redis_server):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from worker.metrics import WorkerMetrics
+
+    def scrape(port: int) -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    metrics = WorkerMetrics(model="tiny", worker="test-worker-0")
+    port = metrics.start_http(0, addr="127.0.0.1")
+    r = redis_server.client()
+    client = Client(redis_server.url)
+    total = serve_engine.stats().total_blocks
+    try:
+        handle = serve(serve_engine, metrics=metrics, heartbeat_s=0.2)
+        beat = None
+        deadline = time.monotonic() + 30
+        while beat is None:
+            assert time.monotonic() < deadline, "no heartbeat"
+            beat = r.get(K.worker("test-worker-0"))
+            time.sleep(0.01)
+        assert json.loads(beat)["free_blocks"] == total, "the first heartbeat has free_blocks too"
+        ids = long_jobs(client, 3, max_tokens=900)
+        deadline = time.monotonic() + 60
+        while scrape(port)["tokenbus_running_sequences"] < 3:
+            assert time.monotonic() < deadline, "the jobs never ran"
+            time.sleep(0.05)
+        assert scrape(port)["tokenbus_kv_blocks_used"] > 0
+        for job_id in ids:
+            assert client.cancel(job_id) == "cancelling"
+        assert all(j.status == "cancelled" for j in client.as_completed(ids, timeout=30))
+        time.sleep(1.0)  # idle now: no step will run, the loop's idle turns must publish the numbers
+        assert not serve_engine.has_unfinished_requests()
+        values = scrape(port)
+        assert values["tokenbus_running_sequences"] == 0 and values["tokenbus_waiting_sequences"] == 0
+        assert values["tokenbus_kv_blocks_used"] == 0 and values["tokenbus_kv_blocks_free"] == total
+        beat = json.loads(r.get(K.worker("test-worker-0")))
+        assert (beat["running"], beat["waiting"], beat["free_blocks"]) == (0, 0, total), beat
+        assert handle.stop() == 0
+    finally:
+        metrics.stop_http()

@@ -73,7 +73,9 @@ class Server:
         self.drain_deadline: float | None = None
         self.step_failures = 0
         self.exit_code = 0
-        self._snapshot: dict[str, Any] = {"model": engine.model_name, "running": 0, "waiting": 0}
+        # the heartbeat's engine numbers; free_blocks from the start (the first heartbeat lacked it)
+        self._snapshot: dict[str, Any] = {"model": engine.model_name, "running": 0, "waiting": 0,
+                                          "free_blocks": engine.stats().free_blocks}
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -108,6 +110,7 @@ class Server:
             stats = self.engine.stats()
             set_aside = len(self.suspects) + len(self.held)
             self.budget.set_room(self.capacity - stats.running - stats.waiting - set_aside)
+            self._publish_stats(stats)
             if self.exit_code:
                 break
             if self.drain_deadline is not None:
@@ -154,6 +157,14 @@ class Server:
         log.info("worker_stopped", exit_code=self.exit_code, results_written=written,
                  jobs_done=self.writer.jobs_done)
         return self.exit_code
+
+    def _publish_stats(self, stats: Any) -> None:
+        """Heartbeat numbers and gauges after every turn of the loop, not only after a step: a cancel or an
+        ending with no step after it (the engine went idle) must not leave the last step's numbers up."""
+        self._snapshot = {"model": self.engine.model_name, "running": stats.running, "waiting": stats.waiting,
+                          "free_blocks": stats.free_blocks}
+        if self.metrics is not None:
+            self.metrics.observe_engine(stats.running, stats.waiting, stats.used_blocks, stats.free_blocks)
 
     def _status(self) -> dict[str, Any]:
         return dict(self._snapshot, jobs_done=self.writer.jobs_done, draining=self.drain_deadline is not None)
