@@ -231,6 +231,15 @@ class Usage(BaseModel):
     total_tokens: int = 0
 
 
+class TokenText(BaseModel):
+    """One token on its own: its text (U+FFFD where it holds part of a character) and its exact bytes."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str
+    bytes: list[int]
+
+
 class JobResult(BaseModel):
     """The `result` field of a finished job (JSON)."""
 
@@ -241,6 +250,8 @@ class JobResult(BaseModel):
     finish_reason: Literal["stop", "length", "abort"] | None = None
     usage: Usage = Field(default_factory=Usage)
     logprobs: list[dict[int, float]] | None = None  # per generated token: {token_id: logprob}
+    # with logprobs: every token id they name (sampled and top candidates) -> its text and bytes
+    logprob_tokens: dict[int, TokenText] | None = None
     model: str | None = None  # the worker's model name
 
 

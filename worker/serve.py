@@ -27,6 +27,7 @@ from worker.messages import HandBack, Partial, Revoke, StartedJob, Wake
 from worker.queue import Ending, JobQueue
 from worker.sampling_params import SamplingParams
 from worker.settings import WorkerSettings
+from worker.token_text import logprob_token_ids, token_info
 
 log = structlog.get_logger("tokenbus.worker")
 
@@ -374,6 +375,8 @@ class Server:
             "logprobs": out.logprobs,
             "model": self.engine.model_name,
         }
+        if out.logprobs is not None:  # the producer has no tokenizer: name each token for OpenAI's shape
+            result["logprob_tokens"] = token_info(self.engine.tokenizer, logprob_token_ids(out.logprobs))
         self._end(job, "cancelled" if cancelled else "finished", result=result,
                   error="cancelled while running" if cancelled else None,
                   error_code=ErrorCode.cancelled if cancelled else None,
