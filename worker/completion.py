@@ -184,7 +184,7 @@ class CompletionWriter(threading.Thread):
                 n += 1
             elif isinstance(msg, _Chunk):
                 self.jobs.publish_tokens(pipe, msg.job_id, msg.offset, msg.token_ids, msg.text, msg.done)
-                n += 2
+                n += 1
         # Per-command errors come back as values: one refused message must not hold up the others.
         replies = pipe.execute(raise_on_error=False)
         for reply in replies:

@@ -57,6 +57,7 @@ class JobQueue:
         self.result_ttl_s = result_ttl_s
         self._renew = shared.script(queue_scripts.RENEW)
         self._hand_back = shared.script(queue_scripts.HAND_BACK)
+        self._publish_tokens = shared.script(queue_scripts.PUBLISH_TOKENS)
 
     # ---- intake -------------------------------------------------------------------------------------
 
@@ -148,10 +149,9 @@ class JobQueue:
 
     def publish_tokens(self, pipe: redis.client.Pipeline, job_id: str, offset: int, token_ids: list[int],
                        text: str, done: bool) -> None:
-        key = tokens_key(self.keys, job_id)
-        fields = {"offset": offset, "token_ids": json.dumps(token_ids), "text": text, "done": int(done)}
-        pipe.xadd(key, fields)
-        pipe.expire(key, self.result_ttl_s)
+        # one script: the stream expires by the record's result_ttl, as the record does (PUBLISH_TOKENS)
+        self._publish_tokens(keys=[tokens_key(self.keys, job_id), self.keys.job(job_id)],
+                             args=[offset, json.dumps(token_ids), text, int(done), self.result_ttl_s], client=pipe)
 
     # ---- presence -----------------------------------------------------------------------------------
 
