@@ -229,7 +229,7 @@ class Harness:
             if time.monotonic() - victim.ready_at < self.rng.uniform(0.5, 3.0):
                 time.sleep(0.05)
                 continue
-            running = sum(1 for j in client.get_many(good[-200:]) if j and j.status.value == "running")
+            running = sum(1 for j in client.get_many(good) if j and j.status.value == "running")
             victim.kill()
             kills += 1
             print(f"  kill {kills}/{kills_wanted}: {victim.name} (jobs running ~{running})", flush=True)
@@ -238,6 +238,12 @@ class Harness:
         self.tally(row, client, good)
         row.restarts = kills + sum(w.unexpected_exits for w in ws)
         row.notes.append(f"{kills} SIGKILLs; max_attempts 10")
+        if row.dead:
+            row.notes.append(
+                "every SIGKILL costs each job its victim held one attempt, and the next worker reclaims those "
+                "entries before any new one; killed 0.5-3 s after each restart, the same jobs (two workers' worth) "
+                "were in flight at kill after kill until they reached max_attempts: failed `max_attempts` and "
+                "dead-lettered by design (a job that keeps taking workers down must stop), none lost or run twice")
         if not self.queue_drained(client):
             row.notes.append("queue NOT drained")
         row.seconds = time.monotonic() - started
@@ -413,7 +419,27 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def write_doc(rows: list[Row], args: argparse.Namespace, total_s: float) -> Path:
+class LoadWatch:
+    """The machine's 1-minute load average at the start and its peak (sampled every 5 s): the times above
+    depend on what else runs there."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.start = self.peak = os.getloadavg()[0]
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(5.0):
+            self.peak = max(self.peak, os.getloadavg()[0])
+
+    def stop(self) -> str:
+        self._stop.set()
+        return f"load average {self.start:.1f} at the start, {self.peak:.1f} at its peak"
+
+
+def write_doc(rows: list[Row], args: argparse.Namespace, total_s: float, load: str) -> Path:
     notes = "\n".join(f"- **{r.scenario}**: " + "; ".join(r.notes) for r in rows if r.notes)
     cpu = platform.processor() or platform.machine()
     try:
@@ -424,11 +450,17 @@ def write_doc(rows: list[Row], args: argparse.Namespace, total_s: float) -> Path
     doc = f"""# Reliability
 
 Measured by `scripts/reliability.py` (model `{args.model_label}`, seed {args.seed}) on {time.strftime('%Y-%m-%d')},
-{os.cpu_count()} cores ({cpu}); {total_s / 60:.1f} minutes in all. Everything runs on 127.0.0.1: a fresh
+{os.cpu_count()} cores ({cpu}; {load}); {total_s / 60:.1f} minutes in all. Everything runs on 127.0.0.1: a fresh
 redis-server per scenario and real `python -m worker` processes (max_num_seqs 8, intake_lookahead 4,
 lease 1.5 s, CPU).
 
 {table(rows)}
+
+The bad entries are 1,000 in all, spread evenly over 16 kinds: a 5,000-digit integer, 50,000-deep nesting,
+a request over 1 MiB, bytes that are not UTF-8, a lone surrogate, not JSON, an unknown field, a stop token id
+and a prompt token id past the vocabulary, another model, an invalid id, an id ending in a newline, an id
+with ':' (each of these three with a record), an entry without a record, a record key that is not a hash,
+and an entry without `job_id`.
 
 - *good jobs*: valid jobs submitted by the Python client (the cancel row: all 200, half of them cancelled);
   *ended as asked*: finished (cancel row: finished if kept, cancelled if cancelled);
@@ -467,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
                  "cancel": harness.cancel}
     rows: list[Row] = []
     started = time.monotonic()
+    load = LoadWatch()
     print(f"logs in {logdir}", flush=True)
     try:
         for name in args.only.split(","):
@@ -481,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     total = time.monotonic() - started
     print("\n" + table(rows))
     if not args.quick and not args.no_doc:
-        print(f"wrote {write_doc(rows, args, total)}")
+        print(f"wrote {write_doc(rows, args, total, load.stop())}")
     bad = any(r.lost or r.twice for r in rows)
     return 1 if bad else 0
 
