@@ -14,7 +14,7 @@ import structlog
 
 from producer import openai_batch, scripts
 from producer.errors import BatchNotFound, InvalidBatch, InvalidJob, TokenbusError, WaitTimeout, listing
-from producer.protocol import GROUP, BatchRecord, BatchStatus, check_job_id
+from producer.protocol import GROUP, BatchRecord, BatchStatus, batch_job_id, check_batch_id
 from producer.scripts import CHUNK, PendingJob
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ def submit_batch(
     """
     lines, input_file = read_lines(source)
     endpoint, parsed = parse_batch(lines)
-    batch_id = check_job_id(batch_id) if batch_id else f"batch_{uuid.uuid4().hex}"
+    batch_id = check_batch_id(batch_id, len(parsed)) if batch_id else f"batch_{uuid.uuid4().hex}"
     k = client.keys
     existing = client.redis.hgetall(k.batch(batch_id))
     if existing:
@@ -89,9 +89,10 @@ def submit_batch(
                                f"Use a new batch id")
         if record.status != BatchStatus.validating:
             return record
-    else:
+    job_ids = [batch_job_id(batch_id, i) for i in range(len(parsed))]
+    if not existing:
         client.check_capacity(len(parsed))
-    job_ids = [f"{batch_id}-{i}" for i in range(len(parsed))]
+        _check_ids_free(client, batch_id, job_ids)
     jobs = [PendingJob(jid, openai_batch.request_json(fields, model), batch_id, custom_id)
             for jid, (custom_id, fields) in zip(job_ids, parsed, strict=True)]
     if not existing:
@@ -109,6 +110,22 @@ def submit_batch(
     scripts.script(scripts.START_BATCH)(keys=[k.batch(batch_id)], args=[time.time()], client=client.redis)
     log.info("batch_submitted", batch_id=batch_id, endpoint=endpoint, total=len(jobs), input_file=input_file)
     return get_batch(client, batch_id)
+
+
+def _check_ids_free(client: Client, batch_id: str, job_ids: list[str]) -> None:
+    """InvalidBatch if a job `{batch_id}-{i}` exists already (a plain job, or a batch that expired): the new
+    batch would adopt that job's status and result instead of running its own request."""
+    taken: list[str] = []
+    for start in range(0, len(job_ids), CHUNK):
+        chunk = job_ids[start:start + CHUNK]
+        pipe = client.redis.pipeline(transaction=False)
+        for jid in chunk:
+            pipe.exists(client.keys.job(jid))
+        taken += [jid for jid, n in zip(chunk, pipe.execute(), strict=True) if n]
+    if taken:
+        shown = ", ".join(repr(t) for t in taken[:5]) + (f" and {len(taken) - 5} more" if len(taken) > 5 else "")
+        raise InvalidBatch(f"batch {batch_id!r} cannot be submitted: its job ids are taken by other jobs "
+                           f"({shown}); nothing was submitted. Use another batch id")
 
 
 def get_batch(client: Client, batch_id: str) -> BatchRecord:

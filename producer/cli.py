@@ -17,6 +17,7 @@ from producer import batches
 from producer.client import Client
 from producer.errors import TokenbusError
 from producer.protocol import DEFAULT_NAMESPACE, GenerationParams, Job, JobStatus, QueueInfo
+from producer.redaction import redact_url, scrub, secrets_of
 
 EXIT_ERROR = 1
 EXIT_JOB_NOT_FINISHED = 3  # wait: the job ended failed or cancelled
@@ -28,8 +29,8 @@ or cancelled. The Redis URL and namespace default to $TOKENBUS_REDIS_URL (or $TO
 def _json_value(text: str) -> Any:
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {text!r}") from None
+    except (ValueError, RecursionError):  # JSONDecodeError, huge integers, deep nesting
+        raise argparse.ArgumentTypeError(f"not valid JSON: {text[:80]!r}") from None
 
 
 def _int_list(text: str) -> list[int]:
@@ -197,7 +198,12 @@ def _batch(c: Client, a: argparse.Namespace) -> int:
 
 
 def run(a: argparse.Namespace) -> int:
-    with Client(a.url, namespace=a.namespace) as c:
+    try:
+        client = Client(a.url, namespace=a.namespace)
+    except ValueError as err:  # redis-py cannot parse the URL
+        raise TokenbusError(f"bad Redis URL {redact_url(a.url)}: {scrub(str(err), a.url)} "
+                            "(--url / $TOKENBUS_REDIS_URL)") from None
+    with client as c:
         if a.command == "submit":
             return _submit(c, a)
         if a.command == "get":
@@ -220,13 +226,20 @@ def main(argv: list[str] | None = None) -> int:
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO if a.verbose else logging.WARNING),
     )
+    url = redact_url(a.url)  # a URL's password is never printed
     try:
         return run(a)
     except TokenbusError as err:
-        print(f"error: {err}", file=sys.stderr)
-    except redis.ConnectionError as err:
-        print(f"error: cannot reach Redis at {a.url}: {err}. Is redis-server running? "
-              "(--url / $TOKENBUS_REDIS_URL)", file=sys.stderr)
+        print(f"error: {scrub(str(err), a.url)}", file=sys.stderr)
+    except redis.AuthenticationError as err:  # a ConnectionError too: test it first
+        given = "" if secrets_of(a.url) else " The URL gives no password."
+        print(f"error: Redis at {url} refused the credentials ({scrub(str(err), a.url)}).{given} Check the user "
+              "and password in --url / $TOKENBUS_REDIS_URL (redis://USER:PASSWORD@HOST:PORT/DB)", file=sys.stderr)
+    except (redis.ConnectionError, redis.TimeoutError) as err:
+        print(f"error: cannot reach Redis at {url}: {scrub(str(err), a.url)}. Is redis-server running and "
+              "reachable at that host and port? (--url / $TOKENBUS_REDIS_URL)", file=sys.stderr)
+    except redis.RedisError as err:
+        print(f"error: Redis at {url} answered with an error: {scrub(str(err), a.url)}", file=sys.stderr)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
     return EXIT_ERROR

@@ -59,7 +59,9 @@ class Client:
         result_ttl: int | None = None,
         redis_client: redis.Redis | None = None,
     ) -> None:
-        self.redis = redis_client or redis.Redis.from_url(url, decode_responses=True)
+        # encoding_errors="replace": a record holding bytes that are not UTF-8 (a raw submit that skipped this
+        # client) still reads back, with U+FFFD, instead of raising UnicodeDecodeError.
+        self.redis = redis_client or redis.Redis.from_url(url, decode_responses=True, encoding_errors="replace")
         if not self.redis.get_encoder().decode_responses:
             raise TokenbusError("Client needs a redis client made with decode_responses=True")
         self.keys = Keys(namespace)
@@ -152,6 +154,11 @@ class Client:
                        args=[job.job_id, job.request_json, now, limit, self.result_ttl, job.batch_id,
                              job.custom_id], client=pipe)
             for job, (code, value) in zip(chunk, pipe.execute(), strict=True):
+                if int(code) == -2:
+                    raise InvalidJob(
+                        f"job id {job.job_id!r} of batch {job.batch_id!r} is taken by another job (batch "
+                        f"{value or 'none'}); the batch would adopt that job's result. Use another batch id "
+                        f"({len(accepted)} of this call's jobs were queued before this one)")
                 if int(code) == -1:
                     log.warning("queue_full", queue=self.keys.jobs, depth=int(value), limit=limit,
                                 accepted=len(accepted), refused=len(jobs) - len(accepted))

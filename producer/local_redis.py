@@ -30,16 +30,18 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, port: int | None = None, appendonly: bool = False) -> None:
+    def __init__(self, port: int | None = None, appendonly: bool = False, password: str | None = None) -> None:
         self._fixed_port = port is not None
         self.port = port if port is not None else free_port()
         self.appendonly = appendonly
+        self.password = password  # requirepass: the url carries it
         self.dir = Path(tempfile.mkdtemp(prefix="tokenbus-redis-"))
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def client(self, **kwargs) -> redis.Redis:
         return redis.Redis.from_url(self.url, **kwargs)
@@ -48,6 +50,8 @@ class RedisServer:
         args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
                 "--save", "", "--daemonize", "no", "--protected-mode", "no",
                 "--logfile", str(self.dir / "redis.log")]
+        if self.password:
+            args += ["--requirepass", self.password]
         if self.appendonly:
             args += ["--appendonly", "yes", "--appendfsync", "always"]
         else:
@@ -76,7 +80,7 @@ class RedisServer:
             if self.proc.poll() is not None:
                 return False
             try:
-                with redis.Redis(port=self.port, host="127.0.0.1", socket_timeout=0.5) as r:
+                with redis.Redis(port=self.port, host="127.0.0.1", socket_timeout=0.5, password=self.password) as r:
                     if r.ping():
                         return True
             except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):

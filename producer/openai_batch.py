@@ -12,6 +12,7 @@ from producer.protocol import (
     GenerationParams,
     Job,
     JobRequest,
+    JobResult,
     JobStatus,
     describe_validation_error,
     validate_request,
@@ -47,6 +48,10 @@ def parse_line(text: str) -> tuple[InputLine, dict[str, Any]]:
         raw = json.loads(text)
     except json.JSONDecodeError as err:
         raise InvalidJob(f"not valid JSON ({err.msg} at column {err.colno})") from None
+    except RecursionError:
+        raise InvalidJob("not a batch line: its JSON is nested too deeply") from None
+    except ValueError as err:  # an integer past Python's digits limit
+        raise InvalidJob(f"not a batch line: {err}") from None
     try:
         line = InputLine.model_validate(raw)
     except ValidationError as err:
@@ -64,7 +69,7 @@ def body_fields(url: str, body: dict[str, Any]) -> dict[str, Any]:
         raise InvalidJob(f"body: a request body must be a JSON object, got {type(body).__name__}")
     fields = _chat_fields(body) if url == CHAT else _completion_fields(body)
     try:
-        validate_request(fields)
+        validate_request(fields).to_json()  # to_json: the size limit, and text that is valid Unicode
     except InvalidJob as err:
         raise InvalidJob("body: " + str(err).removeprefix("invalid job: ")) from None
     return fields
@@ -171,14 +176,59 @@ def response_body(job: Job, endpoint: str) -> dict[str, Any]:
     model = result.model or (job.request or {}).get("model") or "unknown"
     created = int(job.finished_at or job.created_at or 0)
     usage = result.usage.model_dump()
+    top_n = (job.request or {}).get("logprobs")  # None: logprobs were not asked for
+    if not isinstance(top_n, int) or isinstance(top_n, bool) or result.logprobs is None:
+        top_n = None
     if endpoint == CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
+        logprobs = None if top_n is None else chat_logprobs(result, top_n)
+        choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs,
                   "finish_reason": result.finish_reason}
         return {"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": created, "model": model,
                 "choices": [choice], "usage": usage}
-    choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
+    logprobs = None if top_n is None else completion_logprobs(result)
+    choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": logprobs}
     return {"id": f"cmpl-{job.id}", "object": "text_completion", "created": created, "model": model,
             "choices": [choice], "usage": usage}
+
+
+def _token(result: JobResult, token_id: int) -> tuple[str, list[int] | None]:
+    """A token's text and bytes from the result (`token_id:N` and no bytes from a worker that wrote none)."""
+    info = (result.logprob_tokens or {}).get(token_id)
+    return (info.text, info.bytes) if info is not None else (f"token_id:{token_id}", None)
+
+
+def _ranked(entry: dict[int, float]) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+def chat_logprobs(result: JobResult, top_n: int) -> dict[str, Any]:
+    """OpenAI chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [top_n of them]}]}."""
+    content = []
+    for token_id, entry in zip(result.token_ids, result.logprobs or [], strict=False):
+        text, raw = _token(result, token_id)
+        top = []
+        for alt_id, alt_lp in _ranked(entry)[:top_n]:
+            alt_text, alt_raw = _token(result, alt_id)
+            top.append({"token": alt_text, "logprob": alt_lp, "bytes": alt_raw})
+        content.append({"token": text, "logprob": entry.get(token_id), "bytes": raw, "top_logprobs": top})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(result: JobResult) -> dict[str, Any]:
+    """OpenAI completions `logprobs`: {tokens, token_logprobs, top_logprobs, text_offset}. top_logprobs holds
+    the asked-for top n and the sampled token (up to n + 1, as OpenAI); text_offset counts characters of the
+    generated text from 0 (no echo)."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    offset = 0
+    for token_id, entry in zip(result.token_ids, result.logprobs or [], strict=False):
+        text, _ = _token(result, token_id)
+        tokens.append(text)
+        token_logprobs.append(entry.get(token_id))
+        top_logprobs.append({_token(result, alt)[0]: lp for alt, lp in _ranked(entry)})
+        text_offset.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
 
 
 def request_json(fields: dict[str, Any], model: str | None) -> str:

@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticSerializationError
 
 from producer.errors import InvalidJob
 
@@ -23,7 +24,15 @@ DEFAULT_MAX_QUEUE_LEN = 1_000_000
 DEFAULT_RESULT_TTL = 7 * 24 * 3600  # seconds a finished job's record (and a batch) is kept
 EVENTS_MAXLEN = 100_000  # approximate cap of {ns}:events
 MAX_LOGPROBS = 20
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,199}$")
+MAX_ID_LEN = 200
+# Job and batch ids. No ':' (the key separator): with it, job `V:tokens` would be job V's token stream and
+# batch `C:jobs` batch C's job list. \A...\Z: `$` would also match before a final newline.
+JOB_ID_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.@-]{0,199}\Z")
+ID_CHARS = "A-Z a-z 0-9 _ . @ -"
+# Size bounds of one request, checked by the client before writing and by workers on every entry.
+MAX_REQUEST_BYTES = 1 << 20  # the request JSON, UTF-8 bytes
+MAX_COUNT = 2**31 - 1  # max_tokens, min_tokens, top_k, token ids (any model's vocabulary is far smaller)
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what a torch generator accepts
 
 
 class JobStatus(StrEnum):
@@ -115,16 +124,16 @@ class GenerationParams(BaseModel):
 
     model_config = _STRICT
 
-    max_tokens: int = Field(256, ge=1)
-    min_tokens: int = Field(0, ge=0)
+    max_tokens: int = Field(256, ge=1, le=MAX_COUNT)
+    min_tokens: int = Field(0, ge=0, le=MAX_COUNT)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # 0 = off
+    top_k: int = Field(0, ge=0, le=MAX_COUNT)  # 0 = off
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -144,6 +153,8 @@ class GenerationParams(BaseModel):
     def _ids_not_negative(cls, v: list[int] | None) -> list[int] | None:
         if v and min(v) < 0:
             raise ValueError("token ids must be >= 0")
+        if v and max(v) > MAX_COUNT:
+            raise ValueError(f"token ids must be <= {MAX_COUNT} (and below the model's vocabulary size)")
         return v
 
     @model_validator(mode="after")
@@ -190,6 +201,8 @@ class JobRequest(GenerationParams):
                 raise ValueError("prompt_token_ids must not be empty")
             if min(self.prompt_token_ids) < 0:
                 raise ValueError("prompt_token_ids must be >= 0")
+            if max(self.prompt_token_ids) > MAX_COUNT:
+                raise ValueError(f"prompt_token_ids must be <= {MAX_COUNT} (and below the model's vocabulary size)")
         return self
 
     def engine_prompt(self) -> str | list[int] | list[dict[str, str]]:
@@ -201,8 +214,14 @@ class JobRequest(GenerationParams):
         return [m.model_dump(exclude_none=True) for m in self.messages or []]
 
     def to_json(self) -> str:
+        """The request JSON; InvalidJob if it is not valid UTF-8 text or larger than MAX_REQUEST_BYTES."""
         # Defaults are left out: the record stays small and a reader applies the same defaults.
-        return self.model_dump_json(exclude_defaults=True)
+        try:
+            text = self.model_dump_json(exclude_defaults=True)
+        except PydanticSerializationError as err:  # e.g. a lone surrogate ("\ud800"): not encodable as UTF-8
+            raise InvalidJob(f"invalid job: a text field is not valid Unicode text ({err})") from None
+        check_request_size(len(text.encode()))
+        return text
 
 
 class Usage(BaseModel):
@@ -211,6 +230,15 @@ class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+
+
+class TokenText(BaseModel):
+    """One token on its own: its text (U+FFFD where it holds part of a character) and its exact bytes."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str
+    bytes: list[int]
 
 
 class JobResult(BaseModel):
@@ -223,6 +251,8 @@ class JobResult(BaseModel):
     finish_reason: Literal["stop", "length", "abort"] | None = None
     usage: Usage = Field(default_factory=Usage)
     logprobs: list[dict[int, float]] | None = None  # per generated token: {token_id: logprob}
+    # with logprobs: every token id they name (sampled and top candidates) -> its text and bytes
+    logprob_tokens: dict[int, TokenText] | None = None
     model: str | None = None  # the worker's model name
 
 
@@ -253,9 +283,12 @@ class Job(BaseModel):
         for key in ("request", "result"):
             if data.get(key):
                 try:
-                    data[key] = json.loads(data[key])
-                except json.JSONDecodeError:
-                    data[key] = None if key == "result" else {"_unparsed": data[key]}
+                    value = json.loads(data[key])
+                except (ValueError, RecursionError):  # not JSON, a huge integer, deep nesting
+                    value = None
+                if not isinstance(value, dict):
+                    value = None if key == "result" else {"_unparsed": data[key]}
+                data[key] = value
             else:
                 data.pop(key, None)
         return cls.model_validate({k: v for k, v in data.items() if v != ""})
@@ -346,13 +379,44 @@ class BatchRecord(BaseModel):
         return cls.model_validate({k: v for k, v in fields.items() if v != ""})
 
 
-def check_job_id(job_id: str) -> str:
-    if not isinstance(job_id, str) or not JOB_ID_RE.match(job_id):
+def is_valid_id(value: object) -> bool:
+    """A job or batch id: 1-200 of A-Z a-z 0-9 _ . @ -, starting with a letter or digit (no ':')."""
+    return isinstance(value, str) and JOB_ID_RE.fullmatch(value) is not None
+
+
+def check_job_id(job_id: str, what: str = "job id") -> str:
+    if not is_valid_id(job_id):
         raise InvalidJob(
-            f"invalid job id {job_id!r}: use 1-200 characters from A-Z a-z 0-9 _ . : @ - "
-            "(starting with a letter or digit)"
+            f"invalid {what} {_short(job_id)}: use 1-{MAX_ID_LEN} characters from {ID_CHARS} "
+            "(starting with a letter or digit; no ':', which separates the parts of Redis keys)"
         )
     return job_id
+
+
+def batch_job_id(batch_id: str, index: int) -> str:
+    """The id of a batch's job: `{batch_id}-{index}`, index from 0 in input order."""
+    return f"{batch_id}-{index}"
+
+
+def check_batch_id(batch_id: str, total: int) -> str:
+    """A batch id whose every job id `{batch_id}-{i}` (i < total) is a valid job id, or InvalidJob."""
+    check_job_id(batch_id, "batch id")
+    longest = batch_job_id(batch_id, max(total - 1, 0))
+    if not is_valid_id(longest):
+        room = MAX_ID_LEN - len(longest) + len(batch_id)
+        raise InvalidJob(
+            f"batch id {batch_id!r} is too long for {total} requests: its last job id {longest!r} would have "
+            f"{len(longest)} characters (at most {MAX_ID_LEN}); use a batch id of at most {room} characters"
+        )
+    return batch_id
+
+
+def check_request_size(size: int) -> None:
+    if size > MAX_REQUEST_BYTES:
+        raise InvalidJob(
+            f"invalid job: the request is {size} bytes of JSON, more than the limit of {MAX_REQUEST_BYTES} "
+            "(MAX_REQUEST_BYTES); shorten the prompt or split the work into several jobs"
+        )
 
 
 def describe_validation_error(err: ValidationError) -> str:
@@ -372,7 +436,12 @@ def describe_validation_error(err: ValidationError) -> str:
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # a huge int nested somewhere, or a very deep structure
+        return f"a {type(value).__name__} too large to show"
     if isinstance(value, float) and not math.isfinite(value):
         return text
     return text if len(text) <= 60 else text[:57] + "..."
@@ -391,9 +460,28 @@ def validate_request(data: dict[str, Any] | JobRequest) -> JobRequest:
 
 
 def parse_request(raw: str | bytes) -> JobRequest:
-    """What a worker calls on an entry's `request` field: JSON text -> JobRequest or InvalidJob."""
+    """What a worker calls on an entry's `request` field: JSON text -> JobRequest or InvalidJob.
+
+    Whatever the text holds, the only exception is InvalidJob: a huge integer (ValueError from the int
+    digits limit), deep nesting (RecursionError) or bad UTF-8 fail this request, never its reader."""
+    size = len(raw) if isinstance(raw, bytes) else len(raw.encode("utf-8", "surrogatepass"))
+    check_request_size(size)
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise InvalidJob(f"invalid job: request is not valid UTF-8 ({err})") from None
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except RecursionError:
+        raise InvalidJob("invalid job: request JSON is nested too deeply (a request has at most 3 levels: "
+                         "request, messages, message)") from None
+    except ValueError as err:  # JSONDecodeError, and an integer past Python's digits limit
         raise InvalidJob(f"invalid job: request is not valid JSON ({err})") from None
-    return validate_request(data)
+    request = validate_request(data)
+    try:
+        request.model_dump_json()
+    except PydanticSerializationError:
+        raise InvalidJob("invalid job: a text field holds a lone surrogate (\\ud800-\\udfff escape): "
+                         "not valid Unicode text") from None
+    return request

@@ -62,8 +62,13 @@ SUBMIT_JOB = """
 -- ARGV: 1 job_id, 2 request JSON, 3 now, 4 max_queue_len (0 = no limit), 5 result_ttl,
 --       6 batch_id ('' = none), 7 custom_id ('' = none)
 -- returns {1, entry_id} queued | {0, status} already exists (idempotent) | {-1, depth} queue full
-local status = redis.call('HGET', KEYS[1], 'status')
-if status then return {0, status} end
+--       | {-2, its batch_id} a batch job (ARGV 6 set) whose id is taken by a job outside that batch
+-- Any existing key refuses the submit (EXISTS, not HGET status): a job is never reset or overwritten.
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local cur = redis.call('HMGET', KEYS[1], 'status', 'batch_id')
+  if ARGV[6] ~= '' and cur[2] ~= ARGV[6] then return {-2, cur[2] or ''} end
+  return {0, cur[1] or ''}
+end
 local limit = tonumber(ARGV[4])
 if limit > 0 then
   local depth = redis.call('XLEN', KEYS[2])

@@ -9,6 +9,7 @@ import redis
 import structlog
 
 from producer.logs import configure_logging
+from producer.redaction import redact_url, scrub
 from worker.settings import load_settings
 
 
@@ -19,14 +20,14 @@ def main(argv: list[str] | None = None) -> int:
     # Until the serve loop installs its drain handler nothing is held: a SIGTERM just ends the process.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     log.info("worker_starting", **settings.model_dump(exclude={"redis_url"}),
-             redis=settings.redis_url.split("@")[-1])
+             redis=redact_url(settings.redis_url))
 
     try:
         client = redis.Redis.from_url(
             settings.redis_url, socket_timeout=10, socket_connect_timeout=3, health_check_interval=15
         )
     except ValueError as err:
-        log.error("bad_redis_url", error=str(err))
+        log.error("bad_redis_url", url=redact_url(settings.redis_url), error=scrub(str(err), settings.redis_url))
         return 2
 
     try:

@@ -180,6 +180,7 @@ class Engine:
         elif isinstance(params, dict):
             params = SamplingParams.from_dict(params)
         prompt_ids = self.tokenize(prompt)
+        self._check_stop_token_ids(params)
         total = len(prompt_ids) + params.max_tokens
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
@@ -203,6 +204,13 @@ class Engine:
         seq = Sequence(request_id, prompt_ids, params, time.time(), detokenizer, generator=generator)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def _check_stop_token_ids(self, params: SamplingParams) -> None:
+        # An id past the vocabulary would fail the sampler's min_tokens ban (an IndexError mid-step).
+        vocab = self.model.arch.vocab_size
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids out of the vocabulary [0, {vocab}): {bad[:5]}")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.requests.pop(request_id, None)

@@ -6,10 +6,34 @@ its noise from its own generator, so its tokens do not depend on what else is in
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from worker.engine.backends import Backend
 from worker.engine.sequence import Sequence
+
+
+class RequestError(Exception):
+    """A step failed on one request's own row (its parameters, its tokens): `request_id` names it, so the
+    serve loop fails that job alone and the rest of the batch steps on. Raised before any sequence changed."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+@contextmanager
+def blame(seq: Sequence, what: str) -> Iterator[None]:
+    """Pin an exception inside one row's work on that row's request."""
+    try:
+        yield
+    except RequestError:
+        raise
+    except Exception as err:
+        raise RequestError(seq.request_id, f"{what} failed for request {seq.request_id!r}: "
+                                           f"{type(err).__name__}: {err}") from err
 
 
 class Sampler:
@@ -39,7 +63,8 @@ class Sampler:
         unseeded_rows = []
         for i, seq in enumerate(seqs):
             if seq.generator is not None:
-                noise[i].exponential_(generator=seq.generator)
+                with blame(seq, "seeded sampling"):
+                    noise[i].exponential_(generator=seq.generator)
             else:
                 unseeded_rows.append(i)
         if unseeded_rows:
@@ -58,17 +83,19 @@ class Sampler:
                 if not seq.params.ignore_eos:
                     banned += self.eos_token_ids
                 if banned:
-                    logits[i, banned] = float("-inf")
+                    with blame(seq, f"min_tokens (banning stop tokens {banned[:5]})"):
+                        logits[i, banned] = float("-inf")
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         batch, vocab = logits.shape
         output_counts = torch.zeros(batch, vocab, device=logits.device)
         seen = torch.zeros(batch, vocab, dtype=torch.bool, device=logits.device)
         for i, seq in enumerate(seqs):
-            out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
-            if out.numel():
-                output_counts[i].index_add_(0, out, torch.ones(out.numel(), device=logits.device))
-            seen[i, torch.tensor(seq.token_ids, dtype=torch.long, device=logits.device)] = True
+            with blame(seq, "penalties"):
+                out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
+                if out.numel():
+                    output_counts[i].index_add_(0, out, torch.ones(out.numel(), device=logits.device))
+                seen[i, torch.tensor(seq.token_ids, dtype=torch.long, device=logits.device)] = True
         rep = torch.tensor([s.params.repetition_penalty for s in seqs], device=logits.device)[:, None]
         pres = torch.tensor([s.params.presence_penalty for s in seqs], device=logits.device)[:, None]
         freq = torch.tensor([s.params.frequency_penalty for s in seqs], device=logits.device)[:, None]

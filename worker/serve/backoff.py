@@ -24,7 +24,12 @@ class Backoff:
     def failed(self, err: BaseException) -> None:
         """Log (first failure and then every tenth) and sleep; returns early when stop is set."""
         self.failures += 1
-        if self.failures == 1 or self.failures % 10 == 0:
+        if isinstance(err, redis.AuthenticationError):  # reachable, but it refuses our credentials
+            if self.failures == 1 or self.failures % 10 == 0:
+                self.log.error("redis_auth_failed", during=self.what, failures=self.failures, error=str(err),
+                               fix="check the user and password in TOKENBUS_REDIS_URL / --redis-url; "
+                                   "retrying, so an ACL fix takes effect without a restart")
+        elif self.failures == 1 or self.failures % 10 == 0:
             self.log.warning("redis_unavailable", during=self.what, failures=self.failures, error=str(err))
         delay = min(self.max_s, self.first_s * 2 ** min(self.failures - 1, 16))
         self.stop.wait(delay * (0.5 + random.random() / 2))

@@ -13,7 +13,7 @@ import time
 import structlog
 
 from producer.errors import InvalidJob
-from producer.protocol import JOB_ID_RE, ErrorCode, JobRequest, parse_request
+from producer.protocol import ErrorCode, JobRequest, is_valid_id, parse_request
 from worker.engine.sampling_params import SamplingParams
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter
@@ -32,31 +32,47 @@ class ModelMismatch(InvalidJob):
 
 class IntakeBudget:
     """How many more jobs intake may read: the engine's room (seats + look-ahead - running - waiting), set
-    by the engine thread after every step, minus the jobs read and not yet taken by the engine."""
+    by the engine thread after every step, minus the jobs read and not yet taken by the engine.
 
-    def __init__(self, room: int) -> None:
+    With `leases` and `limit` (the worker's capacity, max_num_seqs + intake_lookahead) it is also never more
+    than `limit - len(leases)`: the lease registry holds every job this worker started and has not yet
+    ended *in Redis* (in transit, in the engine, set aside, or ended with its result still being written),
+    so one read - XAUTOCLAIM and XREADGROUP together - can never take the worker past its limit."""
+
+    def __init__(self, room: int, leases: Leases | None = None, limit: int | None = None) -> None:
         self._cond = threading.Condition()
         self._room = room
         self._in_transit = 0
+        self._leases = leases
+        self._limit = limit if limit is not None else room
+
+    def _allowance(self) -> int:
+        free = self._room - self._in_transit
+        if self._leases is not None:
+            free = min(free, self._limit - len(self._leases))
+        return free
 
     def set_room(self, room: int) -> None:
         with self._cond:
             self._room = room
-            if room - self._in_transit > 0:
+            if self._allowance() > 0:
                 self._cond.notify_all()
 
     def wait(self, timeout: float) -> int:
         with self._cond:
-            self._cond.wait_for(lambda: self._room - self._in_transit > 0, timeout)
-            return max(0, self._room - self._in_transit)
+            self._cond.wait_for(lambda: self._allowance() > 0, timeout)
+            return max(0, self._allowance())
 
     def sent(self, n: int = 1) -> None:
         with self._cond:
             self._in_transit += n
 
     def taken(self, n: int = 1) -> None:
+        """The engine took n jobs: no longer in transit, and they hold n of the room until the next set_room
+        (without this the room set before they arrived was counted again: one worker read 2x its capacity)."""
         with self._cond:
             self._in_transit -= n
+            self._room -= n
 
     def wake(self) -> None:
         with self._cond:
@@ -105,7 +121,7 @@ class Intake(threading.Thread):
             try:
                 entries = self._read(allowance)
                 for entry in entries:
-                    self._admit(entry, backoff)
+                    self._admit_one(entry, backoff)
                 backoff.succeeded()
             except REDIS_DOWN as err:
                 backoff.failed(err)
@@ -130,13 +146,35 @@ class Intake(threading.Thread):
 
     # ---- one entry ----------------------------------------------------------------------------------
 
+    def _admit_one(self, entry: Entry, backoff: Backoff) -> None:
+        """Admit one entry; whatever goes wrong with it ends it alone, never the rest of the read."""
+        try:
+            self._admit(entry, backoff)
+        except REDIS_DOWN:
+            raise
+        except Exception as err:
+            log.exception("entry_error", entry_id=entry.entry_id, job_id=entry.fields.get("job_id"))
+            reason = f"malformed entry: the worker could not process it ({type(err).__name__}: {err})"
+            self._reject(entry, entry.fields.get("job_id", ""), reason, backoff)
+
+    def _reject(self, entry: Entry, job_id: str, reason: str, backoff: Backoff) -> None:
+        """Dead-letter an entry that cannot run; a job record it names ends failed (status, TTL, event)."""
+        raw = entry.fields.get("request", "")
+        if job_id and self._retry(backoff, lambda: self.jobs.has_record(job_id)) \
+                and self.leases.entry_of(job_id) is None:
+            log.warning("job_rejected", job_id=job_id, entry_id=entry.entry_id, reason=reason)
+            self.writer.end(Ending(job_id, entry.entry_id, "failed", error=reason,
+                                   error_code=ErrorCode.invalid_request), dead=DeadLetter(reason, 0, raw))
+            return
+        log.warning("entry_dropped", entry_id=entry.entry_id, reason=reason)
+        self._retry(backoff, lambda: self._drop(entry, job_id, reason, raw))
+
     def _admit(self, entry: Entry, backoff: Backoff) -> None:
         job_id = entry.fields.get("job_id", "")
         raw = entry.fields.get("request", "")
-        if not JOB_ID_RE.match(job_id):
-            reason = f"malformed entry: job_id {job_id!r} missing or invalid (fields: {sorted(entry.fields)})"
-            log.warning("entry_dropped", entry_id=entry.entry_id, reason=reason)
-            self._retry(backoff, lambda: self._drop(entry, job_id, reason, raw))
+        if not is_valid_id(job_id):
+            reason = f"malformed entry: job_id {job_id[:210]!r} missing or invalid (fields: {sorted(entry.fields)})"
+            self._reject(entry, job_id, reason, backoff)
             return
         held = self.leases.entry_of(job_id)
         if held is not None:
@@ -149,6 +187,9 @@ class Intake(threading.Thread):
         if entry.reclaimed:
             log.info("entry_reclaimed", job_id=job_id, entry_id=entry.entry_id)
         try:
+            if entry.not_utf8:
+                raise InvalidJob(f"invalid job: the entry's {', '.join(entry.not_utf8)} field is not valid "
+                                 "UTF-8; send the request as UTF-8 JSON text")
             request, params = self._validate(raw)
         except InvalidJob as err:
             code = ErrorCode.model_mismatch if isinstance(err, ModelMismatch) else ErrorCode.invalid_request

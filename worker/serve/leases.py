@@ -32,6 +32,7 @@ class Leases:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: dict[str, str] = {}
+        self.on_release: Callable[[], None] | None = None  # e.g. wake intake: room for one more job
 
     def add(self, job_id: str, entry_id: str) -> None:
         with self._lock:
@@ -39,8 +40,11 @@ class Leases:
 
     def release(self, job_id: str, entry_id: str | None = None) -> None:
         with self._lock:
-            if entry_id is None or self._held.get(job_id) == entry_id:
+            released = (entry_id is None or self._held.get(job_id) == entry_id) and job_id in self._held
+            if released:
                 self._held.pop(job_id, None)
+        if released and self.on_release is not None:
+            self.on_release()
 
     def entry_of(self, job_id: str) -> str | None:
         with self._lock:

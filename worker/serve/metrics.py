@@ -9,6 +9,7 @@ The serve loop owns one `WorkerMetrics` and calls, from any thread:
                                        # status "finished" | "failed" | "cancelled"; reason = finish_reason
                                        # ("stop", "length", "abort") or the failure's reason
     metrics.observe_step(step_s, running, waiting, used_blocks, free_blocks, preemptions_total)
+    metrics.observe_engine(running, waiting, used_blocks, free_blocks)   # the gauges alone, between steps
     metrics.observe_queue(depth, pending)   # stream length; the group's delivered-but-unacked count
     metrics.heartbeat()                # "the loop is alive" while idle (observe_step beats too)
     metrics.stop_http()
@@ -163,6 +164,13 @@ class WorkerMetrics:
         if delta:
             self.preemptions.inc(delta)
         self.heartbeat()
+
+    def observe_engine(self, running: int, waiting: int, used_blocks: int, free_blocks: int) -> None:
+        """The engine's gauges outside a step (a cancel or an ending freed blocks while no step ran)."""
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_used.set(used_blocks)
+        self.kv_free.set(free_blocks)
 
     def observe_queue(self, depth: int, pending: int) -> None:
         self.queue_depth.set(depth)

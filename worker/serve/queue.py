@@ -33,6 +33,7 @@ class Entry:
     entry_id: str
     fields: dict[str, str]
     reclaimed: bool = False  # taken over from a worker whose lease lapsed
+    not_utf8: tuple[str, ...] = ()  # fields whose bytes are not valid UTF-8 (decoded with U+FFFD here)
 
 
 @dataclass
@@ -62,6 +63,7 @@ class JobQueue:
         self.result_ttl_s = result_ttl_s
         self._renew = shared.script(queue_scripts.RENEW)
         self._hand_back = shared.script(queue_scripts.HAND_BACK)
+        self._publish_tokens = shared.script(queue_scripts.PUBLISH_TOKENS)
 
     # ---- intake -------------------------------------------------------------------------------------
 
@@ -99,6 +101,10 @@ class JobQueue:
     def start(self, job_id: str, entry_id: str) -> tuple[str, int]:
         """('running', attempts) to run it; else its terminal status or 'missing' (entry acked already)."""
         return shared.start_job(self.r, self.keys, job_id, entry_id, self.consumer)
+
+    def has_record(self, job_id: str) -> bool:
+        """Whether `{ns}:job:{job_id}` is a job record (a hash): an entry naming it must end it."""
+        return _str(self.r.type(self.keys.job(job_id))) == "hash"
 
     def dead_letter_now(self, job_id: str, reason: str, attempts: int, request: str) -> None:
         self.dead_letter(self.r, job_id, reason, attempts, request)
@@ -159,10 +165,9 @@ class JobQueue:
 
     def publish_tokens(self, pipe: redis.client.Pipeline, job_id: str, offset: int, token_ids: list[int],
                        text: str, done: bool) -> None:
-        key = tokens_key(self.keys, job_id)
-        fields = {"offset": offset, "token_ids": json.dumps(token_ids), "text": text, "done": int(done)}
-        pipe.xadd(key, fields)
-        pipe.expire(key, self.result_ttl_s)
+        # one script: the stream expires by the record's result_ttl, as the record does (PUBLISH_TOKENS)
+        self._publish_tokens(keys=[tokens_key(self.keys, job_id), self.keys.job(job_id)],
+                             args=[offset, json.dumps(token_ids), text, int(done), self.result_ttl_s], client=pipe)
 
     # ---- presence -----------------------------------------------------------------------------------
 
@@ -223,7 +228,7 @@ class WriteBatch:
 
     def publish_tokens(self, job_id: str, offset: int, token_ids: list[int], text: str, done: bool) -> None:
         self.jobs.publish_tokens(self.pipe, job_id, offset, token_ids, text, done)
-        self._queued(2)
+        self._queued(1)
 
     def execute(self) -> list[Any]:
         """Send everything. An outage raises (nothing is known to be written); a command Redis refuses comes
@@ -244,6 +249,15 @@ def _str(x: Any) -> str:
 
 
 def _entry(entry_id: Any, fields: dict[Any, Any] | None) -> Entry:
-    decoded = {_str(k): (v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v))
-               for k, v in (fields or {}).items()}
-    return Entry(_str(entry_id), decoded)
+    decoded: dict[str, str] = {}
+    not_utf8: list[str] = []
+    for k, v in (fields or {}).items():
+        key = _str(k) if not isinstance(k, bytes) else k.decode("utf-8", "replace")
+        if isinstance(v, bytes):
+            try:
+                v = v.decode("utf-8")
+            except UnicodeDecodeError:
+                not_utf8.append(key)
+                v = v.decode("utf-8", "replace")
+        decoded[key] = str(v)
+    return Entry(_str(entry_id), decoded, not_utf8=tuple(not_utf8))

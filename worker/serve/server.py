@@ -19,6 +19,8 @@ from typing import Any
 import structlog
 
 from producer.protocol import ErrorCode
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.token_text import logprob_token_ids, token_info
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter, FirstToken
 from worker.serve.intake import BLOCK_MS, Intake, IntakeBudget
@@ -32,6 +34,7 @@ log = structlog.get_logger("tokenbus.worker")
 IDLE_WAIT_S = 0.2  # how long an idle loop waits for a message before it beats the health check
 MAX_STEP_FAILURES = 3  # consecutive failed steps before the worker gives up (exit 1, supervisor restarts it)
 REVOKE_MEMORY_S = 300.0  # how long a revoke for a job not yet in the engine is remembered
+CANARY_ID = "tokenbus:canary"  # engine request id of the health probe (job ids cannot contain ':')
 
 
 class Server:
@@ -44,7 +47,9 @@ class Server:
         self.leases = Leases()
         self.inbox: queue.Queue = queue.Queue()
         self.capacity = settings.max_num_seqs + settings.intake_lookahead
-        self.budget = IntakeBudget(self.capacity)
+        # never more than `capacity` jobs leased here, however far behind the writer is
+        self.budget = IntakeBudget(self.capacity, leases=self.leases, limit=self.capacity)
+        self.leases.on_release = self.budget.wake
 
         self.writer = CompletionWriter(self.jobs, self.leases, metrics=metrics)
         self.intake = Intake(
@@ -66,7 +71,9 @@ class Server:
         self.drain_deadline: float | None = None
         self.step_failures = 0
         self.exit_code = 0
-        self._snapshot: dict[str, Any] = {"model": engine.model_name, "running": 0, "waiting": 0}
+        # the heartbeat's engine numbers; free_blocks from the start (the first heartbeat lacked it)
+        self._snapshot: dict[str, Any] = {"model": engine.model_name, "running": 0, "waiting": 0,
+                                          "free_blocks": engine.stats().free_blocks}
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -101,6 +108,7 @@ class Server:
             stats = self.engine.stats()
             set_aside = len(self.suspects) + len(self.held)
             self.budget.set_room(self.capacity - stats.running - stats.waiting - set_aside)
+            self._publish_stats(stats)
             if self.exit_code:
                 break
             if self.drain_deadline is not None:
@@ -147,6 +155,14 @@ class Server:
         log.info("worker_stopped", exit_code=self.exit_code, results_written=written,
                  jobs_done=self.writer.jobs_done)
         return self.exit_code
+
+    def _publish_stats(self, stats: Any) -> None:
+        """Heartbeat numbers and gauges after every turn of the loop, not only after a step: a cancel or an
+        ending with no step after it (the engine went idle) must not leave the last step's numbers up."""
+        self._snapshot = {"model": self.engine.model_name, "running": stats.running, "waiting": stats.waiting,
+                          "free_blocks": stats.free_blocks}
+        if self.metrics is not None:
+            self.metrics.observe_engine(stats.running, stats.waiting, stats.used_blocks, stats.free_blocks)
 
     def _status(self) -> dict[str, Any]:
         return dict(self._snapshot, jobs_done=self.writer.jobs_done, draining=self.drain_deadline is not None)
@@ -261,6 +277,16 @@ class Server:
                 self._end_with_output(job, out)
 
     def _step_failed(self, err: Exception) -> None:
+        culprit = self.running.get(getattr(err, "request_id", None) or "")
+        if culprit is not None:
+            # The engine named the request whose own row broke the step (sampler.RequestError), before any
+            # sequence changed: that job fails, the rest of the batch steps on, and the engine is not at fault.
+            log.warning("job_broke_step", job_id=culprit.job_id, error=str(err))
+            del self.running[culprit.job_id]
+            self._abort_quietly(culprit.job_id)
+            self._end(culprit, "failed", error_code=ErrorCode.worker_error,
+                      error=f"worker error: this job broke the engine step ({type(err).__name__}: {err})")
+            return
         self.step_failures += 1
         jobs = list(self.running.values())
         log.exception("engine_step_failed", jobs=[j.job_id for j in jobs], consecutive=self.step_failures)
@@ -272,6 +298,12 @@ class Server:
             self._end(jobs[0], "failed", error_code=ErrorCode.worker_error,
                       error=f"worker error: the engine failed while running this job ({type(err).__name__}: "
                             f"{err})")
+            # Its fault, or the engine's (a lost GPU fails every job alone too)? A one-token probe in the
+            # now empty engine tells: if it runs, the failure was the job's and does not count against us.
+            if self._engine_works():
+                self.step_failures = 0
+            else:
+                self.step_failures = MAX_STEP_FAILURES
         else:
             log.warning("isolating_jobs", jobs=[j.job_id for j in jobs])
             self.suspects.extend(jobs)
@@ -279,6 +311,20 @@ class Server:
             # Several failures in a row, whatever ran: the engine itself is broken (a lost GPU, say).
             log.error("engine_broken", consecutive_failures=self.step_failures)
             self.exit_code = 1
+
+    def _engine_works(self) -> bool:
+        """Run a one-token request in the (empty) engine: False if the engine itself fails."""
+        try:
+            self.engine.add_request(CANARY_ID, [0], SamplingParams(max_tokens=1, ignore_eos=True))
+            for _ in range(8):  # a one-token prompt ends on its first step; a few more cover a busy engine
+                if any(out.request_id == CANARY_ID for out in self.engine.step()):
+                    return True
+            return False
+        except Exception:
+            log.exception("engine_probe_failed")
+            return False
+        finally:
+            self._abort_quietly(CANARY_ID)
 
     def _seat_set_aside(self) -> None:
         """Re-run suspects one at a time in an otherwise empty engine, then seat the jobs held meanwhile."""
@@ -326,6 +372,8 @@ class Server:
             "logprobs": out.logprobs,
             "model": self.engine.model_name,
         }
+        if out.logprobs is not None:  # the producer has no tokenizer: name each token for OpenAI's shape
+            result["logprob_tokens"] = token_info(self.engine.tokenizer, logprob_token_ids(out.logprobs))
         self._end(job, "cancelled" if cancelled else "finished", result=result,
                   error="cancelled while running" if cancelled else None,
                   error_code=ErrorCode.cancelled if cancelled else None,
