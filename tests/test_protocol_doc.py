@@ -7,7 +7,7 @@ import importlib.util
 from pathlib import Path
 
 from producer import scripts as shared
-from worker import queue_scripts
+from worker.serve import queue_scripts
 
 ROOT = Path(__file__).resolve().parent.parent
 
