@@ -208,7 +208,7 @@ class Engine:
     def _check_stop_token_ids(self, params: SamplingParams) -> None:
         # An id past the vocabulary would fail the sampler's min_tokens ban (an IndexError mid-step).
         vocab = self.model.arch.vocab_size
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        bad = [t for t in params.stop_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"stop_token_ids out of the vocabulary [0, {vocab}): {bad[:5]}")
 
