@@ -26,6 +26,10 @@ class EngineConfig:
     cpu_kernels: bool = True  # CPU float32: the C++ kernels; False = the PyTorch references
     cache_dir: str | None = None  # dequantised GGUF weights, built CPU kernels; None = TOKENBUS_CACHE_DIR or
     # ~/.cache/tokenbus
+    enable_prefix_caching: bool = True  # reuse cached full KV blocks of a shared prompt prefix
+    cuda_graphs: bool = True  # CUDA: replay captured graphs for pure decode steps (prefill/mixed stay eager)
+    static_decode: bool | None = None  # the fixed-shape padded decode path graphs replay; None = on with graphs
+    # (CUDA), off on the CPU; True on the CPU runs it eagerly (tests)
 
     def __post_init__(self) -> None:
         problems = []
