@@ -47,6 +47,20 @@ def serve_engine(serve_model_dir):
 
 
 @pytest.fixture
+def steps_break_on_breaks_jobs(serve_engine, monkeypatch):
+    """Fault injection on the real engine: any step whose batch holds a job whose id starts with "breaks-"
+    raises, as an unattributed kernel fault would (the serve loop has to find the job that causes it)."""
+    real_step = serve_engine.step
+
+    def step():
+        if any(rid.startswith("breaks-") for rid in serve_engine.requests):
+            raise RuntimeError("simulated kernel fault")
+        return real_step()
+
+    monkeypatch.setattr(serve_engine, "step", step)
+
+
+@pytest.fixture
 def make_client(redis_server):
     """make_client(**Client kwargs) -> a producer Client on the test's redis_server."""
     from producer.client import Client

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from sm90_compile import compile_for_sm90, stack_bytes
 
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
 
@@ -229,45 +230,6 @@ def test_compiled_kernels_refuse_cpu_tensors_clearly():
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         TritonBackend(interpreted=True).decode_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
                                                          torch.ones(1, dtype=torch.int32), 0.2)
-
-
-def compile_for_sm90(launch):
-    """Compile a planned launch as Triton's JIT would for an H100/H200, without a GPU: same specialisation of
-    arguments (ints equal to 1 become constants, 16-divisible ints and pointers get divisibility hints)."""
-    import triton
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import native_specialize_impl
-
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    meta = dict(launch.meta)
-    options = {key: meta.pop(key) for key in ("num_warps", "num_stages") if key in meta}
-    signature, constants, attrs = {}, {}, {}
-    args = iter(launch.args)
-    for i, name in enumerate(launch.kernel.arg_names):
-        if name in meta:
-            signature[name], constants[(i,)] = "constexpr", meta[name]
-            continue
-        kind, attr = native_specialize_impl(BaseBackend, next(args), False, True, True)
-        signature[name] = kind
-        if kind == "constexpr":
-            constants[(i,)] = attr
-        elif isinstance(attr, str) and attr:
-            attrs[(i,)] = backend.parse_attr(attr)
-    return triton.compile(ASTSource(launch.kernel, signature, constants, attrs), target=target, options=options)
-
-
-def stack_bytes(cubin: bytes, tmp_path: Path) -> int:
-    import triton.backends.nvidia
-
-    cuobjdump = Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
-    if not cuobjdump.exists():
-        pytest.skip(f"{cuobjdump} is missing: this triton build has no bundled CUDA tools")
-    path = tmp_path / "kernel.cubin"
-    path.write_bytes(cubin)
-    usage = subprocess.run([str(cuobjdump), "-res-usage", str(path)], capture_output=True, text=True, check=True)
-    return int(re.search(r"STACK:(\d+)", usage.stdout).group(1))
 
 
 @pytest.mark.skipif(INTERPRETED, reason="compiles the GPU plans; the interpreter run has no compiler")

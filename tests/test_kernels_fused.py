@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from sm90_compile import compile_for_sm90, stack_bytes
 
 from kernels.reference import (
     add_rms_norm_ref,
@@ -372,38 +373,10 @@ def test_compiled_kernels_refuse_cpu_tensors_clearly():
             call()
 
 
-def compile_for_sm90(launch):
-    """test_kernels.compile_for_sm90, also passing enable_fp_fusion (which these plans turn off) to ptxas'
-    compiler options: with fusion the GPU would skip some of HF's roundings (see kernels/rounding.py)."""
-    import triton
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import native_specialize_impl
-
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    meta = dict(launch.meta)
-    options = {key: meta.pop(key) for key in ("num_warps", "num_stages", "enable_fp_fusion") if key in meta}
-    signature, constants, attrs = {}, {}, {}
-    args = iter(launch.args)
-    for i, name in enumerate(launch.kernel.arg_names):
-        if name in meta:
-            signature[name], constants[(i,)] = "constexpr", meta[name]
-            continue
-        kind, attr = native_specialize_impl(BaseBackend, next(args), False, True, True)
-        signature[name] = kind
-        if kind == "constexpr":
-            constants[(i,)] = attr
-        elif isinstance(attr, str) and attr:
-            attrs[(i,)] = backend.parse_attr(attr)
-    return triton.compile(ASTSource(launch.kernel, signature, constants, attrs), target=target, options=options)
-
-
 @parent_only
 def test_gpu_plans_compile_for_sm90(tmp_path):
     """Every planned GPU launch (0.5B / 8B / wide shapes) compiles for sm_90 without register spills, with
     vectorised (16-byte) loads, and without contracting HF's separately rounded products into fmas."""
-    from test_kernels import stack_bytes
 
     from kernels.activation import plan_silu_and_mul
     from kernels.norm import plan_add_rms_norm, plan_rms_norm

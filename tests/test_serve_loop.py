@@ -264,17 +264,9 @@ def test_two_workers_share_the_group(serve_engine, serve_model_dir, serve, make_
     assert events_per_job(redis_server.client()) == Counter(ids)
 
 
-def test_a_job_that_breaks_the_engine_step_fails_alone(serve_engine, serve, make_client, monkeypatch):
-    # Fault injection on the real engine: any step whose batch holds a "breaks-" job raises, as a kernel
-    # fault would. The loop must find that job, fail it, and finish the ones batched with it.
-    real_step = serve_engine.step
-
-    def step():
-        if any(rid.startswith("breaks-") for rid in serve_engine.requests):
-            raise RuntimeError("simulated kernel fault")
-        return real_step()
-
-    monkeypatch.setattr(serve_engine, "step", step)
+def test_a_job_that_breaks_the_engine_step_fails_alone(serve_engine, serve, make_client,
+                                                       steps_break_on_breaks_jobs):
+    # The loop must find the job that breaks every step it is in, fail it, and finish the ones batched with it.
     client = make_client()
     good = client.submit_many([{"prompt": f"fine {i}", "max_tokens": 5, "ignore_eos": True} for i in range(4)])
     client.submit("poisons the batch", job_id="breaks-1", max_tokens=5)
