@@ -27,22 +27,26 @@ CANCEL_POLL_S = 0.2
 
 
 class Leases:
-    """job id -> entry id of every job this worker has started and not yet ended or handed back."""
+    """job id -> entry id (and its queue) of every job this worker has started and not yet ended or handed
+    back."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: dict[str, str] = {}
+        self._queue: dict[str, str] = {}  # job id -> the stream its entry is in
         self.on_release: Callable[[], None] | None = None  # e.g. wake intake: room for one more job
 
-    def add(self, job_id: str, entry_id: str) -> None:
+    def add(self, job_id: str, entry_id: str, queue: str) -> None:
         with self._lock:
             self._held[job_id] = entry_id
+            self._queue[job_id] = queue
 
     def release(self, job_id: str, entry_id: str | None = None) -> None:
         with self._lock:
             released = (entry_id is None or self._held.get(job_id) == entry_id) and job_id in self._held
             if released:
                 self._held.pop(job_id, None)
+                self._queue.pop(job_id, None)
         if released and self.on_release is not None:
             self.on_release()
 
@@ -53,6 +57,11 @@ class Leases:
     def snapshot(self) -> dict[str, str]:
         with self._lock:
             return dict(self._held)
+
+    def queues(self) -> dict[str, str]:
+        """job id -> the queue (stream) of its entry."""
+        with self._lock:
+            return dict(self._queue)
 
     def __len__(self) -> int:
         with self._lock:
@@ -112,7 +121,8 @@ class Housekeeper(threading.Thread):
         held = self.leases.snapshot()
         if not held:
             return
-        lost = set(self.jobs.renew(list(held.values())))
+        queues = self.leases.queues()
+        lost = set(self.jobs.renew([(queues.get(j, self.jobs.keys.jobs), e) for j, e in held.items()]))
         for job_id, entry_id in held.items():
             if entry_id in lost and self.leases.entry_of(job_id) == entry_id:
                 # Another worker reclaimed it (our lease lapsed during an outage or a stall), or it was
