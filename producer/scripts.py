@@ -274,10 +274,11 @@ def _run(r: redis.Redis, text: str, keys: list[str], args: list[Any]) -> Any:
     return script(text)(keys=keys, args=args, client=r)
 
 
-def start_job(r: redis.Redis, keys: Keys, job_id: str, entry_id: str, worker: str, queue: str,
+def start_job(r: redis.Redis, keys: Keys, job_id: str, entry_id: str, worker: str, queue: str = "",
               now: float | None = None, group: str = GROUP) -> tuple[str, int]:
-    """Worker: mark a job delivered from `queue` running. Returns (status, attempts): run it only if 'running'."""
-    status, attempts = _run(r, START_JOB, [keys.job(job_id), queue],
+    """Worker: mark a job delivered from `queue` ('' = the default loose queue) running. Returns (status,
+    attempts): run it only if 'running'."""
+    status, attempts = _run(r, START_JOB, [keys.job(job_id), queue or keys.queue()],
                             [group, entry_id, worker, now or time.time()])
     return _s(status), int(attempts)
 
@@ -303,7 +304,7 @@ def finish_job(
 ) -> int:
     """End a job (worker side): 1 ended now, 0 was already terminal (left as is), -1 no record.
 
-    The stream entry (entry_id in `queue`; '' = the record's own) is acked and deleted in every case. `r` may
+    The stream entry (entry_id in `queue`, '' = the default loose queue; no entry_id: the record's own) is acked and deleted in every case. `r` may
     be a pipeline (then the return value
     comes from pipe.execute()). result_ttl is only the fallback for records written without one.
     """
@@ -312,7 +313,7 @@ def finish_job(
     elif isinstance(result, dict):
         result = JobResult.model_validate(result).model_dump_json()
     status = JobStatus(status)
-    out = _run(r, FINISH_JOB, [keys.job(job_id), queue or keys.jobs, keys.events, keys.cancel],
+    out = _run(r, FINISH_JOB, [keys.job(job_id), queue or keys.queue(), keys.events, keys.cancel],
                [group, entry_id, job_id, status.value, result or "", error or "", error_code or "",
                 now or time.time(), result_ttl, keys.ns, EVENTS_MAXLEN])
     return out if not isinstance(out, int | bytes | str) else int(out)
@@ -349,6 +350,21 @@ def queue_streams(r: redis.Redis, keys: Keys) -> dict[str, list[str]]:
         legacy = [keys.jobs] if p == Priority.default else []
         out[p.value] = [keys.queue(p), *legacy, *(_s(m) for m in members)]
     return out
+
+
+def queue_totals(r: redis.Redis, keys: Keys) -> tuple[int, int]:
+    """(entries in every queue, entries delivered to a worker and not yet acknowledged)."""
+    streams = [q for qs in queue_streams(r, keys).values() for q in qs]
+    pipe = r.pipeline(transaction=False)
+    for q in streams:
+        pipe.xlen(q).xpending(q, GROUP)
+    replies = pipe.execute(raise_on_error=False)  # a queue without a group (or stream) answers an error
+    for reply in replies:
+        if isinstance(reply, redis.ConnectionError | redis.TimeoutError):
+            raise reply
+    depth = sum(n for n in replies[::2] if isinstance(n, int))
+    pending = sum(int(p["pending"]) for p in replies[1::2] if isinstance(p, dict))
+    return depth, pending
 
 
 def ensure_group(r: redis.Redis, stream: str, group: str = GROUP) -> None:

@@ -211,16 +211,7 @@ class JobQueue:
 
     def depth(self) -> tuple[int, int]:
         """(entries in every queue, delivered but unacknowledged) for the metrics."""
-        pipe = self.r.pipeline(transaction=False)
-        for queue in self.queues():
-            pipe.xlen(queue).xpending(queue, GROUP)
-        replies = pipe.execute(raise_on_error=False)  # a queue without a group (or stream) answers an error
-        for reply in replies:
-            if isinstance(reply, REDIS_DOWN):
-                raise reply
-        depth = sum(n for n in replies[::2] if isinstance(n, int))
-        pending = sum(int(p["pending"]) for p in replies[1::2] if isinstance(p, dict))
-        return depth, pending
+        return shared.queue_totals(self.r, self.keys)
 
 
 class WriteBatch:
