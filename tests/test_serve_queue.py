@@ -189,3 +189,86 @@ def test_intake_never_restarts_a_job_it_is_running(r):
     assert inbox.empty(), "the running job was handed to the engine a second time"
     assert r.hget(Keys(NS).job("j1"), "attempts") == b"1"
     assert writer.inbox.empty()
+
+
+def submit_to(r, job_id: str, priority: str, batch_id: str = "") -> str:
+    job = scripts.PendingJob(job_id, json.dumps({"prompt": "hi", "max_tokens": 4, "priority": priority}),
+                             batch_id=batch_id, priority=priority)
+    keys, args = scripts.submit_args(Keys(NS), job, time.time(), 0, 60)
+    code, entry = scripts.script(scripts.SUBMIT_JOB)(keys=keys, args=args, client=r)
+    assert int(code) == 1
+    return entry.decode()
+
+
+def test_read_serves_interactive_then_default_then_bulk_and_batches_in_turn(r):
+    a = JobQueue(r, NS, "worker-a", 60)
+    for i in range(6):
+        submit_to(r, f"big-{i}", "bulk", "big")
+    for i in range(3):
+        submit_to(r, f"small-{i}", "bulk", "small")
+    submit_to(r, "plain", "default")
+    submit_to(r, "chat", "interactive")
+    order = [e.fields["job_id"] for n in (2, 1, 1, 3, 2, 5) for e in a.read_new(n, None)]
+    # interactive first, then default; then the two bulk batches take turns (the big one was first)
+    assert order == ["chat", "plain", "big-0", "small-0", "big-1", "small-1", "big-2", "small-2", "big-3",
+                     "big-4", "big-5"]
+    assert a.read_new(5, None) == []
+
+
+def test_read_waits_for_a_new_entry_without_taking_more_than_asked(r):
+    a = JobQueue(r, NS, "worker-a", 60)
+    threading.Timer(0.2, lambda: [submit_to(r, f"late-{i}", "bulk") for i in range(3)]).start()
+    t0 = time.monotonic()
+    got = a.read_new(1, 3000)
+    assert [e.fields["job_id"] for e in got] == ["late-0"] and time.monotonic() - t0 < 2.5
+    assert r.xpending(Keys(NS).queue("bulk"), GROUP)["pending"] == 1, "the wait itself took nothing"
+
+
+def test_reclaim_renew_and_hand_back_work_across_queues(r):
+    a = JobQueue(r, NS, "worker-a", 60)
+    b = JobQueue(r, NS, "worker-b", 60)
+    e_bulk = submit_to(r, "b-0", "bulk", "nightly")
+    e_chat = submit_to(r, "chat", "interactive")
+    got = a.read_new(10, None)
+    assert [(e.fields["job_id"], e.queue) for e in got] == [
+        ("chat", Keys(NS).queue("interactive")), ("b-0", Keys(NS).queue("bulk", "nightly"))]
+    for e in got:
+        assert a.start(e.fields["job_id"], e.entry_id, e.queue) == ("running", 1)
+    assert r.hget(Keys(NS).job("b-0"), "queue") == Keys(NS).queue("bulk", "nightly").encode()
+    time.sleep(0.15)  # worker a dies: its leases lapse; b reclaims both, the interactive one first
+    complete, claimed = b.claim_lapsed(100, 10, {})
+    assert complete and [(e.fields["job_id"], e.queue) for e in claimed] == [
+        (e.fields["job_id"], e.queue) for e in got]
+    assert a.renew([(e.queue, e.entry_id) for e in got]) == [e_chat, e_bulk], "a holds neither any more"
+    assert b.renew([(e.queue, e.entry_id) for e in claimed]) == []
+    pipe = r.pipeline()
+    for e in claimed:
+        b.start(e.fields["job_id"], e.entry_id, e.queue)
+        b.hand_back(pipe, e.fields["job_id"], e.entry_id, e.queue, count_attempt=False)
+    assert pipe.execute() == [1, 1]
+    _, again = a.claim_lapsed(3_600_000, 10, {})
+    assert {e.fields["job_id"] for e in again} == {"chat", "b-0"}
+
+
+def test_renew_reports_an_entry_whose_queue_is_gone(r):
+    a = JobQueue(r, NS, "worker-a", 60)
+    e = submit_to(r, "b-0", "bulk", "gone")
+    a.read_new(1, None)
+    r.delete(Keys(NS).queue("bulk", "gone"))  # its batch ended (another worker finished the job)
+    assert a.renew([(Keys(NS).queue("bulk", "gone"), e)]) == [e]
+    pipe = r.pipeline()
+    a.hand_back(pipe, "b-0", e, Keys(NS).queue("bulk", "gone"), count_attempt=False)
+    assert pipe.execute() == [0]
+    assert a.claim_lapsed(0, 10, {}) == (True, [])
+
+
+def test_engine_scheduler_seats_lower_priority_numbers_first():
+    from worker.engine.sampling_params import SamplingParams
+    from worker.engine.scheduler import Scheduler
+    from worker.engine.sequence import Sequence
+
+    s = Scheduler(block_manager=None, stop_checker=None, max_num_seqs=4, max_num_batched_tokens=64)
+    for name, priority in [("bulk-1", 2), ("bulk-2", 2), ("default-1", 1), ("chat-1", 0), ("bulk-3", 2),
+                           ("chat-2", 0)]:
+        s.add(Sequence(name, [1, 2], SamplingParams(), 0.0, detokenizer=None, priority=priority))
+    assert [q.request_id for q in s.waiting] == ["chat-1", "chat-2", "default-1", "bulk-1", "bulk-2", "bulk-3"]
