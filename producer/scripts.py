@@ -304,8 +304,8 @@ def finish_job(
 ) -> int:
     """End a job (worker side): 1 ended now, 0 was already terminal (left as is), -1 no record.
 
-    The stream entry (entry_id in `queue`, '' = the default loose queue; no entry_id: the record's own) is acked and deleted in every case. `r` may
-    be a pipeline (then the return value
+    The stream entry (entry_id in `queue`, '' = the default loose queue; no entry_id: the record's own) is
+    acked and deleted in every case. `r` may be a pipeline (then the return value
     comes from pipe.execute()). result_ttl is only the fallback for records written without one.
     """
     if isinstance(result, JobResult):
