@@ -78,7 +78,8 @@ def main() -> None:
         f"`scripts/bench_submit.py`, one Python client, redis-server {redis_v} on localhost "
         f"({'temporary server' if server else url}), {platform.processor() or platform.machine()}, "
         f"Python {platform.python_version()}. Each job: validate (pydantic), then the SUBMIT_JOB Lua script "
-        "(idempotency check, queue-length check over every queue, record HSET, stream XADD to its priority's queue) via EVALSHA; submit_many pipelines "
+        "(idempotency check, queue-length check over every queue, record HSET, stream XADD to its priority's "
+        "queue) via EVALSHA; submit_many pipelines "
         "chunk_size scripts per round trip.",
         "",
         *table,

@@ -85,8 +85,9 @@ class JobQueue:
         streams = {_str(wake[i]): _str(wake[i + 1]) for i in range(0, len(wake), 2)}
         try:
             self.r.xread(streams, count=1, block=block_ms)
-        except redis.ResponseError as err:  # a queue deleted while we waited (its batch ended)
-            log.debug("intake_wait_interrupted", error=str(err))
+        except redis.ResponseError as err:  # a queue deleted while we waited (its batch ended), or worse:
+            log.debug("intake_wait_interrupted", error=str(err))  # wait anyway, never spin on an error
+            time.sleep(block_ms / 1000)
         return self._read_once(count)[0]
 
     def _read_once(self, count: int) -> tuple[list[Entry], list[Any]]:

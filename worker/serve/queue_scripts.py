@@ -7,7 +7,8 @@ between two calls."""
 # submit) and, for default, the pre-priority stream {ns}:jobs. Each queue gets an equal share of the seats
 # left (at least one), starting after the queue read last ({ns}:turn:{p}, shared by all workers), and the
 # entries come back interleaved (one of each queue, then the next of each), the order intake admits them in.
-# A queue without the consumer group gets it (at 0: nothing in it is skipped) and is read on the next call.
+# A queue without the consumer group gets it (at 0: nothing in it is skipped) and is read on the next call; a
+# key of another type under a queue's name is left alone.
 # When nothing was read, `wake` names every queue with the id to wait after (XREAD BLOCK, which consumes
 # nothing): a queue that does not exist yet waits from 0-0, so its first entry wakes the reader too.
 READ = """
@@ -24,8 +25,9 @@ for _, p in ipairs({'interactive', 'default', 'bulk'}) do
   for _, q in ipairs(redis.call('ZRANGE', ns .. ':queues:' .. p, 0, -1)) do table.insert(qs, q) end
   local present = {}
   for _, q in ipairs(qs) do
-    if redis.call('EXISTS', q) == 1 then table.insert(present, q) end
-    table.insert(present_all, q)
+    local t = redis.call('TYPE', q).ok
+    if t == 'stream' then table.insert(present, q) end
+    if t == 'stream' or t == 'none' then table.insert(present_all, q) end
   end
   if want > 0 and #present > 0 then
     local last, start = redis.call('GET', ns .. ':turn:' .. p), 1
