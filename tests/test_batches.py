@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer import Client, InvalidBatch, TokenbusError
+from producer import Client, InvalidBatch, QueueFull, TokenbusError
 from producer.batches import cancel_batch, export_batch, get_batch, submit_batch, wait_batch
 from producer.openai_batch import parse_line
 from producer.protocol import GROUP, BatchStatus, JobResult, JobStatus
@@ -259,3 +259,22 @@ def test_cancel_batch_counts_jobs_that_were_never_submitted(client):
     client.redis.delete(client.keys.job(lost))
     rec = cancel_batch(client, rec.id)
     assert (rec.status, rec.cancelled, rec.done) == (BatchStatus.cancelled, 3, 3)
+
+
+def test_info_and_the_queue_limit_count_every_queue_by_priority(redis_server):
+    from producer.cli import format_info
+
+    c = Client(redis_server.url, max_queue_len=7)
+    c.submit("now", priority="interactive")
+    c.submit_many([{"prompt": "a"}, {"prompt": "b"}])
+    rec = c.submit_batch([chat_line(f"c{i}") for i in range(3)], batch_id="nightly")
+    assert (rec.priority, rec.queue) == ("bulk", c.keys.queue("bulk", "nightly"))
+    c.submit_batch([chat_line("x")], batch_id="urgent", priority="default")
+    info = c.info()
+    assert info.by_priority == {"interactive": 1, "default": 3, "bulk": 3}
+    assert (info.queue_depth, info.queues, info.waiting) == (7, 4, 7)
+    assert "interactive 1  default 3  bulk 3  (4 non-empty queues)" in format_info(info)
+    with pytest.raises(QueueFull):  # 7 queued over four queues: the limit counts them all
+        c.submit("one more", priority="bulk")
+    with pytest.raises(QueueFull, match="nothing was submitted"):
+        c.submit_batch([chat_line("y")], batch_id="late")
