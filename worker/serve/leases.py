@@ -58,10 +58,10 @@ class Leases:
         with self._lock:
             return dict(self._held)
 
-    def queues(self) -> dict[str, str]:
-        """job id -> the queue (stream) of its entry."""
+    def entries(self) -> dict[str, tuple[str, str]]:
+        """job id -> (its entry's queue, entry id), one consistent snapshot."""
         with self._lock:
-            return dict(self._queue)
+            return {job_id: (self._queue[job_id], entry_id) for job_id, entry_id in self._held.items()}
 
     def __len__(self) -> int:
         with self._lock:
@@ -118,12 +118,11 @@ class Housekeeper(threading.Thread):
             self.stop_event.wait(min(CANCEL_POLL_S, self.renew_every_s))
 
     def renew(self) -> None:
-        held = self.leases.snapshot()
-        if not held:
+        entries = self.leases.entries()
+        if not entries:
             return
-        queues = self.leases.queues()
-        lost = set(self.jobs.renew([(queues.get(j, self.jobs.keys.jobs), e) for j, e in held.items()]))
-        for job_id, entry_id in held.items():
+        lost = set(self.jobs.renew(list(entries.values())))
+        for job_id, (_queue, entry_id) in entries.items():
             if entry_id in lost and self.leases.entry_of(job_id) == entry_id:
                 # Another worker reclaimed it (our lease lapsed during an outage or a stall), or it was
                 # acknowledged meanwhile: either way it is no longer ours to run.
