@@ -10,9 +10,10 @@ alternating between the trees; the table gives the median of the rounds. Rows:
   --jobs loose default jobs, with the default max_queue_len (the script checks the queue depth on every job)
   and with max_queue_len=0 (no check); on this tree also with --batches live batch queues in the registry
   (the depth check reads every queue's XLEN).
-- intake: a worker's Redis work per job without the engine: read --seats entries at a time
-  (`JobQueue.read_new`: XREADGROUP before, the READ script now) and run START_JOB on each, over --jobs
-  queued jobs; on this tree also with the jobs spread over --batches batch queues plus interactive ones.
+- intake: a worker's Redis work per job without the engine, over --intake-jobs queued jobs: read --seats
+  entries at a time (`JobQueue.read_new`: XREADGROUP before, the READ script now) and, on its own row,
+  START_JOB on each; on this tree also with the jobs spread over --batches batch queues plus interactive
+  ones.
 """
 
 from __future__ import annotations
@@ -66,28 +67,33 @@ else:
         total = len(c.submit_many(reqs))
     q = JobQueue(c.redis, ns, "bench-worker", 600)
     q.ensure_group()
-    done = 0
-    t0 = time.perf_counter()
+    done, read_s, start_s = 0, 0.0, 0.0
     while done < total:
+        t0 = time.perf_counter()
         entries = q.read_new(seats, None)
+        t1 = time.perf_counter()
         assert entries, (done, total)
         for e in entries:
             args = (e.queue,) if new else ()
             assert q.start(e.fields["job_id"], e.entry_id, *args)[0] == "running"
+        start_s += time.perf_counter() - t1
+        read_s += t1 - t0
         done += len(entries)
-    out = (time.perf_counter() - t0) / total * 1e6
+    out = [read_s / total * 1e6, start_s / total * 1e6]
 for key in c.redis.scan_iter(f"{ns}:*", count=10_000):
     c.redis.unlink(key)
 print(json.dumps(out))
 """
 
 
-def run(tree: Path, url: str, what: str, n: int, seats: int, batches: int) -> float:
+def run(tree: Path, url: str, what: str, n: int, seats: int, batches: int) -> list[float]:
+    """The child's numbers: [jobs/s] for a submit row, [read µs/job, start µs/job] for an intake row."""
     out = subprocess.run([sys.executable, "-c", CHILD, str(tree), url, what, str(n), str(seats), str(batches)],
                          capture_output=True, text=True, cwd=str(tree))
     if out.returncode != 0:
         raise SystemExit(f"{what} on {tree} failed:\n{out.stderr[-3000:]}")
-    return float(json.loads(out.stdout.strip().splitlines()[-1]))
+    value = json.loads(out.stdout.strip().splitlines()[-1])
+    return value if isinstance(value, list) else [value]
 
 
 def main() -> None:
@@ -109,18 +115,22 @@ def main() -> None:
         ("submit_many, default max_queue_len (jobs/s)", "submit", a.jobs, (base, this)),
         ("submit_many, max_queue_len=0 (jobs/s)", "submit_nolimit", a.jobs, (base, this)),
         (f"submit_many, {a.batches} live batch queues (jobs/s)", "submit_batches", a.jobs, (this,)),
-        (f"intake: read {a.seats} + start, one queue (µs/job)", "intake", a.intake_jobs, (base, this)),
-        (f"intake: {a.batches} batch queues + interactive (µs/job)", "intake_spread", a.intake_jobs, (this,)),
+        (f"intake: read {a.seats} at a time, one queue (µs/job)", "intake", a.intake_jobs, (base, this)),
+        (f"intake: read, {a.batches} batch queues + interactive (µs/job)", "intake_spread", a.intake_jobs, (this,)),
     ]
     results: dict[tuple[str, Path], list[float]] = {}
     with RedisServer() as server:
         for _ in range(a.rounds):
             for label, what, n, trees in rows:
                 for tree in trees:
-                    results.setdefault((label, tree), []).append(run(tree, server.url, what, n, a.seats,
-                                                                     a.batches))
+                    values = run(tree, server.url, what, n, a.seats, a.batches)
+                    results.setdefault((label, tree), []).append(values[0])
+                    if len(values) > 1:  # intake: the start script's share on its own row
+                        start = label.replace("read", "START_JOB").replace(f" {a.seats} at a time", "")
+                        results.setdefault((start, tree), []).append(values[1])
+    labels = list(dict.fromkeys(label for label, _tree in results))
     table = ["| measurement | before priorities | with priorities | ratio |", "|---|---:|---:|---:|"]
-    for label, _what, _n, _trees in rows:
+    for label in labels:
         b = statistics.median(results[(label, base)]) if (label, base) in results else None
         t = statistics.median(results[(label, this)])
         ratio = f"{t / b:.2f}" if b else ""
