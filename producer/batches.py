@@ -14,7 +14,7 @@ import structlog
 
 from producer import openai_batch, scripts
 from producer.errors import BatchNotFound, InvalidBatch, InvalidJob, TokenbusError, WaitTimeout, listing
-from producer.protocol import GROUP, BatchRecord, BatchStatus, batch_job_id, check_batch_id
+from producer.protocol import GROUP, BatchRecord, BatchStatus, Priority, batch_job_id, check_batch_id
 from producer.scripts import CHUNK, PendingJob
 
 if TYPE_CHECKING:
@@ -70,12 +70,17 @@ def submit_batch(
     *,
     batch_id: str | None = None,
     model: str | None = None,
+    priority: str = Priority.bulk,
 ) -> BatchRecord:
     """Validate the whole input, then write the batch record and one job per line (ids `{batch_id}-{i}`).
 
     Re-running with the same batch_id finishes an interrupted submit and never duplicates a job.
     model: None keeps each line's body.model, "" drops it (any worker model), a name replaces it.
+    priority: bulk unless given (a batch is offline work); its jobs wait on one queue of their own,
+    `{ns}:q:{priority}:{batch_id}`, which takes turns with the other batches of that priority. A resumed
+    submit keeps the priority the batch was created with.
     """
+    priority = Priority(priority).value
     lines, input_file = read_lines(source)
     endpoint, parsed = parse_batch(lines)
     batch_id = check_batch_id(batch_id, len(parsed)) if batch_id else f"batch_{uuid.uuid4().hex}"
@@ -89,18 +94,21 @@ def submit_batch(
                                f"Use a new batch id")
         if record.status != BatchStatus.validating:
             return record
+        priority = existing.get("priority") or priority
     job_ids = [batch_job_id(batch_id, i) for i in range(len(parsed))]
     if not existing:
         client.check_capacity(len(parsed))
         _check_ids_free(client, batch_id, job_ids)
-    jobs = [PendingJob(jid, openai_batch.request_json(fields, model), batch_id, custom_id)
+    jobs = [PendingJob(jid, openai_batch.request_json(fields | {"priority": priority}, model), batch_id,
+                       custom_id, priority)
             for jid, (custom_id, fields) in zip(job_ids, parsed, strict=True)]
     if not existing:
         pipe = client.redis.pipeline(transaction=True)
         pipe.hset(k.batch(batch_id), mapping={
             "id": batch_id, "status": BatchStatus.validating.value, "endpoint": endpoint,
             "total": len(jobs), "finished": 0, "failed": 0, "cancelled": 0, "created_at": time.time(),
-            "input_file": input_file or "",
+            "input_file": input_file or "", "priority": priority,
+            "queue": k.queue(priority, batch_id),
         })
         pipe.delete(k.batch_jobs(batch_id))
         for start in range(0, len(job_ids), CHUNK):

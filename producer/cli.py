@@ -16,7 +16,7 @@ import structlog
 from producer import batches
 from producer.client import Client
 from producer.errors import TokenbusError
-from producer.protocol import DEFAULT_NAMESPACE, GenerationParams, Job, JobStatus, QueueInfo
+from producer.protocol import DEFAULT_NAMESPACE, PRIORITIES, GenerationParams, Job, JobStatus, Priority, QueueInfo
 from producer.redaction import redact_url, scrub, secrets_of
 
 EXIT_ERROR = 1
@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--job-id", help="your own id: submitting it again yields the same job")
     s.add_argument("--wait", action="store_true", help="then wait and print the job")
     s.add_argument("--timeout", type=float, help="seconds for --wait")
+    s.add_argument("--priority", choices=[p.value for p in PRIORITIES],
+                   help="which queue: workers read interactive first, then default (the default), then bulk")
     _add_generation_flags(s)
 
     for name, helptext in (("get", "print a job record as JSON"), ("wait", "wait for a job to end"),
@@ -97,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--batch-id", help="your own id: re-running completes an interrupted submit")
     bs.add_argument("--model", help="replace each line's body.model ('' = drop it: any worker model)")
     bs.add_argument("--wait", action="store_true", help="then wait with a progress bar")
+    bs.add_argument("--priority", choices=[p.value for p in PRIORITIES], default=Priority.bulk.value,
+                    help="of every job of the batch (default: bulk); batches of one priority take turns")
     for name in ("status", "wait", "cancel"):
         c = b.add_parser(name, help=f"batch {name}")
         c.add_argument("batch_id")
@@ -116,7 +120,8 @@ def _print_json(model: Any) -> None:
 
 def _submit(c: Client, a: argparse.Namespace) -> int:
     fields: dict[str, Any] = dict(a.request or {})
-    names = ("prompt", "messages", "prompt_token_ids", "model", "metadata", *GenerationParams.model_fields)
+    names = ("prompt", "messages", "prompt_token_ids", "model", "metadata", "priority",
+             *GenerationParams.model_fields)
     for name in names:
         value = getattr(a, name, None)
         if value is not None:
@@ -138,6 +143,8 @@ def format_info(info: QueueInfo) -> str:
         f"namespace       {info.namespace}",
         f"queue depth     {info.queue_depth}  (waiting {info.waiting}, pending {info.pending}; "
         f"max {info.max_queue_len or 'unlimited'})",
+        "by priority     " + "  ".join(f"{p} {n}" for p, n in info.by_priority.items())
+        + f"  ({info.queues} non-empty queues)",
         f"consumers       {info.consumers}",
         f"dead letters    {info.dead_letters}",
         f"cancel requests {info.cancel_requested}",
@@ -182,7 +189,7 @@ def _batch_wait(c: Client, batch_id: str, timeout: float | None) -> int:
 def _batch(c: Client, a: argparse.Namespace) -> int:
     cmd = a.batch_command
     if cmd == "submit":
-        record = batches.submit_batch(c, a.file, batch_id=a.batch_id, model=a.model)
+        record = batches.submit_batch(c, a.file, batch_id=a.batch_id, model=a.model, priority=a.priority)
         print(record.id)
         return _batch_wait(c, record.id, None) if a.wait else 0
     if cmd == "status":

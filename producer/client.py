@@ -68,7 +68,6 @@ class Client:
         self._max_queue_len = max_queue_len
         self._result_ttl = result_ttl
         self._config_read = False
-        self._group_ready = False
 
     # ---- configuration -------------------------------------------------------------------------
     def _read_config(self) -> None:
@@ -128,7 +127,8 @@ class Client:
                 jid = req.pop("job_id")
             try:
                 jid = check_job_id(jid) if jid is not None else uuid.uuid4().hex
-                pending.append(scripts.PendingJob(jid, validate_request(req).to_json()))
+                request = validate_request(req)
+                pending.append(scripts.PendingJob(jid, request.to_json(), priority=request.priority))
             except InvalidJob as err:
                 errors.append(f"request {i}: {err}" if len(requests) > 1 else str(err))
         if errors:
@@ -136,10 +136,10 @@ class Client:
         return self.enqueue(pending, chunk_size=chunk_size)
 
     def enqueue(self, jobs: list[scripts.PendingJob], chunk_size: int = scripts.CHUNK) -> list[str]:
-        """Write validated jobs (SUBMIT_JOB per job, EVALSHA pipelined in chunks). Returns their ids."""
+        """Write validated jobs (SUBMIT_JOB per job, EVALSHA pipelined in chunks) to their priority's queue.
+        Returns their ids."""
         if not jobs:
             return []
-        self._ensure_group()
         if len(jobs) > 1:  # one job: the script's own check is exact (and lets an idempotent resubmit in)
             self.check_capacity(len(jobs))
         limit = self.max_queue_len
@@ -150,9 +150,8 @@ class Client:
             now = time.time()
             pipe = self.redis.pipeline(transaction=False)
             for job in chunk:
-                submit(keys=[self.keys.job(job.job_id), self.keys.jobs],
-                       args=[job.job_id, job.request_json, now, limit, self.result_ttl, job.batch_id,
-                             job.custom_id], client=pipe)
+                keys, args = scripts.submit_args(self.keys, job, now, limit, self.result_ttl)
+                submit(keys=keys, args=args, client=pipe)
             for job, (code, value) in zip(chunk, pipe.execute(), strict=True):
                 if int(code) == -2:
                     raise InvalidJob(
@@ -160,10 +159,10 @@ class Client:
                         f"{value or 'none'}); the batch would adopt that job's result. Use another batch id "
                         f"({len(accepted)} of this call's jobs were queued before this one)")
                 if int(code) == -1:
-                    log.warning("queue_full", queue=self.keys.jobs, depth=int(value), limit=limit,
+                    log.warning("queue_full", namespace=self.keys.ns, depth=int(value), limit=limit,
                                 accepted=len(accepted), refused=len(jobs) - len(accepted))
                     raise QueueFull(
-                        f"queue full: {value} jobs in {self.keys.jobs} >= max_queue_len {limit}; "
+                        f"queue full: {value} jobs queued in namespace {self.keys.ns!r} >= max_queue_len {limit}; "
                         f"{len(jobs) - len(accepted)} of {len(jobs)} jobs were refused (not queued), "
                         f"{len(accepted)} were queued (see .accepted). Wait for the workers to drain the "
                         f"queue or raise max_queue_len",
@@ -175,19 +174,14 @@ class Client:
     def check_capacity(self, n: int) -> None:
         """QueueFull unless n more jobs fit under max_queue_len now (checked before writing anything)."""
         limit = self.max_queue_len
-        depth = self.redis.xlen(self.keys.jobs)
+        depth = scripts.queue_depth(self.redis, self.keys) if limit > 0 else 0
         if limit > 0 and depth + n > limit:
             raise QueueFull(
-                f"queue full: {depth} jobs in {self.keys.jobs}, max_queue_len {limit}, so {n} more "
+                f"queue full: {depth} jobs queued in namespace {self.keys.ns!r}, max_queue_len {limit}, so {n} more "
                 f"do not fit; nothing was submitted. Wait for the workers to drain the queue, submit fewer, "
                 f"or raise max_queue_len (Client(max_queue_len=...) or "
                 f"HSET {self.keys.config} max_queue_len N)"
             )
-
-    def _ensure_group(self) -> None:
-        if not self._group_ready:
-            scripts.ensure_group(self.redis, self.keys)
-            self._group_ready = True
 
     # ---- read ----------------------------------------------------------------------------------
     def get(self, job_id: str) -> Job:
@@ -319,16 +313,25 @@ class Client:
     def info(self) -> QueueInfo:
         k = self.keys
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xlen(k.jobs).xlen(k.dead).scard(k.cancel).smembers(k.workers)
-        depth, dead, cancel_requested, names = pipe.execute()
-        pending, consumers = 0, 0
-        try:
-            pending = int(self.redis.xpending(k.jobs, GROUP)["pending"])
-            for group in self.redis.xinfo_groups(k.jobs):
-                if group["name"] == GROUP:
-                    consumers = int(group["consumers"])
-        except redis.ResponseError:  # no stream or no group yet
-            pass
+        pipe.xlen(k.dead).scard(k.cancel).smembers(k.workers)
+        dead, cancel_requested, names = pipe.execute()
+        depth = pending = consumers = queues = 0
+        by_priority: dict[str, int] = {}
+        for priority, streams in scripts.queue_streams(self.redis, k).items():
+            pipe = self.redis.pipeline(transaction=False)
+            for stream in streams:
+                pipe.xlen(stream).xinfo_groups(stream)
+            replies = pipe.execute(raise_on_error=False)  # a missing stream has no groups: an error here
+            by_priority[priority] = 0
+            for n, groups in zip(replies[::2], replies[1::2], strict=True):
+                n = n if isinstance(n, int) else 0
+                by_priority[priority] += n
+                queues += n > 0
+                for group in groups if isinstance(groups, list) else []:
+                    if group["name"] == GROUP:
+                        pending += int(group["pending"])
+                        consumers = max(consumers, int(group["consumers"]))
+        depth = sum(by_priority.values())
         names = sorted(names)
         beats = self.redis.mget([k.worker(n) for n in names]) if names else []
         workers = [
@@ -336,6 +339,7 @@ class Client:
             for n, raw in zip(names, beats, strict=True)
         ]
         return QueueInfo(namespace=k.ns, queue_depth=depth, pending=pending, waiting=max(0, depth - pending),
+                         by_priority=by_priority, queues=queues,
                          consumers=consumers, workers=workers, dead_letters=dead,
                          cancel_requested=cancel_requested, max_queue_len=self.max_queue_len,
                          result_ttl=self.result_ttl)

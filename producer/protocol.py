@@ -19,7 +19,7 @@ from pydantic_core import PydanticSerializationError
 from producer.errors import InvalidJob
 
 DEFAULT_NAMESPACE = "tokenbus"
-GROUP = "workers"  # the one consumer group on {ns}:jobs
+GROUP = "workers"  # the one consumer group, on every job queue
 DEFAULT_MAX_QUEUE_LEN = 1_000_000
 DEFAULT_RESULT_TTL = 7 * 24 * 3600  # seconds a finished job's record (and a batch) is kept
 EVENTS_MAXLEN = 100_000  # approximate cap of {ns}:events
@@ -44,6 +44,22 @@ class JobStatus(StrEnum):
 
 
 TERMINAL_STATUSES = frozenset({JobStatus.finished, JobStatus.failed, JobStatus.cancelled})
+
+
+class Priority(StrEnum):
+    """A job's priority: every worker's intake reads interactive queues first, then default, then bulk."""
+
+    interactive = "interactive"
+    default = "default"
+    bulk = "bulk"
+
+
+PRIORITIES = (Priority.interactive, Priority.default, Priority.bulk)  # the order intake serves them in
+
+
+def priority_rank(priority: str) -> int:
+    """0 for interactive, 1 default, 2 bulk: the engine seats lower ranks first."""
+    return PRIORITIES.index(Priority(priority))
 
 
 class BatchStatus(StrEnum):
@@ -75,7 +91,29 @@ class Keys:
 
     @property
     def jobs(self) -> str:
+        """The single stream of tokenbus before priorities: workers still read it as a default queue (drain)."""
         return f"{self.ns}:jobs"
+
+    def queue(self, priority: str = Priority.default, batch_id: str = "") -> str:
+        """The stream a job is queued on: `{ns}:q:{priority}` for a loose job, `{ns}:q:{priority}:{batch_id}`
+        for a batch's jobs (one stream per batch, so batches of one priority take turns)."""
+        base = f"{self.ns}:q:{Priority(priority).value}"
+        return f"{base}:{batch_id}" if batch_id else base
+
+    def registry(self, priority: str) -> str:
+        """Sorted set of the live batch queues of one priority (member: stream key, score: first submit)."""
+        return f"{self.ns}:queues:{Priority(priority).value}"
+
+    def turn(self, priority: str) -> str:
+        """The queue of this priority that intake read from last (round-robin position, shared by workers)."""
+        return f"{self.ns}:turn:{Priority(priority).value}"
+
+    def priority_of(self, stream: str) -> Priority:
+        """The priority of a queue's stream key; the pre-priority stream {ns}:jobs is default."""
+        parts = stream.split(":")
+        if len(parts) >= 3 and stream.startswith(f"{self.ns}:q:"):
+            return Priority(parts[len(self.ns.split(":")) + 1])
+        return Priority.default
 
     @property
     def events(self) -> str:
@@ -184,6 +222,8 @@ class JobRequest(GenerationParams):
     prompt_token_ids: list[int] | None = None
     model: str | None = None  # checked against the worker's model when given
     stream: bool = False  # publish partial tokens (worker option)
+    # the queue it waits on: every worker's intake serves interactive, then default, then bulk
+    priority: Literal["interactive", "default", "bulk"] = "default"
     metadata: dict[str, str] | None = None  # caller's labels, returned untouched
 
     @model_validator(mode="after")
@@ -275,7 +315,9 @@ class Job(BaseModel):
     error_code: str | None = None
     batch_id: str | None = None
     custom_id: str | None = None
-    entry_id: str | None = None  # id of its entry in {ns}:jobs
+    entry_id: str | None = None  # id of its entry in its queue
+    queue: str | None = None  # the stream it waits on: {ns}:q:{priority}[:{batch_id}]
+    priority: str | None = None  # interactive | default | bulk (None: written before priorities)
 
     @classmethod
     def from_record(cls, fields: dict[str, str]) -> Job:
@@ -337,9 +379,11 @@ class WorkerInfo(BaseModel):
 
 class QueueInfo(BaseModel):
     namespace: str
-    queue_depth: int  # XLEN {ns}:jobs: queued + running entries (ended ones are XDELed)
-    pending: int  # delivered to a worker, not acked yet (XPENDING)
+    queue_depth: int  # XLEN summed over every queue: queued + running entries (ended ones are XDELed)
+    pending: int  # delivered to a worker, not acked yet (XPENDING, summed)
     waiting: int  # queue_depth - pending: not picked up yet
+    by_priority: dict[str, int] = Field(default_factory=dict)  # queue_depth of each priority
+    queues: int = 0  # streams that hold entries (loose queues, batch queues, the pre-priority {ns}:jobs)
     consumers: int
     workers: list[WorkerInfo]
     dead_letters: int
@@ -365,6 +409,8 @@ class BatchRecord(BaseModel):
     completed_at: float | None = None
     cancelled_at: float | None = None  # when cancel was requested
     input_file: str | None = None
+    priority: str = Priority.default.value  # of every job of the batch (batches.submit_batch: bulk)
+    queue: str | None = None  # its jobs' stream, {ns}:q:{priority}:{id}; leaves the registry when it ends
 
     @property
     def done(self) -> int:

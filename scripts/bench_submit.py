@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from producer import Client  # noqa: E402
+from producer import Client, scripts  # noqa: E402
 
 
 def requests(n: int) -> list[dict]:
@@ -39,7 +39,7 @@ def measure(url: str, n: int, chunk: int | None) -> float:
     else:
         c.submit_many(reqs, chunk_size=chunk)
     elapsed = time.perf_counter() - t0
-    assert c.redis.xlen(c.keys.jobs) == n
+    assert scripts.queue_depth(c.redis, c.keys) == n
     for key in c.redis.scan_iter(f"{ns}:*", count=10_000):
         c.redis.unlink(key)
     c.close()
@@ -78,7 +78,8 @@ def main() -> None:
         f"`scripts/bench_submit.py`, one Python client, redis-server {redis_v} on localhost "
         f"({'temporary server' if server else url}), {platform.processor() or platform.machine()}, "
         f"Python {platform.python_version()}. Each job: validate (pydantic), then the SUBMIT_JOB Lua script "
-        "(idempotency check, queue-length check, record HSET, stream XADD) via EVALSHA; submit_many pipelines "
+        "(idempotency check, queue-length check over every queue, record HSET, stream XADD to its priority's "
+        "queue) via EVALSHA; submit_many pipelines "
         "chunk_size scripts per round trip.",
         "",
         *table,

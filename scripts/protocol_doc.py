@@ -26,6 +26,8 @@ END = "<!-- END GENERATED SCRIPTS -->"
 # (name, who runs it, the Python text) in the order a job meets them
 SCRIPTS: list[tuple[str, str, str]] = [
     ("SUBMIT_JOB", "client", shared.SUBMIT_JOB),
+    ("QUEUE_DEPTH", "client", shared.QUEUE_DEPTH),
+    ("READ", "worker", queue_scripts.READ),
     ("START_JOB", "worker", shared.START_JOB),
     ("FIRST_TOKEN", "worker", shared.FIRST_TOKEN),
     ("PUBLISH_TOKENS", "worker", queue_scripts.PUBLISH_TOKENS),

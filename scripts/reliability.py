@@ -36,9 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from redis_server import RedisServer  # noqa: E402
-
-from producer import Client  # noqa: E402
+from producer import Client, scripts  # noqa: E402
+from producer.local_redis import RedisServer  # noqa: E402
 from producer.protocol import GROUP, TERMINAL_STATUSES, Keys  # noqa: E402
 
 K = Keys("tokenbus")
@@ -196,7 +195,7 @@ class Harness:
     def queue_drained(client: Client, timeout: float = 30) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if client.redis.xlen(K.jobs) == 0 and client.redis.xpending(K.jobs, GROUP)["pending"] == 0:
+            if scripts.queue_totals(client.redis, K) == (0, 0):
                 return True
             time.sleep(0.2)
         return False
@@ -219,7 +218,7 @@ class Harness:
             for w in ws:
                 w.check_exit()
                 w.poll_ready()
-            if client.redis.xlen(K.jobs) < 40 or len(good) < min_jobs:  # keep the workers busy
+            if scripts.queue_depth(client.redis, K) < 40 or len(good) < min_jobs:  # keep the workers busy
                 good += client.submit_many(self.good_requests(60, 16, 96, "storm"))
             ready = [w for w in ws if w.alive() and w.ready_at is not None]
             if not ready:
@@ -264,7 +263,7 @@ class Harness:
         good = client.submit_many(self.good_requests(n, 16, 96, "aof"))
         for k in range(3):
             time.sleep(self.rng.uniform(2.0, 4.0))
-            if client.redis.xlen(K.jobs) < 30:
+            if scripts.queue_depth(client.redis, K) < 30:
                 good += client.submit_many(self.good_requests(60, 16, 96, "aof"))
             srv.kill()
             down = self.rng.uniform(1.0, 3.0)  # longer than the 1.5 s lease, sometimes
@@ -293,10 +292,9 @@ class Harness:
         client.submit("creates the group", max_tokens=1)
 
         def submit_raw(job_id: str | bytes, request: str | bytes) -> None:
-            from producer import scripts
-
-            scripts.script(scripts.SUBMIT_JOB)(keys=[K.job(job_id), K.jobs],
-                                               args=[job_id, request, time.time(), 0, 3600, "", ""], client=raw)
+            scripts.script(scripts.SUBMIT_JOB)(keys=[K.job(job_id), K.queue(), K.registry("default")],
+                                               args=[job_id, request, time.time(), 0, 3600, "", "", "default",
+                                                     K.ns, GROUP], client=raw)
 
         def raw_job(template: str, request: str | bytes):
             def make(i: int) -> str:
@@ -305,14 +303,14 @@ class Harness:
             return make
 
         def no_record(i: int) -> None:
-            r.xadd(K.jobs, {"job_id": f"bad-norec-{i}", "request": '{"prompt": "x"}'})
+            r.xadd(K.queue(), {"job_id": f"bad-norec-{i}", "request": '{"prompt": "x"}'})
 
         def not_a_hash(i: int) -> None:
             r.set(K.job(f"bad-type-{i}"), "x")
-            r.xadd(K.jobs, {"job_id": f"bad-type-{i}", "request": '{"prompt": "x"}'})
+            r.xadd(K.queue(), {"job_id": f"bad-type-{i}", "request": '{"prompt": "x"}'})
 
         def no_job_id(i: int) -> None:
-            r.xadd(K.jobs, {"garbage": str(i)})
+            r.xadd(K.queue(), {"garbage": str(i)})
 
         # each makes one bad entry and returns the id of its job record (None: no record to end)
         kinds = {

@@ -12,12 +12,13 @@ import threading
 from pathlib import Path
 
 import pytest
+import redis
 
-from producer import Client, InvalidBatch, TokenbusError
+from producer import Client, InvalidBatch, QueueFull, TokenbusError
 from producer.batches import cancel_batch, export_batch, get_batch, submit_batch, wait_batch
 from producer.openai_batch import parse_line
 from producer.protocol import GROUP, BatchStatus, JobResult, JobStatus
-from producer.scripts import finish_job, start_job
+from producer.scripts import finish_job, queue_streams, queue_totals, start_job
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,12 +40,26 @@ def client(redis_server):
         yield c
 
 
+def read_entries(c: Client, count: int | None = None) -> list[tuple[str, str, dict[str, str]]]:
+    """XREADGROUP on every queue, as a worker's intake reads them: [(queue, entry id, fields)]."""
+    out = []
+    for queues in queue_streams(c.redis, c.keys).values():
+        for q in queues:
+            if count is not None and len(out) >= count:
+                return out
+            try:
+                resp = c.redis.xreadgroup(GROUP, "w1", {q: ">"}, count=None if count is None else count - len(out))
+            except redis.ResponseError:  # no such queue
+                continue
+            out += [(q, entry_id, fields) for _s, entries in resp or [] for entry_id, fields in entries]
+    return out
+
+
 def run_jobs(c: Client, outcomes: dict[str, str]) -> None:
     """Play a worker: deliver all entries, then end each job as outcomes[custom_id] says."""
-    resp = c.redis.xreadgroup(GROUP, "w1", {c.keys.jobs: ">"}) or [(None, [])]
-    for entry_id, fields in resp[0][1]:
+    for queue, entry_id, fields in read_entries(c):
         jid = fields["job_id"]
-        if start_job(c.redis, c.keys, jid, entry_id, "w1")[0] != "running":
+        if start_job(c.redis, c.keys, jid, entry_id, "w1", queue)[0] != "running":
             continue
         custom_id = c.get(jid).custom_id
         outcome = outcomes.get(custom_id)
@@ -52,9 +67,9 @@ def run_jobs(c: Client, outcomes: dict[str, str]) -> None:
             res = JobResult(text=f"answer to {custom_id}", token_ids=[5, 6], finish_reason="stop",
                             usage={"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6},
                             model="smollm2-135m")
-            finish_job(c.redis, c.keys, jid, "finished", entry_id=entry_id, result=res)
+            finish_job(c.redis, c.keys, jid, "finished", entry_id=entry_id, queue=queue, result=res)
         elif outcome == "failed":
-            finish_job(c.redis, c.keys, jid, "failed", entry_id=entry_id, error="prompt too long",
+            finish_job(c.redis, c.keys, jid, "failed", entry_id=entry_id, queue=queue, error="prompt too long",
                        error_code="invalid_request")
 
 
@@ -121,8 +136,8 @@ def test_batch_round_trip_counts_and_export(client, tmp_path):
 def test_completions_batch_exports_text_completion(client, tmp_path):
     rec = client.submit_batch([completion_line("x", "Once upon"), completion_line("y", [1, 2, 3])],
                               model="")  # "" drops body.model
-    assert client.get(f"{rec.id}-0").request == {"prompt": "Once upon"}
-    assert client.get(f"{rec.id}-1").request == {"prompt_token_ids": [1, 2, 3]}
+    assert client.get(f"{rec.id}-0").request == {"prompt": "Once upon", "priority": "bulk"}
+    assert client.get(f"{rec.id}-1").request == {"prompt_token_ids": [1, 2, 3], "priority": "bulk"}
     run_jobs(client, {"x": "finished", "y": "finished"})
     export_batch(client, rec.id, tmp_path / "o.jsonl")
     body = json.loads((tmp_path / "o.jsonl").read_text().splitlines()[0])["response"]["body"]
@@ -166,35 +181,37 @@ def test_batch_resubmit_with_same_id_is_idempotent(client):
     lines = [chat_line(f"c{i}") for i in range(4)]
     first = submit_batch(client, lines, batch_id="nightly-1")
     again = submit_batch(client, lines, batch_id="nightly-1")
-    assert first.id == again.id == "nightly-1" and client.redis.xlen(client.keys.jobs) == 4
+    assert first.id == again.id == "nightly-1" and queue_totals(client.redis, client.keys)[0] == 4
     with pytest.raises(InvalidBatch, match="already exists with 4"):
         submit_batch(client, lines[:2], batch_id="nightly-1")
 
 
 def test_cancel_batch(client):
     rec = client.submit_batch([chat_line(f"c{i}") for i in range(3)])
-    entry = client.redis.xreadgroup(GROUP, "w1", {client.keys.jobs: ">"}, count=1)[0][1][0]
-    running = entry[1]["job_id"]
-    start_job(client.redis, client.keys, running, entry[0], "w1")
+    queue, entry_id, fields = read_entries(client, count=1)[0]
+    running = fields["job_id"]
+    start_job(client.redis, client.keys, running, entry_id, "w1", queue)
     rec = cancel_batch(client, rec.id)
     assert (rec.status, rec.cancelled) == (BatchStatus.cancelling, 2)
     assert client.redis.sismember(client.keys.cancel, running)
-    finish_job(client.redis, client.keys, running, "cancelled", entry_id=entry[0], error="aborted",
+    finish_job(client.redis, client.keys, running, "cancelled", entry_id=entry_id, queue=queue, error="aborted",
                error_code="cancelled")
     rec = client.get_batch(rec.id)
     assert (rec.status, rec.cancelled, rec.done) == (BatchStatus.cancelled, 3, 3)
-    assert client.redis.xlen(client.keys.jobs) == 0
+    assert queue_totals(client.redis, client.keys) == (0, 0)
+    assert not client.redis.exists(queue), "an ended batch's empty queue is deleted"
+    assert client.redis.zcard(client.keys.registry("bulk")) == 0, "and leaves the registry"
     assert client.cancel_batch(rec.id).status == BatchStatus.cancelled  # a no-op now
 
 
 def test_wait_batch_reports_progress(client):
     rec = client.submit_batch([chat_line(f"c{i}") for i in range(3)])
-    resp = client.redis.xreadgroup(GROUP, "w1", {client.keys.jobs: ">"})[0][1]
+    resp = read_entries(client)
 
     def worker():
-        for entry_id, fields in resp:
-            start_job(client.redis, client.keys, fields["job_id"], entry_id, "w1")
-            finish_job(client.redis, client.keys, fields["job_id"], "finished", entry_id=entry_id,
+        for queue, entry_id, fields in resp:
+            start_job(client.redis, client.keys, fields["job_id"], entry_id, "w1", queue)
+            finish_job(client.redis, client.keys, fields["job_id"], "finished", entry_id=entry_id, queue=queue,
                        result=JobResult(text="x"))
             threading.Event().wait(0.3)
 
@@ -242,3 +259,22 @@ def test_cancel_batch_counts_jobs_that_were_never_submitted(client):
     client.redis.delete(client.keys.job(lost))
     rec = cancel_batch(client, rec.id)
     assert (rec.status, rec.cancelled, rec.done) == (BatchStatus.cancelled, 3, 3)
+
+
+def test_info_and_the_queue_limit_count_every_queue_by_priority(redis_server):
+    from producer.cli import format_info
+
+    c = Client(redis_server.url, max_queue_len=7)
+    c.submit("now", priority="interactive")
+    c.submit_many([{"prompt": "a"}, {"prompt": "b"}])
+    rec = c.submit_batch([chat_line(f"c{i}") for i in range(3)], batch_id="nightly")
+    assert (rec.priority, rec.queue) == ("bulk", c.keys.queue("bulk", "nightly"))
+    c.submit_batch([chat_line("x")], batch_id="urgent", priority="default")
+    info = c.info()
+    assert info.by_priority == {"interactive": 1, "default": 3, "bulk": 3}
+    assert (info.queue_depth, info.queues, info.waiting) == (7, 4, 7)
+    assert "interactive 1  default 3  bulk 3  (4 non-empty queues)" in format_info(info)
+    with pytest.raises(QueueFull):  # 7 queued over four queues: the limit counts them all
+        c.submit("one more", priority="bulk")
+    with pytest.raises(QueueFull, match="nothing was submitted"):
+        c.submit_batch([chat_line("y")], batch_id="late")

@@ -280,8 +280,8 @@ def test_the_tokenbus_acl_user_runs_the_real_producer_and_worker_operations(comp
     entries = {e.fields["job_id"]: e.entry_id for e in q.read_new(count=10, block_ms=None)}
     assert set(entries) == {done, handed_back}
     for job_id, entry_id in entries.items():
-        assert q.start(job_id, entry_id)[0] == "running"
-    assert q.renew(list(entries.values())) == []
+        assert q.start(job_id, entry_id, q.keys.queue())[0] == "running"
+    assert q.renew([(q.keys.queue(), e) for e in entries.values()]) == []
     q.heartbeat({"name": "box-1", "model": "m", "running": 2}, ttl_s=30)
     assert q.depth() == (2, 2)
     assert q.cancel_requests() == set()
@@ -291,10 +291,10 @@ def test_the_tokenbus_acl_user_runs_the_real_producer_and_worker_operations(comp
     q.publish_tokens(pipe, done, 0, [1, 2], "hi", done=True)
     q.finish(pipe, Ending(done, entries[done], "finished",
                           result={"text": "hi", "token_ids": [1, 2], "finish_reason": "length"}))
-    q.hand_back(pipe, handed_back, entries[handed_back], count_attempt=False)
+    q.hand_back(pipe, handed_back, entries[handed_back], q.keys.queue(), count_attempt=False)
     pipe.execute()
     assert client.wait(done, timeout=5).status == "finished"
-    _, reclaimed = q.claim_lapsed(min_idle_ms=1000, count=10, cursor="0-0")
+    _, reclaimed = q.claim_lapsed(min_idle_ms=1000, count=10, cursors={})
     assert [e.fields["job_id"] for e in reclaimed] == [handed_back]
     q.dead_letter(q.r, handed_back, "test", 1, "{}")
     assert client.cancel(handed_back) in ("cancelled", "cancelling")

@@ -22,6 +22,7 @@ def test_chat_completion_equals_the_same_job_submitted_directly(gateway_stack):
     assert reply.usage.completion_tokens <= 8 and reply.usage.total_tokens == (
         reply.usage.prompt_tokens + reply.usage.completion_tokens)
     with gateway_stack.producer() as producer:  # the same request straight onto the queue
+        assert producer.get(job_id).priority == "interactive", "someone waits on it: ahead of default and bulk"
         direct = producer.wait(producer.submit(messages=MESSAGES, max_tokens=8, temperature=0.0, model=MODEL),
                                timeout=120)
     assert direct.result.text == choice.message.content

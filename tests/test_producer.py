@@ -29,7 +29,7 @@ def client(redis_server):
 
 def deliver(c: Client, count: int = 100, worker: str = "w1") -> dict[str, str]:
     """What a worker's intake does: XREADGROUP entries and start each job. Returns job_id -> entry_id."""
-    resp = c.redis.xreadgroup(GROUP, worker, {c.keys.jobs: ">"}, count=count) or []
+    resp = c.redis.xreadgroup(GROUP, worker, {c.keys.queue(): ">"}, count=count) or []
     out = {}
     for _stream, entries in resp:
         for entry_id, fields in entries:
@@ -57,12 +57,12 @@ def test_submit_get_and_stream_entry(client):
     assert job.id == jid and job.status == JobStatus.queued and job.attempts == 0
     assert job.request == {"prompt": "Hello there", "max_tokens": 64, "temperature": 0.7, "stop": ["\n"]}
     assert job.created_at == pytest.approx(time.time(), abs=5) and job.result is None
-    entries = client.redis.xrange(client.keys.jobs)
+    entries = client.redis.xrange(client.keys.queue())
     assert [(e[0], e[1]["job_id"]) for e in entries] == [(job.entry_id, jid)]
     req = parse_request(entries[0][1]["request"])  # what the worker re-validates
     assert req.engine_prompt() == "Hello there" and req.sampling_fields()["max_tokens"] == 64
     assert req.sampling_fields()["top_p"] == 1.0
-    groups = client.redis.xinfo_groups(client.keys.jobs)
+    groups = client.redis.xinfo_groups(client.keys.queue())
     assert [g["name"] for g in groups] == [GROUP]
 
     chat = client.submit(messages=[{"role": "user", "content": "hi"}], job_id="chat-1")
@@ -90,7 +90,7 @@ def test_invalid_jobs_are_refused_and_nothing_is_written(client, fields, expect)
         client.submit(**fields)
     assert expect in str(err.value)
     assert client.redis.keys(f"{client.keys.ns}:job:*") == []
-    assert client.redis.exists(client.keys.jobs) == 0 or client.redis.xlen(client.keys.jobs) == 0
+    assert client.redis.exists(client.keys.queue()) == 0 or client.redis.xlen(client.keys.queue()) == 0
 
 
 def test_submit_many_validates_all_before_writing(client):
@@ -109,7 +109,7 @@ def test_idempotent_resubmit_yields_one_job(client):
     many = client.submit_many([{"prompt": "third", "job_id": "job-42"}, {"prompt": "new"}],
                               job_ids=[None, "job-43"])
     assert a == b == "job-42" and many == ["job-42", "job-43"]
-    assert client.redis.xlen(client.keys.jobs) == 2
+    assert client.redis.xlen(client.keys.queue()) == 2
     assert client.get("job-42").request["prompt"] == "first"  # the first request wins
 
 
@@ -121,7 +121,7 @@ def test_queue_full_refuses_and_trims_nothing(redis_server):
     assert err.value.accepted == []
     with pytest.raises(QueueFull, match="nothing was submitted"):
         c.submit_many([{"prompt": "a"}, {"prompt": "b"}])
-    assert c.redis.xlen(c.keys.jobs) == 3
+    assert c.redis.xlen(c.keys.queue()) == 3
     assert [j.status for j in c.get_many(ids)] == [JobStatus.queued] * 3
     assert c.submit("again", job_id=ids[0]) == ids[0]  # an idempotent resubmit still answers
     # The limit from {ns}:config applies to clients not given one.
@@ -130,7 +130,7 @@ def test_queue_full_refuses_and_trims_nothing(redis_server):
     c2.submit("fits")
     with pytest.raises(QueueFull):
         c2.submit("does not")
-    assert c.redis.xlen(c.keys.jobs) == 4
+    assert c.redis.xlen(c.keys.queue()) == 4
 
 
 def test_finish_sets_result_ttl_and_record_expires(redis_server):
@@ -146,7 +146,7 @@ def test_finish_sets_result_ttl_and_record_expires(redis_server):
     assert job.result.usage.total_tokens == 5
     assert job.created_at <= job.started_at <= job.first_token_at <= job.finished_at
     assert 0 < c.redis.ttl(c.keys.job(jid)) <= 1
-    assert c.redis.xlen(c.keys.jobs) == 0 and c.redis.xpending(c.keys.jobs, GROUP)["pending"] == 0
+    assert c.redis.xlen(c.keys.queue()) == 0 and c.redis.xpending(c.keys.queue(), GROUP)["pending"] == 0
     assert [e[1] for e in c.redis.xrange(c.keys.events)] == [{"job_id": jid, "status": "finished"}]
     time.sleep(1.3)
     with pytest.raises(JobNotFound, match="expired"):
@@ -171,28 +171,28 @@ def test_terminal_status_is_never_overwritten(client):
 def test_cancel_queued_and_running(client):
     queued, running = client.submit("a"), client.submit("b")
     # Deliver only the first entry ("a") to the worker, then cancel both.
-    entries = client.redis.xreadgroup(GROUP, "w1", {client.keys.jobs: ">"}, count=1)[0][1]
+    entries = client.redis.xreadgroup(GROUP, "w1", {client.keys.queue(): ">"}, count=1)[0][1]
     assert client.cancel(running) == "cancelled"  # still queued (never delivered): ends at once
     assert start_job(client.redis, client.keys, queued, entries[0][0], "w1") == ("running", 1)
     assert client.cancel(queued) == "cancelling"
     assert client.redis.sismember(client.keys.cancel, queued)
     job = client.get(running)
     assert job.status == JobStatus.cancelled and job.error_code == "cancelled"
-    assert client.redis.xlen(client.keys.jobs) == 1  # the cancelled job's entry is gone
+    assert client.redis.xlen(client.keys.queue()) == 1  # the cancelled job's entry is gone
     assert finish_job(client.redis, client.keys, queued, "cancelled", result=result("partial")) == 1
     assert not client.redis.sismember(client.keys.cancel, queued)
     assert [j.status for j in client.as_completed([queued, running], timeout=1)] == ["cancelled"] * 2
-    assert client.redis.xlen(client.keys.jobs) == 0
+    assert client.redis.xlen(client.keys.queue()) == 0
     with pytest.raises(JobNotFound):
         client.cancel("nope")
 
 
 def test_cancelled_entry_is_skipped_by_start(client):
     jid = client.submit("a")
-    entry_id = client.redis.xreadgroup(GROUP, "w1", {client.keys.jobs: ">"})[0][1][0][0]
+    entry_id = client.redis.xreadgroup(GROUP, "w1", {client.keys.queue(): ">"})[0][1][0][0]
     assert client.cancel(jid) == "cancelled"  # delivered but not started: still queued
     assert start_job(client.redis, client.keys, jid, entry_id, "w1") == ("cancelled", 0)
-    assert client.redis.xpending(client.keys.jobs, GROUP)["pending"] == 0
+    assert client.redis.xpending(client.keys.queue(), GROUP)["pending"] == 0
 
 
 def test_wait_timeout_and_wait_without_busy_polling(client):
@@ -252,7 +252,7 @@ def test_as_completed_resyncs_when_events_are_lost(client):
 
 def test_info_reports_queue_workers_and_dead_letters(client):
     client.submit_many([{"prompt": f"p{i}"} for i in range(4)])
-    client.redis.xreadgroup(GROUP, "w1", {client.keys.jobs: ">"}, count=1)
+    client.redis.xreadgroup(GROUP, "w1", {client.keys.queue(): ">"}, count=1)
     client.redis.sadd(client.keys.workers, "w1", "w-old")
     beat = {"name": "w1", "model": "smollm2-135m", "started_at": time.time() - 60, "last_seen": time.time(),
             "running": 1, "waiting": 0, "free_blocks": 100, "jobs_done": 7}
@@ -309,7 +309,7 @@ def test_submit_many_throughput(client):
     ids = client.submit_many(reqs)
     rate = n / (time.perf_counter() - t0)
     print(f"submit_many: {n} jobs at {rate:,.0f} jobs/s")  # target >= 10k/s; see scripts/bench_submit.py
-    assert len(set(ids)) == n and client.redis.xlen(client.keys.jobs) == n
+    assert len(set(ids)) == n and client.redis.xlen(client.keys.queue()) == n
     assert client.get(ids[-1]).request["prompt"] == f"prompt number {n - 1}"
 
 
@@ -319,7 +319,7 @@ def test_client_survives_a_redis_restart(redis_server):
     redis_server.restart()  # no persistence: data and loaded scripts are gone
     jid = c.submit("after")  # EVALSHA -> NOSCRIPT -> reloaded; the group is gone too
     ids = c.submit_many([{"prompt": "a"}, {"prompt": "b"}])
-    assert c.redis.xlen(c.keys.jobs) == 3 and c.get(jid).status == JobStatus.queued
+    assert c.redis.xlen(c.keys.queue()) == 3 and c.get(jid).status == JobStatus.queued
     assert c.get_many(ids)[1].request == {"prompt": "b"}
 
 

@@ -19,6 +19,7 @@ GROUP = "workers"
 EVENTS_MAXLEN = 100_000  # "XADD ... MAXLEN ~ 100000"
 WORKER = "conformance-worker"
 VOCAB = 49_152  # the doc: "49 152 for SmolLM2" (the tiny test model has SmolLM2's tokenizer)
+PRIORITIES = ("interactive", "default", "bulk")  # the doc's Priorities, in the order workers serve them
 ID_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.@-]{0,199}\Z")  # the doc's id rule
 
 
@@ -34,7 +35,7 @@ class DocClient:
     def __init__(self, r: redis.Redis) -> None:
         self.r = r
         self.scripts = doc_scripts()
-        assert {"SUBMIT_JOB", "CANCEL_JOB", "START_BATCH", "FINISH_JOB"} <= set(self.scripts)
+        assert {"SUBMIT_JOB", "QUEUE_DEPTH", "CANCEL_JOB", "START_BATCH", "FINISH_JOB"} <= set(self.scripts)
 
     def eval(self, name: str, keys: list[str], args: list) -> object:
         text = self.scripts[name]
@@ -42,16 +43,22 @@ class DocClient:
 
     # step 0
     def create_group(self) -> None:
-        try:
-            self.r.xgroup_create(f"{NS}:jobs", GROUP, id="0", mkstream=True)
-        except redis.ResponseError as err:
-            assert "BUSYGROUP" in str(err)
+        for priority in PRIORITIES:
+            try:
+                self.r.xgroup_create(f"{NS}:q:{priority}", GROUP, id="0", mkstream=True)
+            except redis.ResponseError as err:
+                assert "BUSYGROUP" in str(err)
 
     # step 1
     def submit(self, job_id: str, request: dict, result_ttl: int = 60, max_queue_len: int = 0,
-               batch_id: str = "", custom_id: str = "") -> list:
-        return self.eval("SUBMIT_JOB", [f"{NS}:job:{job_id}", f"{NS}:jobs"],
-                         [job_id, json.dumps(request), time.time(), max_queue_len, result_ttl, batch_id, custom_id])
+               batch_id: str = "", custom_id: str = "", priority: str = "default") -> list:
+        queue = f"{NS}:q:{priority}" + (f":{batch_id}" if batch_id else "")
+        return self.eval("SUBMIT_JOB", [f"{NS}:job:{job_id}", queue, f"{NS}:queues:{priority}"],
+                         [job_id, json.dumps(request), time.time(), max_queue_len, result_ttl, batch_id, custom_id,
+                          priority, NS, GROUP])
+
+    def depth(self) -> int:
+        return self.eval("QUEUE_DEPTH", [], [NS])
 
     def submit_plain(self, job_id: str, request: dict, result_ttl: int = 60) -> bool:
         """WATCH / EXISTS / XLEN / MULTI XADD HSET / EXEC, as the doc spells it out."""
@@ -63,11 +70,12 @@ class DocClient:
                     if pipe.exists(key):
                         pipe.unwatch()
                         return False
-                    pipe.xlen(f"{NS}:jobs")
+                    pipe.xlen(f"{NS}:q:default")
                     pipe.multi()
-                    pipe.xadd(f"{NS}:jobs", {"job_id": job_id, "request": json.dumps(request)})
+                    pipe.xadd(f"{NS}:q:default", {"job_id": job_id, "request": json.dumps(request)})
                     pipe.hset(key, mapping={"id": job_id, "status": "queued", "request": json.dumps(request),
-                                            "created_at": time.time(), "attempts": 0, "result_ttl": result_ttl})
+                                            "created_at": time.time(), "attempts": 0, "result_ttl": result_ttl,
+                                            "priority": "default", "queue": f"{NS}:q:default"})
                     pipe.execute()
                     return True
                 except redis.WatchError:
@@ -121,7 +129,10 @@ def test_a_client_written_from_the_doc(doc_client, redis_server, serve_model_dir
     status, entry_id = c.submit("conf-1", greedy)
     assert status == 1 and c.record("conf-1")["entry_id"] == entry_id
     assert c.submit("conf-1", {"prompt": "other"}) == [0, "queued"], "the first request wins"
-    assert c.submit("conf-full", greedy, max_queue_len=1) == [-1, "1"], "queue full: nothing written"
+    assert c.submit("conf-full", greedy, max_queue_len=1, priority="bulk") == [-1, "1"], \
+        "queue full (every queue counts): nothing written"
+    with pytest.raises(redis.ResponseError, match="priority"):
+        c.submit("conf-urgent", greedy, priority="urgent")
     assert not r.exists(f"{NS}:job:conf-full")
     assert c.submit_plain("conf-plain", {"prompt_token_ids": [1, 2, 3], "max_tokens": 6, "stream": True,
                                          "ignore_eos": True, "temperature": 0.0})
@@ -143,12 +154,16 @@ def test_a_client_written_from_the_doc(doc_client, redis_server, serve_model_dir
     c.submit("conf-ttl0", {"prompt": "keep me", "max_tokens": 2}, result_ttl=0)
     # a batch of two, as the doc's "Submitting a batch"
     bkey = f"{NS}:batch:conf-batch"
+    bqueue = f"{NS}:q:bulk:conf-batch"
     r.hset(bkey, mapping={"id": "conf-batch", "status": "validating", "endpoint": "/v1/completions", "total": 2,
-                          "finished": 0, "failed": 0, "cancelled": 0, "created_at": time.time()})
+                          "finished": 0, "failed": 0, "cancelled": 0, "created_at": time.time(),
+                          "priority": "bulk", "queue": bqueue})
     r.rpush(f"{bkey}:jobs", "conf-batch-0", "conf-batch-1")
     for i in range(2):
-        c.submit(f"conf-batch-{i}", {"prompt": f"batch {i}", "max_tokens": 2}, batch_id="conf-batch",
-                 custom_id=f"c{i}")
+        c.submit(f"conf-batch-{i}", {"prompt": f"batch {i}", "max_tokens": 2, "priority": "bulk"},
+                 batch_id="conf-batch", custom_id=f"c{i}", priority="bulk")
+    assert r.zrange(f"{NS}:queues:bulk", 0, -1) == [bqueue] and r.xlen(bqueue) == 2
+    c.submit("conf-chat", {"prompt": "hi", "max_tokens": 2, "priority": "interactive"}, priority="interactive")
     assert c.eval("START_BATCH", [bkey], [time.time()]) == 1
     long_job = {"prompt": "long", "max_tokens": 900, "ignore_eos": True, "temperature": 0.0}
     c.submit("conf-cancel-running", long_job)
@@ -174,9 +189,10 @@ def test_a_client_written_from_the_doc(doc_client, redis_server, serve_model_dir
     assert "conf-cancel-running" in r.smembers(f"{NS}:cancel")
 
     ids = ["conf-1", "conf-plain", "conf-vocab", "conf-model", "conf-json", "bad id", "conf-ttl0", "conf-batch-0",
-           "conf-batch-1", "conf-cancel-running"]
+           "conf-batch-1", "conf-cancel-running", "conf-chat"]
     ended = c.wait(ids)
     assert {j: ended[j]["status"] for j in ids} == {
+        "conf-chat": "finished",
         "conf-1": "finished", "conf-plain": "finished", "conf-vocab": "failed", "conf-model": "failed",
         "conf-json": "failed", "bad id": "failed", "conf-ttl0": "finished", "conf-batch-0": "finished",
         "conf-batch-1": "finished", "conf-cancel-running": "cancelled"}
@@ -189,6 +205,10 @@ def test_a_client_written_from_the_doc(doc_client, redis_server, serve_model_dir
     # the record and the JobResult JSON
     rec = ended["conf-1"]
     assert rec["worker"] == WORKER and rec["attempts"] == "1"
+    assert (rec["priority"], rec["queue"]) == ("default", f"{NS}:q:default")
+    # the interactive job, queued after everything else, was read before every default and bulk job
+    assert float(ended["conf-chat"]["started_at"]) <= min(float(ended[j]["started_at"]) for j in
+                                                          ("conf-1", "conf-plain", "conf-ttl0", "conf-batch-0"))
     assert float(rec["created_at"]) <= float(rec["started_at"]) <= float(rec["first_token_at"]) \
         <= float(rec["finished_at"])
     assert started - 5 < float(rec["started_at"])
@@ -228,6 +248,7 @@ def test_a_client_written_from_the_doc(doc_client, redis_server, serve_model_dir
     batch = r.hgetall(bkey)
     assert (batch["status"], batch["finished"], batch["total"]) == ("completed", "2", "2")
     assert 0 < r.ttl(bkey) <= 60 and 0 < r.ttl(f"{bkey}:jobs") <= 60
+    assert not r.exists(bqueue) and r.zcard(f"{NS}:queues:bulk") == 0, "the ended batch's queue is gone"
 
     # dead letters: the invalid id (its record ended too); events: one per ended job
     dead = {f["job_id"]: f for _id, f in r.xrange(f"{NS}:dead")}
@@ -236,7 +257,7 @@ def test_a_client_written_from_the_doc(doc_client, redis_server, serve_model_dir
     assert sorted(events) == sorted([*ids, "conf-cancel-queued"]), "exactly one event per ended job"
     # every ended job's entry is acknowledged and deleted: XLEN = queued + running = 0
     deadline = time.monotonic() + 10
-    while r.xlen(f"{NS}:jobs") or r.xpending(f"{NS}:jobs", GROUP)["pending"]:
+    while c.depth() or any(r.xpending(f"{NS}:q:{p}", GROUP)["pending"] for p in PRIORITIES):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     ended_at = time.time()

@@ -16,8 +16,9 @@ K = Keys("tokenbus")
 
 def submit_raw(r, job_id: str | bytes, request: str | bytes, ttl: int = 600) -> None:
     """A record + entry as a client in another language might write them: no validation at all."""
-    code, _ = scripts.script(scripts.SUBMIT_JOB)(keys=[K.job(job_id), K.jobs],
-                                                 args=[job_id, request, time.time(), 0, ttl, "", ""], client=r)
+    code, _ = scripts.script(scripts.SUBMIT_JOB)(keys=[K.job(job_id), K.queue(), K.registry("default")],
+                                                 args=[job_id, request, time.time(), 0, ttl, "", "", "default",
+                                                       K.ns, GROUP], client=r)
     assert int(code) == 1
 
 
@@ -31,8 +32,8 @@ def dead_letters(r) -> dict[str, str]:
 
 def assert_queue_empty(r, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
-    while r.xlen(K.jobs) or r.xpending(K.jobs, GROUP)["pending"]:
-        assert time.monotonic() < deadline, (r.xlen(K.jobs), r.xpending(K.jobs, GROUP))
+    while scripts.queue_totals(r, K) != (0, 0):
+        assert time.monotonic() < deadline, scripts.queue_totals(r, K)
         time.sleep(0.05)
 
 
@@ -55,7 +56,7 @@ def test_undecodable_entries_fail_alone_and_never_wedge_a_read(serve_engine, ser
         good.append(client.submit(f"good {i}", max_tokens=3, temperature=0.0))
     # a valid id whose key is not a record: the start script fails with WRONGTYPE
     r.set(K.job("wrong-type"), "not a hash")
-    r.xadd(K.jobs, {"job_id": "wrong-type", "request": json.dumps({"prompt": "hi"})})
+    r.xadd(K.queue(), {"job_id": "wrong-type", "request": json.dumps({"prompt": "hi"})})
     good.append(client.submit("after the wrong type", max_tokens=3, temperature=0.0))
     handle = serve(serve_engine)  # capacity 20: the whole queue arrives in one or two reads
 
@@ -200,7 +201,7 @@ class LeaseWatch:
             self.peak_leases = max(self.peak_leases, len(self.server.leases))
             rounds += 1
             if rounds % 10 == 0:  # the Redis views are slower to read
-                consumers = {c["name"].decode(): c["pending"] for c in self.r.xinfo_consumers(K.jobs, GROUP)}
+                consumers = {c["name"].decode(): c["pending"] for c in self.r.xinfo_consumers(K.queue(), GROUP)}
                 self.peak_pending = max(self.peak_pending, consumers.get(name, 0))
                 pipe = self.r.pipeline(transaction=False)
                 for jid in self.job_ids:
@@ -220,8 +221,9 @@ def test_intake_never_leases_more_than_its_capacity(serve_engine, serve, redis_s
     client = Client(redis_server.url)
     # A dead worker's 40 started jobs (their leases lapse) ahead of 260 new ones: reclaimed entries count too.
     ghost = client.submit_many([{"prompt": f"orphan {i}", "max_tokens": 2, "ignore_eos": True} for i in range(40)])
-    for entry_id, fields in r.xreadgroup(GROUP, "ghost", {K.jobs: ">"}, count=40)[0][1]:
-        assert scripts.start_job(r, K, fields[b"job_id"].decode(), entry_id.decode(), "ghost")[0] == "running"
+    for entry_id, fields in r.xreadgroup(GROUP, "ghost", {K.queue(): ">"}, count=40)[0][1]:
+        assert scripts.start_job(r, K, fields[b"job_id"].decode(), entry_id.decode(), "ghost",
+                                 K.queue())[0] == "running"
     fresh = client.submit_many([{"prompt": f"short {i}", "max_tokens": 1 + i % 3, "ignore_eos": True}
                                 for i in range(260)])
     ids = ghost + fresh

@@ -11,7 +11,7 @@ import pytest
 
 from producer import scripts
 from producer.errors import JobNotFound, QueueFull
-from producer.protocol import GROUP, Keys
+from producer.protocol import Keys
 from worker import SamplingParams
 from worker.serve.queue import tokens_key
 
@@ -24,15 +24,15 @@ def events_per_job(r) -> Counter:
 
 def submit_raw(r, job_id: str, request_json: str) -> None:
     """Queue a record + entry exactly as a producer would, but with a request no client would send."""
-    code, _ = scripts.script(scripts.SUBMIT_JOB)(keys=[K.job(job_id), K.jobs],
-                                                 args=[job_id, request_json, time.time(), 0, 600, "", ""],
-                                                 client=r)
+    keys, args = scripts.submit_args(K, scripts.PendingJob(job_id, request_json), time.time(), 0, 600)
+    code, _ = scripts.script(scripts.SUBMIT_JOB)(keys=keys, args=args, client=r)
     assert int(code) == 1
 
 
 def assert_queue_empty(r) -> None:
-    assert r.xlen(K.jobs) == 0, "every ended job's entry is deleted"
-    assert r.xpending(K.jobs, GROUP)["pending"] == 0, "every ended job's entry is acknowledged"
+    depth, pending = scripts.queue_totals(r, K)
+    assert depth == 0, "every ended job's entry is deleted"
+    assert pending == 0, "every ended job's entry is acknowledged"
 
 
 def test_round_trip_matches_offline_engine(serve_engine, serve, make_client, redis_server):
@@ -91,6 +91,7 @@ def test_poison_entries_fail_alone(serve_engine, serve, make_client, redis_serve
     r = redis_server.client()
     client = make_client()
     client.submit("warm up", max_tokens=1)  # creates the group
+    # in the pre-priority stream {ns}:jobs (no group yet), which workers still drain as a default queue
     r.xadd(K.jobs, {"garbage": "no job id here"})
     r.xadd(K.jobs, {"job_id": "no-record", "request": json.dumps({"prompt": "hi"})})
     bad = {

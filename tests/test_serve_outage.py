@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+from producer import scripts
 from producer.local_redis import RedisServer
-from producer.protocol import GROUP, Keys
+from producer.protocol import Keys
 
 K = Keys("tokenbus")
 
@@ -54,7 +55,7 @@ def test_redis_killed_and_restarted_mid_run(serve_engine, serve, make_client, mo
         events = Counter(f[b"job_id"].decode() for _id, f in r.xrange(K.events))
         assert events == Counter(ids), "exactly one ending per job: none lost, none twice"
         assert all(j.attempts == 1 for j in jobs), "the worker's own in-flight jobs were never re-run"
-        assert r.xlen(K.jobs) == 0 and r.xpending(K.jobs, GROUP)["pending"] == 0
+        assert scripts.queue_totals(r, K) == (0, 0)
         assert handle.stop() == 0
 
 

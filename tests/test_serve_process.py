@@ -9,7 +9,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from producer.protocol import GROUP, Keys
+from producer import scripts
+from producer.protocol import Keys
 
 K = Keys("tokenbus")
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +53,7 @@ def test_sigkill_mid_batch_then_another_worker_finishes_everything(
     assert jobs[ids[0]].worker == "worker-a" and jobs[ids[0]].attempts == 1
     for j in in_flight:
         assert jobs[j.id].worker == "worker-b" and jobs[j.id].attempts == 2, jobs[j.id]
-    assert r.xlen(K.jobs) == 0 and r.xpending(K.jobs, GROUP)["pending"] == 0
+    assert scripts.queue_totals(r, K) == (0, 0)
     assert len(b.events()) > 0 and any(e.get("event") == "entry_reclaimed" for e in b.events())
 
 

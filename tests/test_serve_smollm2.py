@@ -6,7 +6,8 @@ from collections import Counter
 
 import pytest
 
-from producer.protocol import GROUP, Keys
+from producer import scripts
+from producer.protocol import Keys
 from worker import Engine, SamplingParams
 
 K = Keys("tokenbus")
@@ -49,5 +50,5 @@ def test_fifty_jobs_round_trip_equal_offline_output(smollm2, serve, make_client,
         assert job.result.model == "smollm2-135m"
     r = redis_server.client()
     assert Counter(f[b"job_id"].decode() for _id, f in r.xrange(K.events)) == Counter(ids)
-    assert r.xlen(K.jobs) == 0 and r.xpending(K.jobs, GROUP)["pending"] == 0
+    assert scripts.queue_totals(r, K) == (0, 0)
     assert handle.stop() == 0

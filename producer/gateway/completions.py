@@ -32,8 +32,8 @@ from producer.protocol import JobStatus
 log = structlog.get_logger("tokenbus.gateway")
 router = APIRouter()
 
-# Job priorities (interactive > default > bulk in the worker's intake) are another change. When the job
-# protocol has the field, interactive calls pass it here, in submit(): fields["priority"] = INTERACTIVE.
+# Someone waits on the answer: interactive, ahead of every default and bulk job in each worker's intake
+# (a gateway batch's jobs are bulk: producer.batches.submit_batch).
 INTERACTIVE = "interactive"
 
 
@@ -60,6 +60,7 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
 
 def submit(ctx: GatewayContext, who: str, endpoint: str, fields: dict[str, Any]) -> str:
     job_id = uuid.uuid4().hex
+    fields = fields | {"priority": INTERACTIVE}
     record_ownership(ctx, job_id, who, endpoint)
     ctx.client.submit_many([fields], job_ids=[job_id])
     log.info("gateway_job_submitted", job_id=job_id, endpoint=endpoint, owner=who, stream=fields["stream"])

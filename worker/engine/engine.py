@@ -171,8 +171,11 @@ class Engine:
         raise ValueError("a prompt is a non-empty string, a list of token ids, or a list of chat messages")
 
     def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams | dict[str, Any] | None = None
+        self, request_id: str, prompt: Prompt, params: SamplingParams | dict[str, Any] | None = None,
+        priority: int = 0,
     ) -> None:
+        """Queue a request. priority: lower is seated sooner (the serve loop passes the job's priority rank);
+        requests of one priority are seated in arrival order."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         if params is None:
@@ -201,7 +204,8 @@ class Engine:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        seq = Sequence(request_id, prompt_ids, params, time.time(), detokenizer, generator=generator)
+        seq = Sequence(request_id, prompt_ids, params, time.time(), detokenizer, generator=generator,
+                       priority=priority)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 

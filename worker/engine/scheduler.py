@@ -39,7 +39,13 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue seq behind every waiting sequence of its priority or a more urgent one, so a request of a
+        lower priority number never waits behind one of a higher number."""
+        if not self.waiting or self.waiting[-1].priority <= seq.priority:
+            self.waiting.append(seq)
+            return
+        at = next(i for i, w in enumerate(self.waiting) if w.priority > seq.priority)
+        self.waiting.insert(at, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

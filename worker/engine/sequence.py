@@ -35,6 +35,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
+    priority: int = 0  # lower is seated sooner; equal priorities keep arrival order
 
     def __post_init__(self) -> None:
         if not self.token_ids:

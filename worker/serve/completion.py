@@ -143,7 +143,7 @@ class CompletionWriter(threading.Thread):
                     batch.dead_letter(msg.ending.job_id, msg.dead.reason, msg.dead.attempts, msg.dead.request)
                 finish_at.append((batch.finish(msg.ending), msg))
             elif isinstance(msg, HandBack):
-                batch.hand_back(msg.job_id, msg.entry_id, msg.count_attempt)
+                batch.hand_back(msg.job_id, msg.entry_id, msg.queue, msg.count_attempt)
             elif isinstance(msg, FirstToken):
                 batch.first_token(msg.job_id, msg.at)
             elif isinstance(msg, Partial):

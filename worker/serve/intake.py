@@ -13,7 +13,7 @@ import time
 import structlog
 
 from producer.errors import InvalidJob
-from producer.protocol import ErrorCode, JobRequest, is_valid_id, parse_request
+from producer.protocol import ErrorCode, JobRequest, is_valid_id, parse_request, priority_rank
 from worker.engine.sampling_params import SamplingParams
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter
@@ -105,7 +105,7 @@ class Intake(threading.Thread):
         # Look for lapsed leases a few times per lease: a dead worker's jobs wait at most ~1.25 leases.
         self.claim_every_s = min(max(lease_ms / 4000, 0.2), 10.0)
         self.stop_event = threading.Event()
-        self._claim_cursor = "0-0"
+        self._claim_cursors: dict[str, str] = {}  # queue -> where its next XAUTOCLAIM starts
         self._next_claim = 0.0
 
     def stop(self) -> None:
@@ -133,8 +133,8 @@ class Intake(threading.Thread):
         entries: list[Entry] = []
         now = time.monotonic()
         if now >= self._next_claim:
-            self._claim_cursor, entries = self.jobs.claim_lapsed(self.lease_ms, allowance, self._claim_cursor)
-            if self._claim_cursor == "0-0":  # scanned the whole pending list: rest until the next round
+            complete, entries = self.jobs.claim_lapsed(self.lease_ms, allowance, self._claim_cursors)
+            if complete:  # scanned every queue's whole pending list: rest until the next round
                 self._next_claim = now + self.claim_every_s
             for e in entries:
                 e.reclaimed = True
@@ -164,7 +164,8 @@ class Intake(threading.Thread):
                 and self.leases.entry_of(job_id) is None:
             log.warning("job_rejected", job_id=job_id, entry_id=entry.entry_id, reason=reason)
             self.writer.end(Ending(job_id, entry.entry_id, "failed", error=reason,
-                                   error_code=ErrorCode.invalid_request), dead=DeadLetter(reason, 0, raw))
+                                   error_code=ErrorCode.invalid_request, queue=entry.queue),
+                            dead=DeadLetter(reason, 0, raw))
             return
         log.warning("entry_dropped", entry_id=entry.entry_id, reason=reason)
         self._retry(backoff, lambda: self._drop(entry, job_id, reason, raw))
@@ -181,7 +182,7 @@ class Intake(threading.Thread):
             if held != entry.entry_id:
                 # A second entry for a job running here (a manual re-XADD): the running one answers it.
                 log.warning("entry_duplicate", job_id=job_id, entry_id=entry.entry_id, running_entry=held)
-                self._retry(backoff, lambda: self.jobs.drop_entry(entry.entry_id))
+                self._retry(backoff, lambda: self.jobs.drop_entry(entry.entry_id, entry.queue))
             # else: our own entry, reclaimed by our XAUTOCLAIM after an outage outlived the lease: keep going
             return
         if entry.reclaimed:
@@ -195,7 +196,7 @@ class Intake(threading.Thread):
             code = ErrorCode.model_mismatch if isinstance(err, ModelMismatch) else ErrorCode.invalid_request
             self._fail(entry, job_id, str(err), code, raw)
             return
-        status, attempts = self._retry(backoff, lambda: self.jobs.start(job_id, entry.entry_id))
+        status, attempts = self._retry(backoff, lambda: self.jobs.start(job_id, entry.entry_id, entry.queue))
         if status != "running":
             # Ended while queued (cancelled) or no record (expired, never submitted): the script acked it.
             log.info("job_skipped", job_id=job_id, entry_id=entry.entry_id, status=status)
@@ -208,13 +209,15 @@ class Intake(threading.Thread):
                       f"before finishing it (max_attempts={self.max_attempts})")
             log.error("job_dead_lettered", job_id=job_id, attempts=attempts - 1)
             self.writer.end(
-                Ending(job_id, entry.entry_id, "failed", error=reason, error_code=ErrorCode.max_attempts),
+                Ending(job_id, entry.entry_id, "failed", error=reason, error_code=ErrorCode.max_attempts,
+                       queue=entry.queue),
                 dead=DeadLetter(reason, attempts - 1, raw),
             )
             return
-        self.leases.add(job_id, entry.entry_id)
+        self.leases.add(job_id, entry.entry_id, entry.queue)
         job = StartedJob(job_id, entry.entry_id, request, params, attempts, time.time(),
-                         stream=request.stream and self.stream_tokens)
+                         stream=request.stream and self.stream_tokens, queue=entry.queue,
+                         rank=priority_rank(self.jobs.keys.priority_of(entry.queue)))
         self.budget.sent()
         self.engine_inbox.put(job)
         log.info("job_started", job_id=job_id, entry_id=entry.entry_id, attempt=attempts)
@@ -229,11 +232,11 @@ class Intake(threading.Thread):
 
     def _fail(self, entry: Entry, job_id: str, reason: str, code: str, raw: str) -> None:
         log.warning("job_rejected", job_id=job_id, entry_id=entry.entry_id, reason=reason)
-        self.writer.end(Ending(job_id, entry.entry_id, "failed", error=reason, error_code=code),
+        self.writer.end(Ending(job_id, entry.entry_id, "failed", error=reason, error_code=code, queue=entry.queue),
                         orphan=DeadLetter(reason, 0, raw))
 
     def _drop(self, entry: Entry, job_id: str, reason: str, raw: str) -> None:
-        self.jobs.drop_entry(entry.entry_id, dead=(job_id, reason, raw))
+        self.jobs.drop_entry(entry.entry_id, entry.queue, dead=(job_id, reason, raw))
 
     def _retry(self, backoff: Backoff, op):
         """Run one Redis write until it goes through: a job read from the stream is never just dropped."""

@@ -27,22 +27,26 @@ CANCEL_POLL_S = 0.2
 
 
 class Leases:
-    """job id -> entry id of every job this worker has started and not yet ended or handed back."""
+    """job id -> entry id (and its queue) of every job this worker has started and not yet ended or handed
+    back."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: dict[str, str] = {}
+        self._queue: dict[str, str] = {}  # job id -> the stream its entry is in
         self.on_release: Callable[[], None] | None = None  # e.g. wake intake: room for one more job
 
-    def add(self, job_id: str, entry_id: str) -> None:
+    def add(self, job_id: str, entry_id: str, queue: str) -> None:
         with self._lock:
             self._held[job_id] = entry_id
+            self._queue[job_id] = queue
 
     def release(self, job_id: str, entry_id: str | None = None) -> None:
         with self._lock:
             released = (entry_id is None or self._held.get(job_id) == entry_id) and job_id in self._held
             if released:
                 self._held.pop(job_id, None)
+                self._queue.pop(job_id, None)
         if released and self.on_release is not None:
             self.on_release()
 
@@ -53,6 +57,11 @@ class Leases:
     def snapshot(self) -> dict[str, str]:
         with self._lock:
             return dict(self._held)
+
+    def entries(self) -> dict[str, tuple[str, str]]:
+        """job id -> (its entry's queue, entry id), one consistent snapshot."""
+        with self._lock:
+            return {job_id: (self._queue[job_id], entry_id) for job_id, entry_id in self._held.items()}
 
     def __len__(self) -> int:
         with self._lock:
@@ -109,11 +118,11 @@ class Housekeeper(threading.Thread):
             self.stop_event.wait(min(CANCEL_POLL_S, self.renew_every_s))
 
     def renew(self) -> None:
-        held = self.leases.snapshot()
-        if not held:
+        entries = self.leases.entries()
+        if not entries:
             return
-        lost = set(self.jobs.renew(list(held.values())))
-        for job_id, entry_id in held.items():
+        lost = set(self.jobs.renew(list(entries.values())))
+        for job_id, (_queue, entry_id) in entries.items():
             if entry_id in lost and self.leases.entry_of(job_id) == entry_id:
                 # Another worker reclaimed it (our lease lapsed during an outage or a stall), or it was
                 # acknowledged meanwhile: either way it is no longer ours to run.

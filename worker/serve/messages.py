@@ -26,6 +26,8 @@ class StartedJob:
     attempts: int
     started_at: float  # unix time the start script ran
     stream: bool = False  # publish partial tokens
+    queue: str = ""  # the stream its entry is in
+    rank: int = 1  # its queue's priority: 0 interactive, 1 default, 2 bulk (the engine seats lower first)
     # owned by the engine thread once the job is in the engine
     first_token_at: float | None = None
     published: int = 0  # tokens already sent as Partials
@@ -47,6 +49,7 @@ class HandBack:
     entry_id: str
     count_attempt: bool
     why: str
+    queue: str = ""  # the stream its entry is in
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Every Redis call the worker makes: the jobs stream, job records, leases, results, the heartbeat.
+"""Every Redis call the worker makes: the job queues, job records, leases, results, the heartbeat.
 
 JobQueue's methods are one round trip each; the completion writer batches its writes on a WriteBatch (one
 pipeline). Retrying after a connection error is the caller's business, and every write here may be repeated
@@ -15,7 +15,7 @@ import redis
 import structlog
 
 from producer import scripts as shared
-from producer.protocol import EVENTS_MAXLEN, GROUP, Keys
+from producer.protocol import EVENTS_MAXLEN, GROUP, PRIORITIES, Keys
 from worker.serve import queue_scripts
 from worker.serve.backoff import REDIS_DOWN
 
@@ -32,6 +32,7 @@ class Entry:
 
     entry_id: str
     fields: dict[str, str]
+    queue: str = ""  # the stream it was read from ({ns}:q:{priority}[:{batch_id}], or {ns}:jobs)
     reclaimed: bool = False  # taken over from a worker whose lease lapsed
     not_utf8: tuple[str, ...] = ()  # fields whose bytes are not valid UTF-8 (decoded with U+FFFD here)
 
@@ -41,12 +42,13 @@ class Ending:
     """How one job ended, as the finish script writes it."""
 
     job_id: str
-    entry_id: str  # "" = the record's own entry_id
+    entry_id: str  # "" = the record's own entry_id (in the record's queue)
     status: str  # "finished" | "failed" | "cancelled"
     result: dict[str, Any] | None = None
     error: str | None = None
     error_code: str | None = None
     finished_at: float | None = None
+    queue: str = ""  # the stream of entry_id
 
 
 def tokens_key(keys: Keys, job_id: str) -> str:
@@ -63,44 +65,66 @@ class JobQueue:
         self.result_ttl_s = result_ttl_s
         self._renew = shared.script(queue_scripts.RENEW)
         self._hand_back = shared.script(queue_scripts.HAND_BACK)
+        self._read = shared.script(queue_scripts.READ)
         self._publish_tokens = shared.script(queue_scripts.PUBLISH_TOKENS)
 
     # ---- intake -------------------------------------------------------------------------------------
 
     def ensure_group(self) -> None:
-        shared.ensure_group(self.r, self.keys)
+        """The consumer group on each priority's loose queue (new batch queues get it from the submit script)."""
+        for p in PRIORITIES:
+            shared.ensure_group(self.r, self.keys.queue(p))
 
     def read_new(self, count: int, block_ms: int | None) -> list[Entry]:
+        """Up to `count` new entries, interactive queues first, then default, then bulk, and turn by turn over
+        the queues of one priority (queue_scripts.READ). With nothing to read and block_ms, wait up to that
+        long for any queue to get an entry (XREAD, which takes nothing) and read once more."""
+        entries, wake = self._read_once(count)
+        if entries or not block_ms or not wake:
+            return entries
+        streams = {_str(wake[i]): _str(wake[i + 1]) for i in range(0, len(wake), 2)}
         try:
-            reply = self.r.xreadgroup(GROUP, self.consumer, {self.keys.jobs: ">"}, count=count,
-                                      block=block_ms)
-        except redis.ResponseError as err:
-            # The group vanished (FLUSHALL, a Redis restart without persistence): make it again.
-            if "NOGROUP" not in str(err):
-                raise
-            self.ensure_group()
-            return []
+            self.r.xread(streams, count=1, block=block_ms)
+        except redis.ResponseError as err:  # a queue deleted while we waited (its batch ended), or worse:
+            log.debug("intake_wait_interrupted", error=str(err))  # wait anyway, never spin on an error
+            time.sleep(block_ms / 1000)
+        return self._read_once(count)[0]
+
+    def _read_once(self, count: int) -> tuple[list[Entry], list[Any]]:
+        out, wake = self._read(keys=[], args=[self.keys.ns, GROUP, self.consumer, count], client=self.r)
+        return [_entry(eid, fields, _str(queue)) for queue, eid, fields in out], wake
+
+    def queues(self) -> list[str]:
+        """Every queue's stream key, interactive first, then default, then bulk."""
+        return [q for qs in shared.queue_streams(self.r, self.keys).values() for q in qs]
+
+    def claim_lapsed(self, min_idle_ms: int, count: int, cursors: dict[str, str]) -> tuple[bool, list[Entry]]:
+        """XAUTOCLAIM up to `count` entries whose lease lapsed (their worker died), queue by queue in priority
+        order, each from its cursor in `cursors` (updated). Returns (every queue's pending list scanned to its
+        end, entries)."""
         entries: list[Entry] = []
-        for _stream, items in reply or []:
-            entries.extend(_entry(eid, fields) for eid, fields in items)
-        return entries
+        complete = True
+        for queue in self.queues():
+            if len(entries) >= count:
+                return False, entries
+            try:
+                reply = self.r.xautoclaim(queue, GROUP, self.consumer, min_idle_ms, cursors.get(queue, "0-0"),
+                                          count=count - len(entries))
+            except redis.ResponseError as err:  # no such stream or no group: nothing of ours to reclaim
+                if "NOGROUP" not in str(err) and "no such key" not in str(err):
+                    raise
+                cursors.pop(queue, None)
+                continue
+            cursors[queue] = _str(reply[0])
+            complete = complete and cursors[queue] == "0-0"
+            # Entries deleted from the stream but still pending come back without fields (and Redis 7 drops
+            # them from the PEL in the same call): nothing to run.
+            entries += [_entry(eid, fields, queue) for eid, fields in reply[1] if fields]
+        return complete, entries
 
-    def claim_lapsed(self, min_idle_ms: int, count: int, cursor: str) -> tuple[str, list[Entry]]:
-        """XAUTOCLAIM entries whose lease lapsed (their worker died). Returns (next cursor, entries)."""
-        try:
-            reply = self.r.xautoclaim(self.keys.jobs, GROUP, self.consumer, min_idle_ms, cursor, count=count)
-        except redis.ResponseError as err:
-            if "NOGROUP" not in str(err):
-                raise
-            self.ensure_group()
-            return "0-0", []
-        # Entries deleted from the stream but still pending come back without fields (and Redis 7 drops
-        # them from the PEL in the same call): nothing to run.
-        return _str(reply[0]), [_entry(eid, fields) for eid, fields in reply[1] if fields]
-
-    def start(self, job_id: str, entry_id: str) -> tuple[str, int]:
+    def start(self, job_id: str, entry_id: str, queue: str) -> tuple[str, int]:
         """('running', attempts) to run it; else its terminal status or 'missing' (entry acked already)."""
-        return shared.start_job(self.r, self.keys, job_id, entry_id, self.consumer)
+        return shared.start_job(self.r, self.keys, job_id, entry_id, self.consumer, queue)
 
     def has_record(self, job_id: str) -> bool:
         """Whether `{ns}:job:{job_id}` is a job record (a hash): an entry naming it must end it."""
@@ -109,29 +133,31 @@ class JobQueue:
     def dead_letter_now(self, job_id: str, reason: str, attempts: int, request: str) -> None:
         self.dead_letter(self.r, job_id, reason, attempts, request)
 
-    def drop_entry(self, entry_id: str, dead: tuple[str, str, str] | None = None) -> None:
+    def drop_entry(self, entry_id: str, queue: str, dead: tuple[str, str, str] | None = None) -> None:
         """Acknowledge and delete an entry that names no job: there is no record to end. dead = (job id, reason,
         request) dead-letters it in the same transaction."""
         pipe = self.r.pipeline(transaction=True)
         if dead is not None:
             job_id, reason, request = dead
             self.dead_letter(pipe, job_id, reason, 0, request)
-        pipe.xack(self.keys.jobs, GROUP, entry_id)
-        pipe.xdel(self.keys.jobs, entry_id)
+        pipe.xack(queue, GROUP, entry_id)
+        pipe.xdel(queue, entry_id)
         pipe.execute()
 
     # ---- leases -------------------------------------------------------------------------------------
 
-    def renew(self, entry_ids: list[str]) -> list[str]:
-        """Renew the leases of entries this worker holds; returns the ids it no longer holds."""
-        if not entry_ids:
+    def renew(self, held: list[tuple[str, str]]) -> list[str]:
+        """Renew the leases of entries (queue, entry id) this worker holds; returns the ids it no longer holds."""
+        if not held:
             return []
-        lost = self._renew(keys=[self.keys.jobs], args=[GROUP, self.consumer, *entry_ids], client=self.r)
+        lost = self._renew(keys=[q for q, _ in held], args=[GROUP, self.consumer, *(e for _, e in held)],
+                           client=self.r)
         return [_str(x) for x in lost]
 
-    def hand_back(self, pipe: redis.client.Pipeline, job_id: str, entry_id: str, count_attempt: bool) -> None:
+    def hand_back(self, pipe: redis.client.Pipeline, job_id: str, entry_id: str, queue: str,
+                  count_attempt: bool) -> None:
         self._hand_back(
-            keys=[self.keys.job(job_id), self.keys.jobs],
+            keys=[self.keys.job(job_id), queue],
             args=[GROUP, self.consumer, entry_id, HAND_BACK_IDLE_MS, "0" if count_attempt else "1"],
             client=pipe,
         )
@@ -146,7 +172,7 @@ class JobQueue:
 
     def finish(self, pipe: redis.client.Pipeline, e: Ending) -> None:
         shared.finish_job(
-            pipe, self.keys, e.job_id, e.status, entry_id=e.entry_id, result=e.result, error=e.error,
+            pipe, self.keys, e.job_id, e.status, entry_id=e.entry_id, queue=e.queue, result=e.result, error=e.error,
             error_code=e.error_code, now=e.finished_at, result_ttl=self.result_ttl_s,
         )
 
@@ -185,15 +211,8 @@ class JobQueue:
         self.r.delete(self.keys.worker(self.consumer))
 
     def depth(self) -> tuple[int, int]:
-        """(entries in the stream, delivered but unacknowledged) for the metrics."""
-        pipe = self.r.pipeline(transaction=False)
-        pipe.xlen(self.keys.jobs)
-        pipe.xpending(self.keys.jobs, GROUP)
-        try:
-            depth, pending = pipe.execute()
-        except redis.ResponseError:  # no group yet
-            return 0, 0
-        return int(depth), int(pending["pending"]) if pending else 0
+        """(entries in every queue, delivered but unacknowledged) for the metrics."""
+        return shared.queue_totals(self.r, self.keys)
 
 
 class WriteBatch:
@@ -218,8 +237,8 @@ class WriteBatch:
         self.jobs.dead_letter(self.pipe, job_id, reason, attempts, request)
         self._queued(1)
 
-    def hand_back(self, job_id: str, entry_id: str, count_attempt: bool) -> None:
-        self.jobs.hand_back(self.pipe, job_id, entry_id, count_attempt)
+    def hand_back(self, job_id: str, entry_id: str, queue: str, count_attempt: bool) -> None:
+        self.jobs.hand_back(self.pipe, job_id, entry_id, queue, count_attempt)
         self._queued(1)
 
     def first_token(self, job_id: str, at: float) -> None:
@@ -248,7 +267,10 @@ def _str(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 
 
-def _entry(entry_id: Any, fields: dict[Any, Any] | None) -> Entry:
+def _entry(entry_id: Any, fields: Any, queue: str) -> Entry:
+    """An Entry from a reply: fields as a dict (redis-py's XREADGROUP / XAUTOCLAIM) or a flat list (Lua)."""
+    if isinstance(fields, list):
+        fields = dict(zip(fields[::2], fields[1::2], strict=False))
     decoded: dict[str, str] = {}
     not_utf8: list[str] = []
     for k, v in (fields or {}).items():
@@ -260,4 +282,4 @@ def _entry(entry_id: Any, fields: dict[Any, Any] | None) -> Entry:
                 not_utf8.append(key)
                 v = v.decode("utf-8", "replace")
         decoded[key] = str(v)
-    return Entry(_str(entry_id), decoded, not_utf8=tuple(not_utf8))
+    return Entry(_str(entry_id), decoded, queue, not_utf8=tuple(not_utf8))

@@ -192,7 +192,7 @@ class Server:
 
     def _add(self, job: StartedJob) -> None:
         if self.drain_deadline is not None:
-            self.writer.put(HandBack(job.job_id, job.entry_id, count_attempt=False, why="draining"))
+            self.writer.put(HandBack(job.job_id, job.entry_id, count_attempt=False, why="draining", queue=job.queue))
             return
         revoked = self.revoked.pop(job.job_id, None)
         if revoked is not None:
@@ -205,7 +205,7 @@ class Server:
 
     def _seat(self, job: StartedJob) -> None:
         try:
-            self.engine.add_request(job.job_id, job.request.engine_prompt(), job.params)
+            self.engine.add_request(job.job_id, job.request.engine_prompt(), job.params, priority=job.rank)
         except ValueError as err:  # the engine's own checks: prompt too long, can never fit the cache, ...
             self._end(job, "failed", error=f"invalid job: {err}", error_code=ErrorCode.invalid_request)
             return
@@ -344,7 +344,8 @@ class Server:
         for job in list(self.running.values()):
             self._abort_quietly(job.job_id)
         for job in [*self.running.values(), *self.suspects, *self.held]:
-            self.writer.put(HandBack(job.job_id, job.entry_id, count_attempt=count_attempt, why=why))
+            self.writer.put(HandBack(job.job_id, job.entry_id, count_attempt=count_attempt, why=why,
+                                     queue=job.queue))
         self.running.clear()
         self.suspects.clear()
         self.held.clear()
@@ -384,5 +385,5 @@ class Server:
              error: str | None = None, error_code: str | None = None, finished_at: float | None = None,
              **stats: Any) -> None:
         ending = Ending(job.job_id, job.entry_id, status, result=result, error=error, error_code=error_code,
-                        finished_at=finished_at or time.time())
+                        finished_at=finished_at or time.time(), queue=job.queue)
         self.writer.end(ending, started_at=job.started_at, **stats)
