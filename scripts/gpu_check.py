@@ -28,14 +28,17 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 def run_stage_here(key: str, smoke: bool, rows_file: str) -> int:
     """Child process: one stage, its rows written as JSON."""
-    if smoke:
+    if smoke and key in "ab":
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernels module defines its @triton.jit functions
+    elif smoke:
+        os.environ.pop("TRITON_INTERPRET", None)  # a CPU engine on the interpreter: minutes a step
     import gpu_env
 
     gpu_env.ensure_engine_deps()
     import gpu_check_stages as stages
 
-    stages.tokenizer_setup()
+    if key in "cde":  # the stages that build models (transformers' import alone is seconds)
+        stages.tokenizer_setup()
     rows = stages.STAGES[key][1](stages.Ctx(smoke=smoke))
     Path(rows_file).write_text(json.dumps(rows))
     return 0
