@@ -50,7 +50,7 @@ class GuidedDecoding:
         self.matchers: dict[Sequence, llguidance.LLMatcher] = {}
         self._executor: llguidance.LLExecutor | None = None
         self._bitmask = torch.empty(0, 0, dtype=torch.int32)
-        self._shifts = torch.arange(32, dtype=torch.int32, device=device)
+        self._bits = torch.tensor([1 << j for j in range(31)] + [-(1 << 31)], dtype=torch.int32, device=device)
 
     # ---- requests ---------------------------------------------------------------------------------------
 
@@ -123,9 +123,13 @@ class GuidedDecoding:
         self._executor.unsafe_compute_mask_ptr(
             [(m, k) for k, (_, m, _) in enumerate(rows)], bitmask.data_ptr(), words * 4, n)
         mask = bitmask.to(logits.device)
-        allowed = ((mask.unsqueeze(-1) >> self._shifts) & 1).view(n, words * 32)[:, :vocab].bool()
-        index = torch.tensor([i for i, _, _ in rows], device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        # bit j of word w is token 32 w + j (llguidance's layout)
+        forbidden = ((mask.unsqueeze(-1) & self._bits) == 0).view(n, words * 32)[:, :vocab]
+        if n == logits.shape[0]:
+            logits.masked_fill_(forbidden, float("-inf"))
+        else:
+            index = torch.tensor([i for i, _, _ in rows], device=logits.device)
+            logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
 
     def advance(self, seq: Sequence, token: int) -> None:
         """Feed seq's newly accepted token to its matcher. A token the grammar refuses puts the matcher in its
