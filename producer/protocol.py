@@ -505,8 +505,8 @@ def parse_request(raw: str | bytes) -> JobRequest:
     try:
         data = json.loads(raw)
     except RecursionError:
-        raise InvalidJob("invalid job: request JSON is nested too deeply (a request has at most 3 levels: "
-                         "request, messages, message)") from None
+        raise InvalidJob("invalid job: request JSON is nested too deeply (a request has 3 levels: request, "
+                         "messages, message; only a response_format JSON schema nests further)") from None
     except ValueError as err:  # JSONDecodeError, and an integer past Python's digits limit
         raise InvalidJob(f"invalid job: request is not valid JSON ({err})") from None
     request = validate_request(data)

@@ -56,7 +56,7 @@ def json_format(i: int) -> dict:
 
 
 def sixty_jobs() -> list[dict]:
-    """10 of each kind: 5 schemas, a regex, a choice list, and 30 unconstrained, interleaved."""
+    """Interleaved: 6 jobs for each of the 5 schemas, 6 regex, 6 choice and 18 unconstrained jobs."""
     jobs = []
     for i in range(60):
         kind = i % 10
@@ -123,7 +123,7 @@ def test_sixty_mixed_jobs_served_valid_and_unconstrained_unchanged(smollm2, serv
         elif kind is not None:
             cut.append((i, record.result.finish_reason, record.result.text, record.result.token_ids))
     # most constrained jobs end on their own: the checks above are not vacuous
-    assert checked["json"] >= 35 and checked["regex"] >= 8 and checked["choice"] == 10, (checked, cut)
+    assert checked["json"] >= 20 and checked["regex"] == 6 and checked["choice"] == 6, (checked, cut)
     for k, out in zip(plain, alone, strict=True):
         assert done[ids[k]].result.token_ids == out.token_ids, k
     assert handle.stop() == 0
