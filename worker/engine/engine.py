@@ -289,7 +289,8 @@ class Engine:
         prompts: Seq[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Offline: run every prompt to the end and return the outputs in input order."""
+        """Offline: run every prompt to the end and return the outputs in input order. ValueError, once every
+        other request ended, when the engine could not compile a prompt's grammar (structured output)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt given bare
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
