@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from worker.engine import loader
-from worker.engine.guided import GrammarError, GuidedDecoding
+from worker.engine.guided import GrammarError, GuidedDecoding, forbidden_numpy, forbidden_torch, word_bits
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import Sequence
 
@@ -97,3 +97,13 @@ def test_grammar_that_fails_to_compile_leaves_through_take_failed(tokenizer):
     assert failed and failed[0][0] is bad and "cannot be compiled" in failed[0][1]
     with pytest.raises(GrammarError, match="cannot be compiled"):
         guided.add(make_seq("again", SamplingParams.model_construct(regex="(")))
+
+
+def test_both_bitmask_unpackings_agree_with_the_layout():
+    mask = torch.randint(-(2**31), 2**31 - 1, (3, 5), dtype=torch.int32)
+    mask[0, 0], mask[1, 1] = 0b101, -(2**31)  # tokens 0 and 2; token 32 + 31
+    expect = torch.tensor([[not (int(w) >> j) & 1 for w in row for j in range(32)] for row in mask.tolist()])
+    numpy_way, torch_way = forbidden_numpy(mask, 150), forbidden_torch(mask, word_bits(mask.device), 150)
+    assert torch.equal(numpy_way, expect[:, :150]) and torch.equal(torch_way, expect[:, :150])
+    assert (~numpy_way[0, :32]).nonzero().flatten().tolist() == [0, 2]
+    assert (~numpy_way[1, 32:64]).nonzero().flatten().tolist() == [31]
