@@ -50,6 +50,15 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
             g.add_argument(flag, action="append", dest=name, metavar="TEXT", help="stop string (repeatable)")
         elif name == "stop_token_ids":
             g.add_argument(flag, type=_int_list, dest=name, metavar="IDS", help="1,2,3 or [1,2,3]")
+        elif name == "response_format":
+            g.add_argument(flag, type=_json_value, dest=name, metavar="JSON",
+                           help='\'{"type": "json_object"}\' or \'{"type": "json_schema", "json_schema": '
+                                '{"name": "x", "schema": {...}}}\'')
+        elif name == "regex":
+            g.add_argument(flag, dest=name, metavar="REGEX", help="the output must match it as a whole")
+        elif name == "choice":
+            g.add_argument(flag, action="append", dest=name, metavar="TEXT",
+                           help="the output is one of these strings (repeatable)")
         elif kind is bool:
             g.add_argument(flag, action=argparse.BooleanOptionalAction, dest=name, default=None)
         elif "float" in str(kind):

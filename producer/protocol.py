@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticSerializationError
 
+from producer.constraints import check_choice, check_response_format, grammar_error, grammar_for
 from producer.errors import InvalidJob
 
 DEFAULT_NAMESPACE = "tokenbus"
@@ -177,6 +178,22 @@ class GenerationParams(BaseModel):
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     skip_special_tokens: bool = True
+    # structured output, at most one per job (producer/constraints.py): OpenAI's {"type": "json_object"} or
+    # {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}; a regex the output must match
+    # as a whole; or a list of strings the output must be one of
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_response_format(v)
+
+    @field_validator("choice")
+    @classmethod
+    def _choice(cls, v: list[str] | None) -> list[str] | None:
+        return check_choice(v)
 
     @field_validator("stop")
     @classmethod
@@ -199,7 +216,21 @@ class GenerationParams(BaseModel):
     def _min_le_max(self) -> GenerationParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        grammar = grammar_for(self.response_format, self.regex, self.choice)
+        if grammar is not None:
+            # the grammar decides where the output may end: forcing it on would contradict the grammar
+            if self.min_tokens or self.ignore_eos:
+                raise ValueError("min_tokens and ignore_eos cannot be combined with response_format, regex or choice")
+            error = grammar_error(grammar)
+            if error:
+                what = "regex" if self.regex is not None else "choice" if self.choice is not None else \
+                    "response_format JSON schema"
+                raise ValueError(f"the {what} cannot be compiled: {' '.join(error.split())[:400]}")
         return self
+
+    def constraint_grammar(self) -> str | None:
+        """The llguidance grammar text of this job's constraint (producer/constraints.py), None without one."""
+        return grammar_for(self.response_format, self.regex, self.choice)
 
     def sampling_fields(self) -> dict[str, Any]:
         """kwargs for worker SamplingParams(**...): only the generation fields."""
@@ -520,8 +551,8 @@ def parse_request(raw: str | bytes) -> JobRequest:
     try:
         data = json.loads(raw)
     except RecursionError:
-        raise InvalidJob("invalid job: request JSON is nested too deeply (a request has at most 3 levels: "
-                         "request, messages, message)") from None
+        raise InvalidJob("invalid job: request JSON is nested too deeply (a request has 3 levels: request, "
+                         "messages, message; only a response_format JSON schema nests further)") from None
     except ValueError as err:  # JSONDecodeError, and an integer past Python's digits limit
         raise InvalidJob(f"invalid job: request is not valid JSON ({err})") from None
     request = validate_request(data)

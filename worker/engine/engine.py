@@ -20,6 +20,7 @@ from worker.engine.backends import select_backend
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.guided import GrammarError, GuidedDecoding
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_block
 from worker.engine.models.llama import LlamaArch, LlamaForCausalLM, RotaryEmbedding
 from worker.engine.sampler import Sampler
@@ -105,12 +106,15 @@ class Engine:
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, cfg.block_size)
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
+        self.guided = GuidedDecoding(self.tokenizer, arch.vocab_size, self.eos_token_ids, self.device)
         self.scheduler = Scheduler(self.block_manager, self.stop_checker, cfg.max_num_seqs,
-                                   cfg.max_num_batched_tokens)
+                                   cfg.max_num_batched_tokens, self.guided)
         self.sampler = Sampler(arch.vocab_size, self.device, self.eos_token_ids, self.backend)
-        self.runner = ModelRunner(self.model, self.sampler, num_blocks, cfg.block_size, self.device, self.dtype)
+        self.runner = ModelRunner(self.model, self.sampler, num_blocks, cfg.block_size, self.device, self.dtype,
+                                  self.guided)
         self.requests: dict[str, Sequence] = {}
         self.deltas: dict[str, Delta] = {}
+        self.rejected: dict[str, str] = {}  # request id -> why: left the engine in the last step, never ran
         self.generated_tokens = 0
         self.steps = 0
         log.info(
@@ -206,6 +210,10 @@ class Engine:
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         seq = Sequence(request_id, prompt_ids, params, time.time(), detokenizer, generator=generator,
                        priority=priority)
+        try:
+            self.guided.add(seq)  # compiles response_format / regex / choice off this thread
+        except GrammarError as err:
+            raise ValueError(str(err)) from None
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -237,8 +245,14 @@ class Engine:
         """One forward pass. Returns the requests that ended in it; `deltas` holds what every request that
         sampled a token gained (streaming, time to first token)."""
         self.deltas = {}
+        self.rejected = {}
+        for seq, why in self.guided.take_failed():  # a grammar the engine could not compile: that request only
+            self.scheduler.remove(seq)
+            del self.requests[seq.request_id]
+            self.rejected[seq.request_id] = why
         batch = self.scheduler.schedule()
         if not batch.seqs:
+            self.guided.wait(0.01)  # nothing runnable but grammars compiling: do not spin
             return []
         sampled, tokens, logprob_rows = self.runner.run(batch)
         finished = self.scheduler.postprocess(batch, sampled, tokens, logprob_rows, time.time())
@@ -279,7 +293,8 @@ class Engine:
         prompts: Seq[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Offline: run every prompt to the end and return the outputs in input order."""
+        """Offline: run every prompt to the end and return the outputs in input order. ValueError, once every
+        other request ended, when the engine could not compile a prompt's grammar (structured output)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt given bare
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -287,9 +302,13 @@ class Engine:
         for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
             self.add_request(rid, prompt, p)
         results: dict[str, RequestOutput] = {}
-        while len(results) < len(ids):
+        rejected: dict[str, str] = {}
+        while len(results) + len(rejected) < len(ids):
             for out in self.step():
                 results[out.request_id] = out
+            rejected.update(self.rejected)
+        if rejected:
+            raise ValueError("; ".join(f"prompt {ids.index(rid)}: {why}" for rid, why in rejected.items()))
         return [results[rid] for rid in ids]
 
 

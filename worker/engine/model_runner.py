@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from worker.engine.attention_metadata import AttentionMetadata
+from worker.engine.guided import GuidedDecoding
 from worker.engine.models.llama import LlamaForCausalLM
 from worker.engine.sampler import Sampler
 from worker.engine.scheduler import ScheduledBatch
@@ -24,9 +25,10 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
 class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, sampler: Sampler, num_blocks: int, block_size: int,
-        device: torch.device, dtype: torch.dtype,
+        device: torch.device, dtype: torch.dtype, guided: GuidedDecoding | None = None,
     ) -> None:
         self.model = model
+        self.guided = guided
         self.sampler = sampler
         self.block_size = block_size
         self.device = device
@@ -56,6 +58,8 @@ class ModelRunner:
         if not sampling_seqs:
             return [], [], None
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        if self.guided is not None:  # structured output: forbidden tokens of constrained rows to -inf
+            self.guided.apply(logits, sampling_seqs)
         tokens, logprobs = self.sampler(logits, sampling_seqs).result()
         return sampling_seqs, tokens, logprobs
 

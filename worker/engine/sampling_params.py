@@ -24,6 +24,11 @@ class SamplingParams(GenerationParams):
     def stop_ids(self) -> frozenset[int]:
         return frozenset(self.stop_token_ids or ())
 
+    @cached_property
+    def grammar(self) -> str | None:
+        """The llguidance grammar of response_format / regex / choice; None for an unconstrained request."""
+        return self.constraint_grammar()
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.sequence import Sequence, SequenceStatus
 from worker.engine.stop_checker import StopChecker
+
+if TYPE_CHECKING:
+    from worker.engine.guided import GuidedDecoding
 
 
 @dataclass
@@ -29,7 +33,7 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, stop_checker: StopChecker, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, guided: GuidedDecoding | None = None) -> None:
         self.block_manager = block_manager
         self.stop_checker = stop_checker
         self.max_num_seqs = max_num_seqs
@@ -37,6 +41,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.guided = guided  # structured output: admits a constrained sequence once its grammar is compiled
 
     def add(self, seq: Sequence) -> None:
         """Queue seq behind every waiting sequence of its priority or a more urgent one, so a request of a
@@ -73,12 +78,15 @@ class Scheduler:
             budget -= n
             i += 1
         # Admitting while we just preempted would only thrash the same blocks.
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or preempted or len(self.running) >= self.max_num_seqs:
+                break
+            if self.guided is not None and not self.guided.is_ready(seq):
+                continue  # its grammar is still compiling: those behind it go first
             n = min(seq.num_pending_tokens, budget)
             if not self.block_manager.can_allocate(seq, n):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.block_manager.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -96,6 +104,8 @@ class Scheduler:
         finished = []
         for i, (seq, token) in enumerate(zip(sampled, tokens, strict=True)):
             seq.token_ids.append(token)
+            if self.guided is not None:
+                self.guided.advance(seq, token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if logprob_rows is not None and logprob_rows[i] is not None:
@@ -116,6 +126,8 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        if self.guided is not None:
+            self.guided.reset(seq)
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
@@ -124,6 +136,8 @@ class Scheduler:
         seq.finish_reason = reason
         self.block_manager.free(seq)
         self.running.remove(seq)
+        if self.guided is not None:
+            self.guided.remove(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take seq out wherever it is (abort): its blocks are freed at once."""
@@ -133,3 +147,5 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
+        if self.guided is not None:
+            self.guided.remove(seq)

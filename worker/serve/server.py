@@ -275,6 +275,10 @@ class Server:
             job = self.running.pop(out.request_id, None)
             if job is not None:
                 self._end_with_output(job, out)
+        for job_id, why in self.engine.rejected.items():  # e.g. a grammar the engine could not compile
+            job = self.running.pop(job_id, None)
+            if job is not None:
+                self._end(job, "failed", error=f"invalid job: {why}", error_code=ErrorCode.invalid_request)
 
     def _step_failed(self, err: Exception) -> None:
         culprit = self.running.get(getattr(err, "request_id", None) or "")
