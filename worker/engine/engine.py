@@ -103,7 +103,7 @@ class Engine:
         self.model.eval().requires_grad_(False)
         self.backend.prepare(self.model)
         num_blocks = self._num_kv_blocks()
-        self.block_manager = BlockManager(num_blocks, cfg.block_size)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, self.stop_checker, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens)
