@@ -20,13 +20,13 @@ import structlog
 
 from producer.protocol import ErrorCode
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.token_text import logprob_token_ids, token_info
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter, FirstToken
 from worker.serve.intake import BLOCK_MS, Intake, IntakeBudget
 from worker.serve.leases import Housekeeper, Leases
 from worker.serve.messages import HandBack, Partial, Revoke, StartedJob, Wake
 from worker.serve.queue import Ending, JobQueue
+from worker.serve.results import job_result
 from worker.settings import WorkerSettings
 
 log = structlog.get_logger("tokenbus.worker")
@@ -362,18 +362,8 @@ class Server:
         if job.stream:
             self.writer.put(Partial(job.job_id, [], job.published, done=True))
         cancelled = out.finish_reason == "abort"
-        prompt_tokens, completion_tokens = len(out.prompt_token_ids), len(out.token_ids)
-        result = {
-            "text": out.text,
-            "token_ids": list(out.token_ids),
-            "finish_reason": out.finish_reason,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
-            "logprobs": out.logprobs,
-            "model": self.engine.model_name,
-        }
-        if out.logprobs is not None:  # the producer has no tokenizer: name each token for OpenAI's shape
-            result["logprob_tokens"] = token_info(self.engine.tokenizer, logprob_token_ids(out.logprobs))
+        result = job_result(out, self.engine.model_name, self.engine.tokenizer)
+        completion_tokens = result["usage"]["completion_tokens"]
         self._end(job, "cancelled" if cancelled else "finished", result=result,
                   error="cancelled while running" if cancelled else None,
                   error_code=ErrorCode.cancelled if cancelled else None,
