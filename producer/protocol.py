@@ -350,6 +350,16 @@ class Heartbeat(BaseModel):
     waiting: int = 0
     free_blocks: int | None = None
     jobs_done: int = 0
+    # the prefix cache since the worker's engine started: prompt tokens / full blocks looked up and found
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_queried_blocks: int = 0
+    prefix_hit_blocks: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """Share of looked-up prompt tokens served from the prefix cache (None before any lookup)."""
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else None
 
 
 class WorkerInfo(BaseModel):

@@ -159,8 +159,7 @@ class Server:
     def _publish_stats(self, stats: Any) -> None:
         """Heartbeat numbers and gauges after every turn of the loop, not only after a step: a cancel or an
         ending with no step after it (the engine went idle) must not leave the last step's numbers up."""
-        self._snapshot = {"model": self.engine.model_name, "running": stats.running, "waiting": stats.waiting,
-                          "free_blocks": stats.free_blocks}
+        self._snapshot = _snapshot(self.engine.model_name, stats)
         if self.metrics is not None:
             self.metrics.observe_engine(stats.running, stats.waiting, stats.used_blocks, stats.free_blocks)
 
@@ -255,9 +254,11 @@ class Server:
         elapsed = time.perf_counter() - started
         self.step_failures = 0
         stats = self.engine.stats()
-        self._snapshot = {"model": self.engine.model_name, "running": stats.running, "waiting": stats.waiting,
-                          "free_blocks": stats.free_blocks}
+        self._snapshot = _snapshot(self.engine.model_name, stats)
         if self.metrics is not None:
+            self.metrics.observe_prefix_cache(stats.prefix_queried_tokens, stats.prefix_hit_tokens,
+                                              stats.prefix_queried_blocks, stats.prefix_hit_blocks,
+                                              stats.cached_blocks)
             self.metrics.observe_step(elapsed, stats.running, stats.waiting, stats.used_blocks,
                                       stats.free_blocks, stats.preemptions)
         now = time.time()
@@ -376,3 +377,10 @@ class Server:
         ending = Ending(job.job_id, job.entry_id, status, result=result, error=error, error_code=error_code,
                         finished_at=finished_at or time.time())
         self.writer.end(ending, started_at=job.started_at, **stats)
+
+
+def _snapshot(model: str, stats: Any) -> dict[str, Any]:
+    """The heartbeat's engine numbers (protocol.Heartbeat)."""
+    return {"model": model, "running": stats.running, "waiting": stats.waiting, "free_blocks": stats.free_blocks,
+            "prefix_queried_tokens": stats.prefix_queried_tokens, "prefix_hit_tokens": stats.prefix_hit_tokens,
+            "prefix_queried_blocks": stats.prefix_queried_blocks, "prefix_hit_blocks": stats.prefix_hit_blocks}
