@@ -71,9 +71,8 @@ class Server:
         self.drain_deadline: float | None = None
         self.step_failures = 0
         self.exit_code = 0
-        # the heartbeat's engine numbers; free_blocks from the start (the first heartbeat lacked it)
-        self._snapshot: dict[str, Any] = {"model": engine.model_name, "running": 0, "waiting": 0,
-                                          "free_blocks": engine.stats().free_blocks}
+        # the heartbeat's engine numbers, every field from the first beat on
+        self._snapshot: dict[str, Any] = _snapshot(engine.model_name, engine.stats())
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
