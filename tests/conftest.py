@@ -194,3 +194,25 @@ from gateway_harness import gateway_stack, release_gateway_stack  # noqa: E402, 
 
 def pytest_runtest_teardown(item, nextitem):
     release_gateway_stack(nextitem)
+
+
+# ---- every engine test: the block manager's invariants -----------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def block_manager_invariants(request):
+    """After each test, every Engine it used: ref counts equal what the live block tables hold (no leaked
+    or negative count, no block free twice); with nothing left to run, every block is free or cached."""
+    yield
+    for name in request.fixturenames:
+        try:
+            value = request.getfixturevalue(name)
+        except Exception:  # a fixture that failed to set up: its own error is the report
+            continue
+        manager = getattr(value, "block_manager", None)
+        scheduler = getattr(value, "scheduler", None)
+        if manager is None or scheduler is None:
+            continue
+        manager.check_invariants(list(scheduler.running))
+        if not value.has_unfinished_requests():
+            assert manager.num_free == manager.num_blocks, f"{name}: KV blocks leaked"

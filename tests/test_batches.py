@@ -77,7 +77,7 @@ def test_parse_line_maps_openai_fields():
     _, f = parse_line(chat_line("a", max_tokens=None, max_completion_tokens=12, logprobs=True, top_logprobs=3,
                                 seed=1, n=1, user="u", stop="END"))
     assert f["max_tokens"] == 12 and f["logprobs"] == 3 and f["seed"] == 1 and f["stop"] == "END"
-    assert "user" not in f and "n" not in f
+    assert "user" not in f and f["n"] == 1
     content = [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]
     parts = [{"role": "developer", "content": content}]
     _, f = parse_line(chat_line("b", messages=parts))
@@ -150,7 +150,7 @@ def test_bad_jsonl_is_rejected_with_line_numbers_and_nothing_written(client, tmp
         chat_line("ok-1"),                                                   # 1
         "{not json",                                                         # 2
         chat_line("ok-2", frequency_penality=0.5),                           # 3 unknown body field
-        chat_line("ok-3", n=2),                                              # 4
+        chat_line("ok-3", n=33),                                             # 4 n over MAX_CHOICES
         json.dumps({"custom_id": "m", "method": "GET", "url": "/v1/chat/completions", "body": {}}),  # 5
         chat_line("ok-1"),                                                   # 6 duplicate custom_id
         completion_line("ok-7", "x"),                                        # 7 other endpoint
@@ -166,7 +166,7 @@ def test_bad_jsonl_is_rejected_with_line_numbers_and_nothing_written(client, tmp
     msg = str(err.value)
     assert msg.startswith("8 of 9 lines are invalid; nothing was submitted")
     assert "line 3: body: unknown field(s) frequency_penality for /v1/chat/completions" in msg
-    assert "line 4: body.n: only n=1 is supported" in msg
+    assert "line 4: body: n: Input should be less than or equal to 32" in msg
     assert "line 6: custom_id 'ok-1' already used on line 1" in msg
     assert "line 8: body: temperature: Input should be greater than or equal to 0" in msg
     assert "line 9: extra: unknown field" in msg
@@ -245,9 +245,9 @@ def test_cli_batch_submit_status_wait_export(redis_server, tmp_path):
     assert exported.returncode == 0 and "wrote 2 lines" in exported.stderr
     out_lines = (tmp_path / "out.jsonl").read_text().splitlines()
     assert [json.loads(x)["custom_id"] for x in out_lines] == ["a", "b"]
-    (tmp_path / "bad.jsonl").write_text(chat_line("a", n=3) + "\n")
+    (tmp_path / "bad.jsonl").write_text(chat_line("a", n=33) + "\n")
     bad = cli("batch", "submit", str(tmp_path / "bad.jsonl"))
-    assert bad.returncode == 1 and "line 1: body.n" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 1 and "line 1: body: n:" in bad.stderr and "Traceback" not in bad.stderr
     assert c.get("b1-0").status == JobStatus.finished
 
 
@@ -278,3 +278,21 @@ def test_info_and_the_queue_limit_count_every_queue_by_priority(redis_server):
         c.submit("one more", priority="bulk")
     with pytest.raises(QueueFull, match="nothing was submitted"):
         c.submit_batch([chat_line("y")], batch_id="late")
+
+
+def test_export_of_an_n_job_lists_every_choice():
+    from producer.openai_batch import CHAT, COMPLETIONS, response_body
+    from producer.protocol import Job
+
+    result = {"text": "a", "token_ids": [1], "finish_reason": "stop", "usage": {"completion_tokens": 3},
+              "choices": [{"index": 0, "text": "a", "token_ids": [1], "finish_reason": "stop"},
+                          {"index": 1, "text": "bc", "token_ids": [2, 3], "finish_reason": "length"}]}
+    job = Job(id="j", status=JobStatus.finished, result=JobResult.model_validate(result), request={"n": 2})
+    chat = response_body(job, CHAT)["choices"]
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in chat] == [
+        (0, "a", "stop"), (1, "bc", "length")]
+    completion = response_body(job, COMPLETIONS)["choices"]
+    assert [(c["index"], c["text"]) for c in completion] == [(0, "a"), (1, "bc")]
+    # a result from a worker that writes no `choices` still exports its one choice
+    old = Job(id="k", status=JobStatus.finished, result=JobResult(text="x", finish_reason="stop"))
+    assert [c["text"] for c in response_body(old, COMPLETIONS)["choices"]] == ["x"]

@@ -16,14 +16,16 @@ import sys
 from pathlib import Path
 
 # chunked prefill (prompts longer than the 16-token step budget), block boundaries (block_size 16),
-# sequences joining and leaving a running decode batch
+# sequences joining and leaving a running decode batch; the last prompt starts with the second one's first
+# full block, so its prefill starts mid-sequence over a prefix-cache hit
 PROMPTS = [
     "Hello there",
     "The capital of France is a city that many people like to visit because of its museums and food",
     "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,",
     "def f(x):\n    return",
+    "The capital of France is a city that many people like to visit because of its museums and its old parks",
 ]
-MAX_TOKENS = [20, 9, 14, 24]
+MAX_TOKENS = [20, 9, 14, 24, 7]
 
 
 def run_engine_with_triton(directory: str) -> dict:
@@ -69,7 +71,9 @@ def run_engine_with_triton(directory: str) -> dict:
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs[out.request_id] = {"prompt": out.prompt_token_ids, "tokens": out.token_ids}
-    return {"outputs": outputs, "calls": calls, "steps": engine.steps, "layers": engine.model.arch.num_layers}
+    engine.block_manager.check_invariants([])
+    return {"outputs": outputs, "calls": calls, "steps": engine.steps, "layers": engine.model.arch.num_layers,
+            "prefix_hit_tokens": engine.block_manager.stats.hit_tokens}
 
 
 def test_engine_with_triton_kernels_equals_hf(tmp_path):
@@ -90,6 +94,7 @@ def test_engine_with_triton_kernels_equals_hf(tmp_path):
     assert calls["rms_norm"] == result["steps"] and calls["add_rms_norm"] == 2 * per_step, calls
     assert calls["decode"] > 0 and calls["prefill"] > 0, calls
     assert calls["decode"] + calls["prefill"] >= per_step, calls
+    assert result["prefix_hit_tokens"] >= 16, "the last prompt did not reuse the second one's cached block"
 
     hf = load_hf(directory)
     for i, max_tokens in enumerate(MAX_TOKENS):

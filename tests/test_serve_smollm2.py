@@ -52,3 +52,39 @@ def test_fifty_jobs_round_trip_equal_offline_output(smollm2, serve, make_client,
     assert Counter(f[b"job_id"].decode() for _id, f in r.xrange(K.events)) == Counter(ids)
     assert scripts.queue_totals(r, K) == (0, 0)
     assert handle.stop() == 0
+
+
+def test_n_choices_and_prefix_hits_through_redis(smollm2, serve, make_client, redis_server):
+    import json
+    import time
+
+    from worker.serve.metrics import WorkerMetrics
+
+    system = "You are a terse assistant. " + " ".join(f"Fact {i}: {TOPICS[i % 10]} is nice." for i in range(30))
+    request = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "Say hi."}],
+               "max_tokens": 10, "temperature": 0.8, "seed": 77, "n": 3}
+    alone = [smollm2.generate([request["messages"]], SamplingParams(max_tokens=10, temperature=0.8, seed=77 + i))[0]
+             for i in range(3)]
+    metrics = WorkerMetrics(model="smollm2-135m", worker="w")
+    handle = serve(smollm2, metrics=metrics)
+    client = make_client()
+    job = client.wait(client.submit(**request), timeout=300)
+    assert job.status == "finished"
+    assert [c.index for c in job.result.choices] == [0, 1, 2]
+    assert [c.token_ids for c in job.result.choices] == [a.token_ids for a in alone]
+    assert [c.text for c in job.result.choices] == [a.text for a in alone]
+    assert job.result.token_ids == alone[0].token_ids and job.result.text == alone[0].text
+    assert job.result.usage.completion_tokens == sum(len(a.token_ids) for a in alone)
+    # the prefix cache shows in Prometheus and in the heartbeat
+    hit_rate = metrics.registry.get_sample_value("tokenbus_prefix_cache_hit_rate", {"unit": "tokens"})
+    assert hit_rate is not None and hit_rate > 0
+    assert metrics.registry.get_sample_value("tokenbus_prefix_cache_hits_total", {"unit": "blocks"}) > 0
+    beat = None
+    for _ in range(100):  # the heartbeat is rewritten every 0.5 s
+        raw = redis_server.client().get(K.worker(handle.server.jobs.consumer))
+        beat = json.loads(raw) if raw else None
+        if beat and beat["prefix_hit_tokens"] > 0:
+            break
+        time.sleep(0.1)
+    assert beat and beat["prefix_hit_tokens"] > 0 and beat["prefix_queried_tokens"] > 0
+    assert handle.stop() == 0

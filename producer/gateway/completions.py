@@ -112,13 +112,13 @@ async def _sse(ctx: GatewayContext, job_id: str, endpoint: str, model: str | Non
             "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
             "model": model or "tokenbus"}
 
-    def chunk(text: str | None, finish_reason: str | None, role: bool = False) -> dict[str, Any]:
+    def chunk(text: str | None, finish_reason: str | None, role: bool = False, index: int = 0) -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = ({"role": "assistant"} if role else {}) | ({} if text is None else
                                                                                {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         return base | {"choices": [choice]}
 
     ended = False
@@ -151,6 +151,8 @@ async def _sse(ctx: GatewayContext, job_id: str, endpoint: str, model: str | Non
             if len(job.result.text) > len(streamed) and job.result.text.startswith(streamed):
                 yield _event(chunk(job.result.text[len(streamed):], None))
             yield _event(chunk(None, job.result.finish_reason))
+            for c in job.result.choices[1:]:  # the token stream carries choice 0; the others come whole
+                yield _event(chunk(c.text, c.finish_reason, role=chat, index=c.index))
             if include_usage:
                 yield _event(base | {"choices": [], "usage": job.result.usage.model_dump()})
         yield "data: [DONE]\n\n"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -36,7 +36,20 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 @dataclass
+class Choice:
+    """One of a request's n completions."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[dict[int, float]] | None
+
+
+@dataclass
 class RequestOutput:
+    """A finished request. token_ids, text, finish_reason and logprobs are choice 0's; `choices` holds all n."""
+
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -47,6 +60,8 @@ class RequestOutput:
     first_token_time: float | None
     finish_time: float
     num_preemptions: int
+    num_cached_tokens: int = 0  # prompt tokens its latest admission took from the prefix cache
+    choices: list[Choice] = field(default_factory=list)
 
 
 @dataclass
@@ -67,6 +82,12 @@ class EngineStats:
     preemptions: int
     generated_tokens: int
     steps: int
+    cached_blocks: int = 0  # blocks holding a reusable prefix (in use or in the LRU)
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_queried_blocks: int = 0
+    prefix_hit_blocks: int = 0
+    prefix_evictions: int = 0
 
 
 class Engine:
@@ -104,7 +125,7 @@ class Engine:
         self.model.eval().requires_grad_(False)
         self.backend.prepare(self.model)
         num_blocks = self._num_kv_blocks()
-        self.block_manager = BlockManager(num_blocks, cfg.block_size)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
         self.guided = GuidedDecoding(self.tokenizer, arch.vocab_size, self.eos_token_ids, self.device)
         self.scheduler = Scheduler(self.block_manager, self.stop_checker, cfg.max_num_seqs,
@@ -112,7 +133,11 @@ class Engine:
         self.sampler = Sampler(arch.vocab_size, self.device, self.eos_token_ids, self.backend)
         self.runner = ModelRunner(self.model, self.sampler, num_blocks, cfg.block_size, self.device, self.dtype,
                                   self.guided)
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, Sequence] = {}  # choice 0 of every request inside
+        self.choices: dict[str, list[Sequence]] = {}  # all n choices of every request inside
+        # choices 1.. of an n > 1 request wait here until choice 0 has computed (and so cached) the prompt:
+        # then they take its full blocks from the prefix cache, a fork without copying
+        self.forks: dict[str, list[Sequence]] = {}
         self.deltas: dict[str, Delta] = {}
         self.rejected: dict[str, str] = {}  # request id -> why: left the engine in the last step, never ran
         self.generated_tokens = 0
@@ -203,19 +228,30 @@ class Engine:
                 f"prompt + max_tokens = {total} tokens can never fit the KV cache "
                 f"({self.block_manager.num_blocks * self.config.block_size} tokens); raise kv_cache_gb"
             )
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        seq = Sequence(request_id, prompt_ids, params, time.time(), detokenizer, generator=generator,
-                       priority=priority)
+        now = time.time()
+        seqs = []
+        for i in range(params.n):
+            generator = None
+            if params.seed is not None:  # choice i draws as a job seeded seed + i would
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed + i)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            seqs.append(Sequence(request_id, prompt_ids, params, now, detokenizer, generator=generator,
+                                 choice_index=i, priority=priority))
         try:
-            self.guided.add(seq)  # compiles response_format / regex / choice off this thread
+            for seq in seqs:  # compiles response_format / regex / choice off this thread
+                self.guided.add(seq)
         except GrammarError as err:
             raise ValueError(str(err)) from None
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        self.requests[request_id] = seqs[0]
+        self.choices[request_id] = seqs
+        self.scheduler.add(seqs[0])
+        if len(seqs) > 1:
+            if self.config.enable_prefix_caching:
+                self.forks[request_id] = seqs[1:]
+            else:
+                for seq in seqs[1:]:
+                    self.scheduler.add(seq)
 
     def _check_stop_token_ids(self, params: SamplingParams) -> None:
         # An id past the vocabulary would fail the sampler's min_tokens ban (an IndexError mid-step).
@@ -225,21 +261,26 @@ class Engine:
             raise ValueError(f"stop_token_ids out of the vocabulary [0, {vocab}): {bad[:5]}")
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
+        seqs = self.choices.pop(request_id, None)
+        if seqs is None:
             return None
-        self.scheduler.remove(seq)
-        seq.finish_reason = "abort"
-        return self._output(seq)
+        del self.requests[request_id]
+        self.forks.pop(request_id, None)
+        for seq in seqs:
+            if seq.finish_reason is None:
+                self.scheduler.remove(seq)  # frees only its own references: a block another holds stays
+                seq.finish_reason = "abort"
+        return self._output(seqs)
 
     # ---- stepping -------------------------------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.forks)
 
     def free_seats(self) -> int:
         s = self.scheduler
-        return max(0, s.max_num_seqs - len(s.running) - len(s.waiting))
+        forked = sum(len(f) for f in self.forks.values())
+        return max(0, s.max_num_seqs - len(s.running) - len(s.waiting) - forked)
 
     def step(self) -> list[RequestOutput]:
         """One forward pass. Returns the requests that ended in it; `deltas` holds what every request that
@@ -247,8 +288,13 @@ class Engine:
         self.deltas = {}
         self.rejected = {}
         for seq, why in self.guided.take_failed():  # a grammar the engine could not compile: that request only
-            self.scheduler.remove(seq)
+            seqs = self.choices.pop(seq.request_id, None)
+            if seqs is None:  # another choice of the same request already took it out
+                continue
             del self.requests[seq.request_id]
+            self.forks.pop(seq.request_id, None)
+            for choice in seqs:
+                self.scheduler.remove(choice)
             self.rejected[seq.request_id] = why
         batch = self.scheduler.schedule()
         if not batch.seqs:
@@ -257,16 +303,29 @@ class Engine:
         sampled, tokens, logprob_rows = self.runner.run(batch)
         finished = self.scheduler.postprocess(batch, sampled, tokens, logprob_rows, time.time())
         for seq, token in zip(sampled, tokens, strict=True):
-            self.deltas[seq.request_id] = Delta([token], seq.take_text())
+            if seq.choice_index == 0:  # a stream carries choice 0
+                self.deltas[seq.request_id] = Delta([token], seq.take_text())
         self.generated_tokens += len(tokens)
         self.steps += 1
+        self._release_forks()
         outputs = []
         for seq in finished:
-            del self.requests[seq.request_id]
-            outputs.append(self._output(seq))
+            seqs = self.choices.get(seq.request_id)
+            if seqs is not None and all(s.finish_reason is not None for s in seqs):
+                del self.choices[seq.request_id], self.requests[seq.request_id]
+                outputs.append(self._output(seqs))
         return outputs
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _release_forks(self) -> None:
+        for request_id, seqs in list(self.forks.items()):
+            head = self.requests[request_id]
+            if head.num_output_tokens > 0 or head.finish_reason is not None:
+                del self.forks[request_id]
+                for seq in reversed(seqs):  # ahead of newer requests: the prompt's blocks are warm now
+                    self.scheduler.waiting.appendleft(seq)
+
+    def _output(self, seqs: list[Sequence]) -> RequestOutput:
+        seq = seqs[0]
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -278,14 +337,21 @@ class Engine:
             first_token_time=seq.first_token_time,
             finish_time=time.time(),
             num_preemptions=seq.num_preemptions,
+            num_cached_tokens=seq.num_cached_tokens,
+            choices=[Choice(s.choice_index, s.output_token_ids, s.output_text, s.finish_reason or "abort",
+                            s.logprobs) for s in seqs],
         )
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
+        pc = bm.stats
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), free_blocks=bm.num_free,
             used_blocks=bm.num_used, total_blocks=bm.num_blocks, preemptions=self.scheduler.num_preemptions,
-            generated_tokens=self.generated_tokens, steps=self.steps,
+            generated_tokens=self.generated_tokens, steps=self.steps, cached_blocks=bm.num_cached,
+            prefix_queried_tokens=pc.queried_tokens, prefix_hit_tokens=pc.hit_tokens,
+            prefix_queried_blocks=pc.queried_blocks, prefix_hit_blocks=pc.hit_blocks,
+            prefix_evictions=pc.evictions,
         )
 
     def generate(

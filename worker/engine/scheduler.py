@@ -2,7 +2,8 @@
 
 Every step the running sequences go first (one token each while decoding, the next chunk while their
 prompt is being prefilled), then waiting requests are admitted while seats, token budget and KV blocks
-last. When blocks run out the newest running sequence is preempted by recompute: its blocks are freed
+last; an admitted sequence first takes the cached blocks its tokens start with (prefix caching) and
+computes only the rest. When blocks run out the newest running sequence is preempted by recompute: its blocks are freed
 and it goes back to the front of the waiting queue to be prefilled again later. After the forward pass,
 postprocess() is the one place sequences take their new tokens and those that are done leave.
 """
@@ -83,10 +84,12 @@ class Scheduler:
                 break
             if self.guided is not None and not self.guided.is_ready(seq):
                 continue  # its grammar is still compiling: those behind it go first
-            n = min(seq.num_pending_tokens, budget)
-            if not self.block_manager.can_allocate(seq, n):
+            hits = self.block_manager.match_prefix(seq)
+            n = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
+            if not self.block_manager.can_admit(seq, hits, n):
                 break
             self.waiting.remove(seq)
+            self.block_manager.admit(seq, hits)
             self.block_manager.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -101,6 +104,7 @@ class Scheduler:
         token (and logprobs, and text), and those that are done leave, their blocks freed. Returns those."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
         finished = []
         for i, (seq, token) in enumerate(zip(sampled, tokens, strict=True)):
             seq.token_ids.append(token)

@@ -27,6 +27,9 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full computed blocks
+    num_cached_tokens: int = 0  # tokens its latest admission took from the prefix cache
+    choice_index: int = 0  # which of the request's n choices this sequence is
     status: SequenceStatus = SequenceStatus.WAITING
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] | None = None

@@ -11,6 +11,8 @@ The serve loop owns one `WorkerMetrics` and calls, from any thread:
     metrics.observe_step(step_s, running, waiting, used_blocks, free_blocks, preemptions_total)
     metrics.observe_engine(running, waiting, used_blocks, free_blocks)   # the gauges alone, between steps
     metrics.observe_queue(depth, pending)   # stream length; the group's delivered-but-unacked count
+    metrics.observe_prefix_cache(queried_tokens, hit_tokens, queried_blocks, hit_blocks, cached_blocks)
+                                       # the engine's cumulative prefix-cache counts (EngineStats)
     metrics.heartbeat()                # "the loop is alive" while idle (observe_step beats too)
     metrics.stop_http()
 
@@ -61,6 +63,7 @@ class WorkerMetrics:
         self._clock = clock
         self._last_beat: float | None = None
         self._preemptions_seen = 0
+        self._prefix_seen = (0, 0, 0, 0)
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
         self._server_thread: threading.Thread | None = None
@@ -87,6 +90,25 @@ class WorkerMetrics:
         self.waiting = Gauge("tokenbus_waiting_sequences", "Sequences waiting for a seat.", registry=r)
         self.kv_used = Gauge("tokenbus_kv_blocks_used", "KV cache blocks held by sequences.", registry=r)
         self.kv_free = Gauge("tokenbus_kv_blocks_free", "KV cache blocks on the free list.", registry=r)
+        self.prefix_queried = Counter(
+            "tokenbus_prefix_cache_queries", "Prompt tokens / full prompt blocks looked up in the prefix cache.",
+            ["unit"], registry=r,
+        )
+        self.prefix_hits = Counter(
+            "tokenbus_prefix_cache_hits", "Prompt tokens / blocks served from the prefix cache.", ["unit"],
+            registry=r,
+        )
+        self.prefix_hit_rate = Gauge(
+            "tokenbus_prefix_cache_hit_rate", "Share of looked-up prompt tokens / blocks found cached since the "
+            "engine started.", ["unit"], registry=r,
+        )
+        self.prefix_cached_blocks = Gauge(
+            "tokenbus_prefix_cache_blocks", "KV blocks holding a reusable prefix (in use or evictable).", registry=r
+        )
+        for unit in ("tokens", "blocks"):
+            self.prefix_queried.labels(unit=unit)
+            self.prefix_hits.labels(unit=unit)
+            self.prefix_hit_rate.labels(unit=unit)
         self.queue_depth = Gauge("tokenbus_queue_depth", "Entries in the jobs stream.", registry=r)
         self.queue_pending = Gauge(
             "tokenbus_queue_pending", "Entries delivered to a worker and not yet acknowledged.", registry=r
@@ -171,6 +193,25 @@ class WorkerMetrics:
         self.waiting.set(waiting)
         self.kv_used.set(used_blocks)
         self.kv_free.set(free_blocks)
+
+    def observe_prefix_cache(self, queried_tokens: int, hit_tokens: int, queried_blocks: int, hit_blocks: int,
+                             cached_blocks: int) -> None:
+        """The engine's cumulative prefix-cache counts: counters take the growth, gauges the rates."""
+        totals = (queried_tokens, hit_tokens, queried_blocks, hit_blocks)
+        with self._lock:
+            seen = self._prefix_seen
+            if any(t < s for t, s in zip(totals, seen, strict=True)):  # a new engine: start over
+                seen = (0, 0, 0, 0)
+            self._prefix_seen = totals
+        deltas = [t - s for t, s in zip(totals, seen, strict=True)]
+        for counter, unit, delta in ((self.prefix_queried, "tokens", deltas[0]), (self.prefix_hits, "tokens",
+                                     deltas[1]), (self.prefix_queried, "blocks", deltas[2]),
+                                     (self.prefix_hits, "blocks", deltas[3])):
+            if delta:
+                counter.labels(unit=unit).inc(delta)
+        self.prefix_hit_rate.labels(unit="tokens").set(hit_tokens / queried_tokens if queried_tokens else 0.0)
+        self.prefix_hit_rate.labels(unit="blocks").set(hit_blocks / queried_blocks if queried_blocks else 0.0)
+        self.prefix_cached_blocks.set(cached_blocks)
 
     def observe_queue(self, depth: int, pending: int) -> None:
         self.queue_depth.set(depth)

@@ -20,13 +20,13 @@ import structlog
 
 from producer.protocol import ErrorCode
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.token_text import logprob_token_ids, token_info
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter, FirstToken
 from worker.serve.intake import BLOCK_MS, Intake, IntakeBudget
 from worker.serve.leases import Housekeeper, Leases
 from worker.serve.messages import HandBack, Partial, Revoke, StartedJob, Wake
 from worker.serve.queue import Ending, JobQueue
+from worker.serve.results import job_result
 from worker.settings import WorkerSettings
 
 log = structlog.get_logger("tokenbus.worker")
@@ -71,9 +71,8 @@ class Server:
         self.drain_deadline: float | None = None
         self.step_failures = 0
         self.exit_code = 0
-        # the heartbeat's engine numbers; free_blocks from the start (the first heartbeat lacked it)
-        self._snapshot: dict[str, Any] = {"model": engine.model_name, "running": 0, "waiting": 0,
-                                          "free_blocks": engine.stats().free_blocks}
+        # the heartbeat's engine numbers, every field from the first beat on
+        self._snapshot: dict[str, Any] = _snapshot(engine.model_name, engine.stats())
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -159,8 +158,7 @@ class Server:
     def _publish_stats(self, stats: Any) -> None:
         """Heartbeat numbers and gauges after every turn of the loop, not only after a step: a cancel or an
         ending with no step after it (the engine went idle) must not leave the last step's numbers up."""
-        self._snapshot = {"model": self.engine.model_name, "running": stats.running, "waiting": stats.waiting,
-                          "free_blocks": stats.free_blocks}
+        self._snapshot = _snapshot(self.engine.model_name, stats)
         if self.metrics is not None:
             self.metrics.observe_engine(stats.running, stats.waiting, stats.used_blocks, stats.free_blocks)
 
@@ -255,9 +253,11 @@ class Server:
         elapsed = time.perf_counter() - started
         self.step_failures = 0
         stats = self.engine.stats()
-        self._snapshot = {"model": self.engine.model_name, "running": stats.running, "waiting": stats.waiting,
-                          "free_blocks": stats.free_blocks}
+        self._snapshot = _snapshot(self.engine.model_name, stats)
         if self.metrics is not None:
+            self.metrics.observe_prefix_cache(stats.prefix_queried_tokens, stats.prefix_hit_tokens,
+                                              stats.prefix_queried_blocks, stats.prefix_hit_blocks,
+                                              stats.cached_blocks)
             self.metrics.observe_step(elapsed, stats.running, stats.waiting, stats.used_blocks,
                                       stats.free_blocks, stats.preemptions)
         now = time.time()
@@ -367,18 +367,8 @@ class Server:
         if job.stream:
             self.writer.put(Partial(job.job_id, [], job.published, done=True))
         cancelled = out.finish_reason == "abort"
-        prompt_tokens, completion_tokens = len(out.prompt_token_ids), len(out.token_ids)
-        result = {
-            "text": out.text,
-            "token_ids": list(out.token_ids),
-            "finish_reason": out.finish_reason,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
-            "logprobs": out.logprobs,
-            "model": self.engine.model_name,
-        }
-        if out.logprobs is not None:  # the producer has no tokenizer: name each token for OpenAI's shape
-            result["logprob_tokens"] = token_info(self.engine.tokenizer, logprob_token_ids(out.logprobs))
+        result = job_result(out, self.engine.model_name, self.engine.tokenizer)
+        completion_tokens = result["usage"]["completion_tokens"]
         self._end(job, "cancelled" if cancelled else "finished", result=result,
                   error="cancelled while running" if cancelled else None,
                   error_code=ErrorCode.cancelled if cancelled else None,
@@ -391,3 +381,10 @@ class Server:
         ending = Ending(job.job_id, job.entry_id, status, result=result, error=error, error_code=error_code,
                         finished_at=finished_at or time.time(), queue=job.queue)
         self.writer.end(ending, started_at=job.started_at, **stats)
+
+
+def _snapshot(model: str, stats: Any) -> dict[str, Any]:
+    """The heartbeat's engine numbers (protocol.Heartbeat)."""
+    return {"model": model, "running": stats.running, "waiting": stats.waiting, "free_blocks": stats.free_blocks,
+            "prefix_queried_tokens": stats.prefix_queried_tokens, "prefix_hit_tokens": stats.prefix_hit_tokens,
+            "prefix_queried_blocks": stats.prefix_queried_blocks, "prefix_hit_blocks": stats.prefix_hit_blocks}
