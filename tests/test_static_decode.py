@@ -131,3 +131,36 @@ def test_padding_rows_change_no_real_row(tiny_dir, cpu_kernels):
             slots = {b * bs + o for b, o in changed if b != pad}
             assert slots <= own, f"the padded step wrote slots {sorted(slots - own)} of no real row"
     engine.abort("0"), engine.abort("1"), engine.abort("2")
+
+
+def test_warm_up_writes_only_the_pad_block(tiny_dir):
+    """The start-up warm-up (run on CUDA before the first job) runs every decode variant and padded bucket
+    here too, on the CPU, and leaves every block but the pad block as it was."""
+    from worker.engine import warmup
+
+    engine = Engine(tiny_dir, device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=64,
+                    static_decode=True, cpu_kernels=False)
+    engine.generate(PROMPTS[:2], SamplingParams(max_tokens=5, temperature=0.0))  # real K/V in some blocks
+    runner = engine.runner
+    for k, v in runner.kv_caches:
+        k[-1].zero_(), v[-1].zero_()
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    warmup.warm_up(engine.model, runner.kv_caches, runner.pad_block, engine.config.block_size,
+                   runner.max_blocks_per_seq, engine.max_num_seqs, runner.static.buckets)
+    for (k0, v0), (k1, v1) in zip(before, runner.kv_caches, strict=True):
+        assert torch.equal(k0[:-1], k1[:-1]) and torch.equal(v0[:-1], v1[:-1])
+        assert k1[-1].abs().sum() > 0, "the warm-up wrote nothing into the pad block"
+
+
+def test_device_side_table_updates_equal_hf(tiny_dir):
+    """The GPU's way of keeping the block table (new block ids scattered from the packed copy, whole rows
+    gathered then narrowed) run on the CPU: staggered arrivals, finishes and reused rows, equal to HF."""
+    engine = Engine(tiny_dir, device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
+                    cpu_kernels=False, num_kv_blocks=7)  # too few: preemption frees and rewrites rows
+    engine.runner.inputs.device_updates = True
+    max_tokens = [m + 20 for m in MAX_TOKENS[:7]]
+    outputs = run_staggered(engine, PROMPTS[:7], max_tokens, arrive_every=1)
+    assert engine.scheduler.num_preemptions > 0
+    hf = load_hf(tiny_dir)
+    for i, (prompt, m) in enumerate(zip(PROMPTS[:7], max_tokens, strict=True)):
+        assert outputs[f"r{i}"] == hf_greedy(hf, engine.tokenize(prompt), m, ignore_eos=True), f"prompt {i} differs"

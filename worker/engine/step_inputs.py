@@ -53,7 +53,9 @@ class StepInputs:
         self.device = device
         self.pad_block = pad_block
         self.pad_row = max_num_seqs
-        self.on_cpu = device.type == "cpu"
+        # the device-side way (updates scattered from the packed copy, whole-row gathers): on for a GPU; a
+        # test turns it on for the CPU to run that logic there
+        self.device_updates = device.type != "cpu"
         self.table = torch.zeros(max_num_seqs + 1, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.table[self.pad_row] = pad_block
         self.seats: dict[Sequence, _Seat] = {}
@@ -81,7 +83,7 @@ class StepInputs:
         if n > seat.synced:
             if n > self.max_blocks_per_seq:
                 raise ValueError(f"a sequence holds {n} KV blocks; the table has {self.max_blocks_per_seq} per row")
-            if self.on_cpu:
+            if not self.device_updates:
                 self.table[seat.row, seat.synced : n] = torch.tensor(table[seat.synced : n], dtype=torch.int32)
             else:
                 base = seat.row * self.max_blocks_per_seq
@@ -132,38 +134,44 @@ class StepInputs:
             decode_lens += [1] * pad
         if sample_rows == list(range(len(sample_rows))):
             sample_rows = []  # the leading rows: a slice, no index needed
-        t, num_rows, u, k = len(ids), len(rows), len(updates), len(sample_rows)
-        packed = ids + pos + slots + rows + sample_rows + updates + prefill_lens + cu + decode_lens + values
-        buf = self._send(packed)
-        cut = 3 * t + num_rows + k + u
+        # int64 segments start on 16 bytes, int32 ones too: Triton specialises a kernel on its pointers'
+        # alignment, so unaligned views would compile new variants mid-serving
+        longs_part, (s_ids, s_pos, s_slots, s_rows, s_sample, s_upd) = _layout(
+            [ids, pos, slots, rows, sample_rows, updates], 2)
+        ints_part, (s_plens, s_cu, s_dlens, s_vals) = _layout([prefill_lens, cu, decode_lens, values], 4)
+        buf = self._send(longs_part + ints_part)
+        cut = len(longs_part)
         longs, ints = buf[:cut], buf[cut:].to(torch.int32)
-        input_ids, positions, slot_mapping = longs[:t], longs[t : 2 * t], longs[2 * t : 3 * t]
-        row_index = longs[3 * t : 3 * t + num_rows]
-        sample_index = longs[3 * t + num_rows : 3 * t + num_rows + k] if k else None
-        if u:
-            self.table.view(-1).index_copy_(0, longs[cut - u :], ints[len(ints) - u :])
+        row_index = longs[s_rows]
+        if updates:
+            self.table.view(-1).index_copy_(0, longs[s_upd], ints[s_vals])
         p = len(prefill)
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
+            slot_mapping=longs[s_slots],
             num_prefill_tokens=sum(n for _, n in prefill),
             prefill_block_tables=self._tables(row_index[:p], [s for s, _ in prefill]) if p else None,
-            prefill_seq_lens=ints[:p] if p else None,
-            prefill_cu_seqlens_q=ints[p : 2 * p + 1] if p else None,
+            prefill_seq_lens=ints[s_plens] if p else None,
+            prefill_cu_seqlens_q=ints[s_cu] if p else None,
             decode_block_tables=self._tables(row_index[p:], [s for s, _ in decode], pad_to is not None)
-            if num_rows > p else None,
-            decode_seq_lens=ints[len(cu) + p : len(cu) + num_rows] if num_rows > p else None,
+            if len(rows) > p else None,
+            decode_seq_lens=ints[s_dlens] if len(rows) > p else None,
         )
+        sample_index = longs[s_sample] if sample_rows else None
+        input_ids, positions = longs[s_ids], longs[s_pos]
         return PreparedStep(input_ids, positions, meta, order, sampling_seqs, sample_index)
 
     def _tables(self, row_index: torch.Tensor, seqs: list[Sequence], full_width: bool = False) -> torch.Tensor:
         # entries past a sequence's last block are stale ids of the row's earlier users: valid blocks the
         # kernels never read (every kernel stops at the sequence's length)
         width = self.max_blocks_per_seq if full_width else max(len(s.block_table) for s in seqs)
-        return self.table[:, :width].index_select(0, row_index)
+        if not self.device_updates:
+            return self.table[:, :width].index_select(0, row_index)
+        # on a GPU whole rows (a few KiB) and a view: the row stride stays fixed, one kernel variant
+        return self.table.index_select(0, row_index)[:, :width]
 
     def _send(self, packed: list[int]) -> torch.Tensor:
         """The packed values as one int64 tensor on the device: on CUDA through the pinned staging buffer."""
-        if self.on_cpu:
+        if self.device.type == "cpu":
             return torch.tensor(packed, dtype=torch.int64)
         n = len(packed)
         if self._copied is not None:
@@ -178,6 +186,18 @@ class StepInputs:
         self._copied = torch.cuda.Event()
         self._copied.record()
         return out
+
+
+def _layout(segments: list[list[int]], align: int) -> tuple[list[int], list[slice]]:
+    """The segments back to back, each starting at a multiple of `align` elements, and where each lies."""
+    out: list[int] = []
+    spans = []
+    for seg in segments:
+        out += [0] * (-len(out) % align)
+        spans.append(slice(len(out), len(out) + len(seg)))
+        out += seg
+    out += [0] * (-len(out) % align)
+    return out, spans
 
 
 def _cumsum(lengths: list[int]) -> list[int]:

@@ -52,7 +52,7 @@ def decode_meta(num_seqs: int, width: int, block: int, block_size: int, device: 
 def _forward(model, num_tokens: int, kv, meta, logits_rows: int) -> None:
     device = kv[0][0].device
     ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-    positions = torch.arange(num_tokens, device=device)
+    positions = torch.arange(num_tokens, device=device) % model.rotary.cos.shape[0]  # inside the rope table
     hidden = model(ids, positions, kv, meta)
     model.compute_logits(hidden[:logits_rows]).float().softmax(-1)  # a sampler-sized [rows, vocab] in fp32
 
