@@ -122,7 +122,11 @@ def test_padding_rows_change_no_real_row(tiny_dir, cpu_kernels):
     before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     padded, step = logits(8)
     assert step.input_ids.shape[0] == 8 and step.meta.decode_block_tables.shape == (8, runner.max_blocks_per_seq)
-    assert torch.equal(padded, exact) and torch.equal(padded, unpadded)
+    if cpu_kernels:  # the panel GEMV and C++ kernels compute each row alone: bit for bit
+        assert torch.equal(padded, exact) and torch.equal(padded, unpadded)
+    else:  # oneDNN/MKL block a GEMM by its row count: the same rows may round differently at 8 rows than at 3
+        torch.testing.assert_close(padded, unpadded, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(padded, exact, rtol=1e-5, atol=1e-5)
     bs, pad = engine.config.block_size, runner.pad_block
     own = {s.block_table[s.num_computed_tokens // bs] * bs + s.num_computed_tokens % bs for s in seqs}
     for (k0, v0), (k1, v1) in zip(before, runner.kv_caches, strict=True):
