@@ -16,10 +16,14 @@ When one partition covers every context, stage 1 normalises and writes `out` its
 
 num_partitions comes from block_tables.shape[1] (no device->host sync); partitions past a sequence's
 length exit at once. The partition size is chosen so that num_seqs * num_kv_heads * num_partitions gives
-the GPU a few waves of programs: a few long sequences still fill it.
+the GPU a few waves of programs: a few long sequences still fill it. A DecodeWorkspace holds the partials
+allocated once (the engine's, sized for its widest batch and table), so a step allocates nothing and a
+fixed-width table gives a fixed partition count: what a CUDA graph replays.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -150,6 +154,40 @@ def pick_partition_size(max_context: int, num_seqs: int, num_kv_heads: int, num_
     return min(MAX_PARTITION, max(MIN_PARTITION, size))
 
 
+@functools.cache
+def num_sms(device_index: int) -> int:
+    """The GPU's multiprocessor count, asked once per device (the query costs microseconds per call)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+class DecodeWorkspace:
+    """fp32 partials [num_seqs, num_q_heads, num_partitions(, head_dim)] preallocated for any call up to
+    `capacity` (num_seqs * num_q_heads * num_partitions) rows; every layer of a step reuses them in turn."""
+
+    def __init__(self, capacity: int, head_dim: int, device: torch.device) -> None:
+        self.capacity = capacity
+        self.stats = torch.empty(2, capacity, dtype=torch.float32, device=device)
+        self.acc = torch.empty(capacity, head_dim, dtype=torch.float32, device=device)
+
+    @classmethod
+    def for_batches(cls, max_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_context: int,
+                    device: torch.device, sms: int) -> DecodeWorkspace:
+        """Enough for every batch of up to max_seqs sequences over tables of up to max_context tokens."""
+        widest = max(
+            s * triton.cdiv(max_context, pick_partition_size(max_context, s, num_kv_heads, sms))
+            for s in range(1, max_seqs + 1)
+        )
+        return cls(widest * num_q_heads, head_dim, device)
+
+    def partials(self, num_seqs: int, num_q_heads: int, num_partitions: int):
+        """(max, sum, acc) views for this call, or None when it needs more than the workspace holds."""
+        n = num_seqs * num_q_heads * num_partitions
+        if n > self.capacity:
+            return None
+        shape = (num_seqs, num_q_heads, num_partitions)
+        return self.stats[0, :n].view(shape), self.stats[1, :n].view(shape), self.acc[:n].view(*shape, -1)
+
+
 def plan_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -161,6 +199,7 @@ def plan_decode(
     on_gpu: bool,
     partition_size: int | None = None,
     num_sms: int = 132,
+    workspace: DecodeWorkspace | None = None,
 ) -> list[Launch]:
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -187,8 +226,11 @@ def plan_decode(
     single = num_partitions == 1
     # GPU dots need >= 16 rows; the interpreter runs numpy and wants the smallest tiles.
     group_pad = max(16, triton.next_power_of_2(group)) if on_gpu else triton.next_power_of_2(group)
+    reserved = None if single or workspace is None else workspace.partials(num_seqs, num_q_heads, num_partitions)
     if single:
         part_max = part_sum = part_acc = out  # not touched by the single-partition variant
+    elif reserved is not None:
+        part_max, part_sum, part_acc = reserved
     else:
         part_max = torch.empty(num_seqs, num_q_heads, num_partitions, dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
@@ -232,13 +274,14 @@ def paged_decode_attention_triton(
     *,
     out: torch.Tensor | None = None,
     partition_size: int | None = None,
+    workspace: DecodeWorkspace | None = None,
 ) -> torch.Tensor:
     """Decode attention; see the module docstring. `out` and `partition_size` exist for tests/benchmarks."""
     check_launchable(_decode_partition_kernel, q)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+    sms = num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 1
     for launch in plan_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, q.is_cuda,
-                              partition_size, num_sms):
+                              partition_size, sms, workspace):
         launch()
     return out

@@ -106,7 +106,7 @@ def serve(redis_server):
 
     def start(engine, url: str | None = None, metrics=None, **overrides) -> ServeThread:
         values = dict(redis_url=url or redis_server.url, model=engine.model_name, lease_ms=2000,
-                      heartbeat_s=0.5, drain_grace_s=10, max_num_seqs=engine.config.max_num_seqs,
+                      heartbeat_s=0.5, drain_grace_s=10, max_num_seqs=engine.max_num_seqs,
                       worker_name=f"test-worker-{len(started)}")
         values.update(overrides)
         settings = WorkerSettings(**values)

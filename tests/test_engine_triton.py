@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 # chunked prefill (prompts longer than the 16-token step budget), block boundaries (block_size 16),
 # sequences joining and leaving a running decode batch; the last prompt starts with the second one's first
 # full block, so its prefill starts mid-sequence over a prefix-cache hit
@@ -28,7 +30,7 @@ PROMPTS = [
 MAX_TOKENS = [20, 9, 14, 24, 7]
 
 
-def run_engine_with_triton(directory: str) -> dict:
+def run_engine_with_triton(directory: str, static_decode: bool = False) -> dict:
     """Child side: the engine on CPU with the interpreted Triton kernels; the references would raise."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
     import kernels.activation as activation
@@ -63,8 +65,19 @@ def run_engine_with_triton(directory: str) -> dict:
     counted(norm, "add_rms_norm_triton", "add_rms_norm")
     counted(activation, "silu_and_mul_triton", "silu_and_mul")
 
-    engine = Engine(directory, device="cpu", dtype="float32", block_size=16, max_num_seqs=3,
-                    max_num_batched_tokens=16, kv_cache_gb=0.01)
+    # static_decode: pure decode steps padded to buckets 1, 2, 4 with full-width tables (the graphs' path)
+    engine = Engine(directory, device="cpu", dtype="float32", block_size=16, max_num_seqs=4 if static_decode else 3,
+                    max_num_batched_tokens=16, kv_cache_gb=0.01, static_decode=static_decode)
+    padded = []
+    if static_decode:
+        run = engine.runner.static.run
+
+        def observed(batch):
+            hidden, step = run(batch)
+            padded.append(hidden.shape[0] > len(batch.seqs))
+            return hidden, step
+
+        engine.runner.static.run = observed
     for i, (prompt, max_tokens) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     outputs = {}
@@ -73,21 +86,23 @@ def run_engine_with_triton(directory: str) -> dict:
             outputs[out.request_id] = {"prompt": out.prompt_token_ids, "tokens": out.token_ids}
     engine.block_manager.check_invariants([])
     return {"outputs": outputs, "calls": calls, "steps": engine.steps, "layers": engine.model.arch.num_layers,
-            "prefix_hit_tokens": engine.block_manager.stats.hit_tokens}
+            "prefix_hit_tokens": engine.block_manager.stats.hit_tokens, "padded_steps": sum(padded)}
 
 
-def test_engine_with_triton_kernels_equals_hf(tmp_path):
+@pytest.mark.parametrize("static_decode", [False, True], ids=["eager", "static-decode"])
+def test_engine_with_triton_kernels_equals_hf(tmp_path, static_decode):
     from hf_reference import hf_greedy, load_hf
     from tiny_models import make_tiny_model
 
     directory = make_tiny_model(str(tmp_path / "llama"), "llama")  # 4 q / 2 kv heads, head_dim 32
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, __file__, directory], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run([sys.executable, __file__, directory, str(static_decode)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"engine child failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     calls, per_step = result["calls"], result["steps"] * result["layers"]
+    assert (result["padded_steps"] > 0) == static_decode, result["padded_steps"]
     # every layer of every step: one fused RoPE + KV write, one SiLU·mul, two residual-add norms (the first
     # layer's input norm is a plain one, the final norm an add); attention once or twice (prefill + decode)
     assert calls["rotary_write_kv"] == calls["silu_and_mul"] == per_step, calls
@@ -103,6 +118,20 @@ def test_engine_with_triton_kernels_equals_hf(tmp_path):
         assert out["tokens"] == expected, f"prompt {PROMPTS[i]!r}: Triton engine {out['tokens']} != HF {expected}"
 
 
+def test_head_dim_the_kernels_cannot_serve_fails_at_start(tmp_path):
+    """head_dim 24 (not a power of two): Engine.__init__ refuses it on the Triton path, naming model and limit."""
+    from tiny_models import make_tiny_model
+
+    directory = make_tiny_model(str(tmp_path / "odd"), "llama", hidden_size=96, head_dim=24)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    code = f"from worker import Engine; Engine({directory!r}, device='cpu', dtype='float32')"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert f"model {directory!r} has head_dim 24" in proc.stderr and "power of two >= 16" in proc.stderr, \
+        proc.stderr[-3000:]
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    print(json.dumps(run_engine_with_triton(sys.argv[1])))
+    print(json.dumps(run_engine_with_triton(sys.argv[1], sys.argv[2:] == ["True"])))

@@ -109,6 +109,34 @@ def test_decode_matches_reference(dtype, block_size, hq, hk, head_dim, partition
     assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, table, seq_lens, scale))
 
 
+
+@needs_kernels
+def test_decode_with_workspace_matches_reference():
+    """The engine's preallocated partials (DecodeWorkspace): the same output as the per-call buffers, over a
+    full-width table (the padded decode path's), and a workspace too small for a call is not used."""
+    from kernels.decode_attention import DecodeWorkspace, paged_decode_attention_triton
+
+    gen = torch.Generator().manual_seed(7)
+    block_size, hq, hk, head_dim = 16, 6, 2, 32
+    lens = LENGTH_CASES(block_size)
+    k_cache, v_cache, table = paged_cache(lens, block_size, hk, head_dim, torch.float32, gen)
+    wide = torch.cat([table, table[:, :1].expand(-1, 20)], 1).contiguous()  # stale ids past each length
+    q = torch.randn(len(lens), hq, head_dim, generator=gen).to(DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    expected = paged_decode_attention_ref(q, k_cache, v_cache, table, seq_lens, head_dim**-0.5)
+    max_context = wide.shape[1] * block_size
+    # for_batches sizes for the engine's own partition picks: at 132 SMs these use many partitions
+    sized = DecodeWorkspace.for_batches(len(lens), hq, hk, head_dim, max_context, torch.device(DEVICE), 132)
+    assert sized.capacity >= len(lens) * hq * cdiv(max_context, 128)
+    workspace = DecodeWorkspace(len(lens) * hq * cdiv(max_context, 32), head_dim, torch.device(DEVICE))
+    workspace.stats.fill_(float("nan"))
+    for ws in (workspace, DecodeWorkspace(1, head_dim, torch.device(DEVICE))):
+        out = paged_decode_attention_triton(q, k_cache, v_cache, wide, seq_lens, head_dim**-0.5, partition_size=32,
+                                            workspace=ws)
+        assert_close(out, expected)
+    assert workspace.stats.isfinite().any(), "the workspace was not used"
+
+
 # (dtype, block_size, num_q_heads, num_kv_heads, head_dim)
 PREFILL_CASES = [
     (torch.float32, 16, 4, 4, 32),

@@ -30,7 +30,9 @@ class WorkerSettings(BaseSettings):
     device: str = Field(_ENGINE.device, description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'")
     dtype: str = Field(_ENGINE.dtype, description="'auto' (bfloat16 on cuda, float32 on cpu), or a torch dtype name")
     block_size: int = Field(_ENGINE.block_size, gt=0, description="tokens per KV-cache block")
-    max_num_seqs: int = Field(_ENGINE.max_num_seqs, gt=0, description="most sequences in one batch")
+    max_num_seqs: int | None = Field(
+        _ENGINE.max_num_seqs, gt=0, description="most sequences in one batch; unset = 256 on cuda, 64 on cpu"
+    )
     max_num_batched_tokens: int = Field(
         _ENGINE.max_num_batched_tokens, gt=0, description="token budget of one engine step"
     )

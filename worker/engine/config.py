@@ -17,7 +17,8 @@ class EngineConfig:
     device: str = "auto"  # "auto" = cuda when available, else cpu
     dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
     block_size: int = 16  # tokens per KV-cache block
-    max_num_seqs: int = 64  # sequences in one batch
+    max_num_seqs: int | None = None  # sequences in one batch; None = 256 on cuda, 64 on the cpu (the Engine
+    # resolves it once the device is known)
     max_num_batched_tokens: int = 2048  # token budget of one step (prompt chunks + one per decoding sequence)
     max_model_len: int | None = None  # None = the model's own context
     kv_cache_gb: float | None = None  # KV-cache size; None = from gpu_memory_utilization (cuda) or 1 GiB (cpu)
@@ -35,9 +36,9 @@ class EngineConfig:
         problems = []
         if self.block_size not in (8, 16, 32, 64, 128):
             problems.append(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             problems.append(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if self.max_num_seqs is not None and self.max_num_batched_tokens < self.max_num_seqs:
             problems.append(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}): each running sequence needs one token of the budget"

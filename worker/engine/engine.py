@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 import torch
 
-from worker.engine import loader
+from worker.engine import loader, warmup
 from worker.engine.backends import select_backend
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
@@ -32,6 +32,8 @@ from worker.engine.stop_checker import StopChecker
 log = structlog.get_logger("tokenbus.engine")
 
 Prompt = str | list[int] | list[dict[str, Any]]
+CUDA_MAX_NUM_SEQS = 256  # max_num_seqs when the config leaves it None: a GPU step is cheap per row
+CPU_MAX_NUM_SEQS = 64  # the CPU's panel linears serve up to 64 rows (backends/cpu_linear.py)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -115,24 +117,39 @@ class Engine:
             # beyond the window our full attention would differ from the model's: stay inside it
             self.max_model_len = min(self.max_model_len, arch.sliding_window)
         self.backend = select_backend(self.device, self.dtype, cfg.cpu_kernels, cfg.cache_dir)
+        self.backend.check_model(arch, cfg.model)
+        self.max_num_seqs = cfg.max_num_seqs or (CUDA_MAX_NUM_SEQS if self.device.type == "cuda" else CPU_MAX_NUM_SEQS)
+        if cfg.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) on {self.device.type}: each running sequence needs one token of the budget"
+            )
+        # graphs replay the padded decode path, so they need it; static_decode None follows the graphs
+        self.cuda_graphs = self.device.type == "cuda" and cfg.cuda_graphs and cfg.static_decode is not False
+        static_decode = cfg.static_decode if cfg.static_decode is not None else self.cuda_graphs
         with torch.device("meta"):  # no memory is touched until the weights arrive
             meta_model = LlamaForCausalLM(arch, self.backend)
-        self.model = meta_model.to_empty(device=self.device).to(self.dtype)
+        # cast while on meta: the weights are allocated once, in the target dtype, on the target device
+        self.model = meta_model.to(self.dtype).to_empty(device=self.device)
         if arch.tie_word_embeddings:  # materialising from meta unties shared parameters
             self.model.lm_head.weight = self.model.embed_tokens.weight
         self.model.attach_rotary(RotaryEmbedding(hf_config, arch.head_dim, self.max_model_len).to(self.device))
         self.model.load_weights(loader.iter_weights(source))
         self.model.eval().requires_grad_(False)
         self.backend.prepare(self.model)
+        max_blocks_per_seq = -(-self.max_model_len // cfg.block_size)
+        self.backend.reserve(arch, self.max_num_seqs, max_blocks_per_seq * cfg.block_size, self.device)
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
         self.guided = GuidedDecoding(self.tokenizer, arch.vocab_size, self.eos_token_ids, self.device)
-        self.scheduler = Scheduler(self.block_manager, self.stop_checker, cfg.max_num_seqs,
+        self.scheduler = Scheduler(self.block_manager, self.stop_checker, self.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.guided)
         self.sampler = Sampler(arch.vocab_size, self.device, self.eos_token_ids, self.backend)
         self.runner = ModelRunner(self.model, self.sampler, num_blocks, cfg.block_size, self.device, self.dtype,
-                                  self.guided)
+                                  self.max_num_seqs, self.max_model_len, static_decode, guided=self.guided)
+        if self.device.type == "cuda":
+            self._warm_up()
         self.requests: dict[str, Sequence] = {}  # choice 0 of every request inside
         self.choices: dict[str, list[Sequence]] = {}  # all n choices of every request inside
         # choices 1.. of an n > 1 request wait here until choice 0 has computed (and so cached) the prompt:
@@ -145,10 +162,13 @@ class Engine:
         log.info(
             "engine_ready", model=cfg.model, device=str(self.device), dtype=str(self.dtype), kv_blocks=num_blocks,
             block_size=cfg.block_size, max_model_len=self.max_model_len, backend=self.backend.name,
+            max_num_seqs=self.max_num_seqs, static_decode=static_decode, cuda_graphs=self.cuda_graphs,
             load_s=round(time.perf_counter() - started, 2),
         )
 
     def _num_kv_blocks(self) -> int:
+        """Blocks for the sequences (the runner adds one pad block): a fixed count, kv_cache_gb, or on CUDA
+        what the card has left after the profiled peak of the largest step and the graphs' pool."""
         cfg = self.config
         per_block = kv_bytes_per_block(self.model, cfg.block_size, self.dtype)
         if cfg.num_kv_blocks:
@@ -156,23 +176,40 @@ class Engine:
         if cfg.kv_cache_gb is not None:
             budget = cfg.kv_cache_gb * 1024**3
         elif self.device.type == "cuda":
-            torch.cuda.synchronize()
-            free, total = torch.cuda.mem_get_info(self.device)
-            # keep (1 - utilization) of the card plus activation headroom for the largest step
-            headroom = total * (1 - cfg.gpu_memory_utilization) + self._activation_bytes()
-            budget = max(free - headroom, 0)
+            budget = self._cuda_kv_budget()
         else:
             budget = 1024**3
-        blocks = int(budget // per_block)
+        blocks = int(budget // per_block) - 1
         if blocks < 1:
             raise ValueError("no memory left for the KV cache: raise kv_cache_gb / gpu_memory_utilization")
         return blocks
 
-    def _activation_bytes(self) -> int:
-        arch, cfg = self.model.arch, self.config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        widest = max(arch.intermediate_size * 2, arch.hidden_size * 4, arch.vocab_size)
-        return cfg.max_num_batched_tokens * widest * elem * 4
+    def _cuda_kv_budget(self) -> float:
+        cfg = self.config
+        width = -(-self.max_model_len // cfg.block_size)
+        args = (cfg.block_size, self.dtype, self.device)
+        peak = warmup.profile_peak(self.model, cfg.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
+                                   *args)
+        graphs = warmup.decode_peak(self.model, self.max_num_seqs, width, *args) if self.cuda_graphs else 0
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * cfg.gpu_memory_utilization - peak - graphs
+        # another process on the card shrinks what is really free
+        budget = min(budget, free - graphs - (peak - torch.cuda.memory_allocated(self.device)))
+        log.info("kv_cache_plan", total_gib=round(total / 1024**3, 2), peak_gib=round(peak / 1024**3, 3),
+                 graph_pool_gib=round(graphs / 1024**3, 3), kv_gib=round(max(budget, 0) / 1024**3, 2))
+        return max(budget, 0)
+
+    def _warm_up(self) -> None:
+        """Every kernel variant the serve loop hits, compiled before the first request; then the graphs."""
+        started = time.perf_counter()
+        runner, cfg = self.runner, self.config
+        buckets = runner.static.buckets if runner.static is not None and not self.cuda_graphs else None
+        warmup.warm_up(self.model, runner.kv_caches, runner.pad_block, cfg.block_size, runner.max_blocks_per_seq,
+                       self.max_num_seqs, buckets)
+        torch.cuda.synchronize(self.device)
+        warm_s = time.perf_counter() - started
+        graph_s = runner.static.capture() if self.cuda_graphs else 0.0
+        log.info("engine_warmed_up", kernels_s=round(warm_s, 2), graphs_s=round(graph_s, 2))
 
     # ---- requests -------------------------------------------------------------------------------------------
 

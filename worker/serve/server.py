@@ -46,7 +46,8 @@ class Server:
         self.jobs = JobQueue(client, settings.namespace, settings.worker_name, settings.result_ttl_s)
         self.leases = Leases()
         self.inbox: queue.Queue = queue.Queue()
-        self.capacity = settings.max_num_seqs + settings.intake_lookahead
+        # the engine's max_num_seqs: the setting, or the device's default when unset
+        self.capacity = engine.max_num_seqs + settings.intake_lookahead
         # never more than `capacity` jobs leased here, however far behind the writer is
         self.budget = IntakeBudget(self.capacity, leases=self.leases, limit=self.capacity)
         self.leases.on_release = self.budget.wake

@@ -9,7 +9,7 @@ work in place, as every backend's do: their inputs are a step's intermediates, u
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,8 +30,14 @@ if TYPE_CHECKING:
 class ReferenceBackend:
     name = "torch-reference"
 
+    def check_model(self, arch: Any, model_name: str) -> None:
+        """Raises ValueError naming the model and the limit when the kernels cannot serve its shapes."""
+
     def prepare(self, model: torch.nn.Module) -> None:
         """Called once the weights are loaded: a backend may repack or replace modules here."""
+
+    def reserve(self, arch: Any, max_num_seqs: int, max_context: int, device: torch.device) -> None:
+        """Called once the engine knows its widest batch and table: a backend may preallocate workspaces."""
 
     # ---- attention over the paged KV cache (kernels/reference.py has the shapes) --------------------------
 

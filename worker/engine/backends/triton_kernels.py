@@ -14,7 +14,7 @@ class TritonBackend(ReferenceBackend):
     def __init__(self, interpreted: bool = False) -> None:
         # imported here, not at module level: Triton must see TRITON_INTERPRET before these modules load
         from kernels.activation import silu_and_mul_triton
-        from kernels.decode_attention import paged_decode_attention_triton
+        from kernels.decode_attention import DecodeWorkspace, num_sms, paged_decode_attention_triton
         from kernels.kv_write import write_kv_triton
         from kernels.norm import add_rms_norm_triton, rms_norm_triton
         from kernels.prefill_attention import paged_prefill_attention_triton
@@ -29,12 +29,30 @@ class TritonBackend(ReferenceBackend):
         self._silu_and_mul = silu_and_mul_triton
         self._rotary = rotary_triton
         self._rotary_write_kv = rotary_write_kv_triton
+        self._workspace_type, self._num_sms = DecodeWorkspace, num_sms
+        self.decode_workspace: DecodeWorkspace | None = None
+
+    def check_model(self, arch, model_name: str) -> None:
+        d = arch.head_dim
+        if d < 16 or d & (d - 1):
+            raise ValueError(
+                f"model {model_name!r} has head_dim {d}; the Triton attention kernels take a power of two >= 16 "
+                "(16, 32, 64, 128, 256)"
+            )
+
+    def reserve(self, arch, max_num_seqs: int, max_context: int, device: torch.device) -> None:
+        """The decode partials, allocated once for the widest batch at the widest table (no per-layer
+        allocation; a CUDA graph replays the same buffers)."""
+        sms = self._num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else 1
+        self.decode_workspace = self._workspace_type.for_batches(
+            max_num_seqs, arch.num_heads, arch.num_kv_heads, arch.head_dim, max_context, device, sms)
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         self._write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
-        return self._decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return self._decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace=self.decode_workspace)
 
     def prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                           scale: float) -> torch.Tensor:

@@ -1,0 +1,207 @@
+"""StepInputs: the flat input tensors of one step, built from persistent buffers.
+
+    table     int32 [max_num_seqs + 1, max_blocks_per_seq] on the device: row r holds the block ids of the
+              sequence seated in batch row r; the last row is the padding row (every entry the pad block)
+    staging   int64 host buffer (pinned on CUDA): input ids, positions, slot mapping, table rows, table
+              updates and the int32 lengths of a step, packed back to back and sent in ONE host-to-device copy
+
+A sequence keeps its row while it runs; each step writes only the block ids it gained since the last step
+(on CUDA as (flat index, value) pairs in the packed copy, scattered on the device). A sequence that stopped
+running (finished, preempted, aborted) gives its row back; a block table that is a new list (BlockManager.free
+resets it) is written from the start. The step's block tables are then a gather of the table's rows.
+
+With `pad_to` a pure decode step is padded to a fixed row count: padding rows feed token 0 at position 0,
+write their K/V into the pad slot (block `pad_block`, never handed to a sequence), attend over that one token
+and read the padding row of the table, so they never touch a real sequence's cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from worker.engine.attention_metadata import AttentionMetadata
+from worker.engine.scheduler import ScheduledBatch
+from worker.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class _Seat:
+    row: int
+    table: list[int]  # the sequence's block_table list this row mirrors
+    synced: int  # how many of its ids the device row holds
+
+
+@dataclass
+class PreparedStep:
+    input_ids: torch.Tensor  # int64 [num_tokens (+ padding)]
+    positions: torch.Tensor  # int64, same length
+    meta: AttentionMetadata
+    order: list[tuple[Sequence, int]]  # (sequence, tokens fed), prefill first: the rows of input_ids
+    sampling_seqs: list[Sequence]  # those whose last pending token is in this step (a mid-prompt chunk is not)
+    sample_index: torch.Tensor | None  # int64 rows of the hidden states they sample from; None = the first
+    # len(sampling_seqs) rows (a decode step)
+
+
+class StepInputs:
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, pad_block: int,
+                 device: torch.device) -> None:
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.device = device
+        self.pad_block = pad_block
+        self.pad_row = max_num_seqs
+        # the device-side way (updates scattered from the packed copy, whole-row gathers): on for a GPU; a
+        # test turns it on for the CPU to run that logic there
+        self.device_updates = device.type != "cpu"
+        self.table = torch.zeros(max_num_seqs + 1, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.table[self.pad_row] = pad_block
+        self.seats: dict[Sequence, _Seat] = {}
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self._staging = torch.empty(0, dtype=torch.int64)
+        self._device_buf = torch.empty(0, dtype=torch.int64, device=device)
+        self._copied: torch.cuda.Event | None = None  # the last H2D copy out of the staging buffer
+
+    # ---- seats ----------------------------------------------------------------------------------------------
+
+    def _release_stopped(self) -> None:
+        stopped = [s for s in self.seats if s.status is not SequenceStatus.RUNNING]
+        for seq in stopped:
+            self.free_rows.append(self.seats.pop(seq).row)
+
+    def _seat(self, seq: Sequence, updates: list[int], values: list[int]) -> int:
+        """seq's row, with its new block ids appended as (flat index, value) pairs (CUDA) or written (CPU)."""
+        seat = self.seats.get(seq)
+        table = seq.block_table
+        if seat is None:
+            seat = self.seats[seq] = _Seat(self.free_rows.pop(), table, 0)
+        elif seat.table is not table or seat.synced > len(table):
+            seat.table, seat.synced = table, 0
+        n = len(table)
+        if n > seat.synced:
+            if n > self.max_blocks_per_seq:
+                raise ValueError(f"a sequence holds {n} KV blocks; the table has {self.max_blocks_per_seq} per row")
+            if not self.device_updates:
+                self.table[seat.row, seat.synced : n] = torch.tensor(table[seat.synced : n], dtype=torch.int32)
+            else:
+                base = seat.row * self.max_blocks_per_seq
+                updates += range(base + seat.synced, base + n)
+                values += table[seat.synced : n]
+            seat.synced = n
+        return seat.row
+
+    # ---- one step -------------------------------------------------------------------------------------------
+
+    def prepare(self, batch: ScheduledBatch, pad_to: int | None = None) -> PreparedStep:
+        """The step's tensors. pad_to (pure decode steps only): pad to that many rows, full-width tables."""
+        self._release_stopped()
+        pairs = list(zip(batch.seqs, batch.num_new_tokens, strict=True))
+        prefill = [(s, n) for s, n in pairs if n > 1]
+        decode = [(s, n) for s, n in pairs if n == 1]
+        if pad_to is not None and prefill:
+            raise ValueError("only a pure decode step can be padded")
+        order = prefill + decode
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        updates: list[int] = []
+        values: list[int] = []
+        sample_rows: list[int] = []
+        sampling_seqs: list[Sequence] = []
+        for seq, n in order:
+            start = seq.num_computed_tokens
+            if start + n == seq.num_tokens:
+                sample_rows.append(len(ids) + n - 1)
+                sampling_seqs.append(seq)
+            ids += seq.token_ids[start : start + n]
+            pos += range(start, start + n)
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            rows.append(self._seat(seq, updates, values))
+        prefill_lens = [s.num_computed_tokens + n for s, n in prefill]
+        cu = _cumsum([n for _, n in prefill]) if prefill else []
+        decode_lens = [s.num_computed_tokens + 1 for s, _ in decode]
+        if pad_to is not None:
+            pad = pad_to - len(decode)
+            ids += [0] * pad
+            pos += [0] * pad
+            slots += [self.pad_block * bs] * pad
+            rows += [self.pad_row] * pad
+            decode_lens += [1] * pad
+        if sample_rows == list(range(len(sample_rows))):
+            sample_rows = []  # the leading rows: a slice, no index needed
+        # int64 segments start on 16 bytes, int32 ones too: Triton specialises a kernel on its pointers'
+        # alignment, so unaligned views would compile new variants mid-serving
+        longs_part, (s_ids, s_pos, s_slots, s_rows, s_sample, s_upd) = _layout(
+            [ids, pos, slots, rows, sample_rows, updates], 2)
+        ints_part, (s_plens, s_cu, s_dlens, s_vals) = _layout([prefill_lens, cu, decode_lens, values], 4)
+        buf = self._send(longs_part + ints_part)
+        cut = len(longs_part)
+        longs, ints = buf[:cut], buf[cut:].to(torch.int32)
+        row_index = longs[s_rows]
+        if updates:
+            self.table.view(-1).index_copy_(0, longs[s_upd], ints[s_vals])
+        p = len(prefill)
+        meta = AttentionMetadata(
+            slot_mapping=longs[s_slots],
+            num_prefill_tokens=sum(n for _, n in prefill),
+            prefill_block_tables=self._tables(row_index[:p], [s for s, _ in prefill]) if p else None,
+            prefill_seq_lens=ints[s_plens] if p else None,
+            prefill_cu_seqlens_q=ints[s_cu] if p else None,
+            decode_block_tables=self._tables(row_index[p:], [s for s, _ in decode], pad_to is not None)
+            if len(rows) > p else None,
+            decode_seq_lens=ints[s_dlens] if len(rows) > p else None,
+        )
+        sample_index = longs[s_sample] if sample_rows else None
+        input_ids, positions = longs[s_ids], longs[s_pos]
+        return PreparedStep(input_ids, positions, meta, order, sampling_seqs, sample_index)
+
+    def _tables(self, row_index: torch.Tensor, seqs: list[Sequence], full_width: bool = False) -> torch.Tensor:
+        # entries past a sequence's last block are stale ids of the row's earlier users: valid blocks the
+        # kernels never read (every kernel stops at the sequence's length)
+        width = self.max_blocks_per_seq if full_width else max(len(s.block_table) for s in seqs)
+        if not self.device_updates:
+            return self.table[:, :width].index_select(0, row_index)
+        # on a GPU whole rows (a few KiB) and a view: the row stride stays fixed, one kernel variant
+        return self.table.index_select(0, row_index)[:, :width]
+
+    def _send(self, packed: list[int]) -> torch.Tensor:
+        """The packed values as one int64 tensor on the device: on CUDA through the pinned staging buffer."""
+        if self.device.type == "cpu":
+            return torch.tensor(packed, dtype=torch.int64)
+        n = len(packed)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the staging buffer
+        if n > self._staging.numel():
+            size = max(n, 2 * self._staging.numel(), 4096)
+            self._staging = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            self._device_buf = torch.empty(size, dtype=torch.int64, device=self.device)
+        self._staging.numpy()[:n] = np.asarray(packed, dtype=np.int64)
+        out = self._device_buf[:n]
+        out.copy_(self._staging[:n], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return out
+
+
+def _layout(segments: list[list[int]], align: int) -> tuple[list[int], list[slice]]:
+    """The segments back to back, each starting at a multiple of `align` elements, and where each lies."""
+    out: list[int] = []
+    spans = []
+    for seg in segments:
+        out += [0] * (-len(out) % align)
+        spans.append(slice(len(out), len(out) + len(seg)))
+        out += seg
+    out += [0] * (-len(out) % align)
+    return out, spans
+
+
+def _cumsum(lengths: list[int]) -> list[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out

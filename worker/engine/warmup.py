@@ -1,0 +1,102 @@
+"""Start-up work on a GPU: the memory plan and the kernel warm-up, before the engine takes its first request.
+
+    profile_peak   a forward at max_num_batched_tokens (one long prompt chunk, plus the logits of
+                   max_num_seqs rows) over a throwaway KV cache: its peak allocation, weights included, is
+                   what a step may need on top of the KV cache
+    decode_peak    the same for a padded decode step at the widest bucket: what the CUDA graphs' private
+                   memory pool holds (counted apart: the graphs keep it)
+    warm_up        runs each kernel variant the serve loop hits (prefill; decode with one partition and with
+                   many; the padded decode shapes) so no request waits for Triton to compile
+
+The engine sizes the KV cache as total x gpu_memory_utilization - profile_peak - decode_peak (graphs on).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.engine.attention_metadata import AttentionMetadata
+
+
+def _caches(model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
+            device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    arch = model.arch
+    shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(arch.num_layers)]
+
+
+def prefill_meta(num_tokens: int, block_size: int, device: torch.device, first_block: int = 0) -> AttentionMetadata:
+    """One prompt chunk of num_tokens tokens in blocks first_block, first_block + 1, ..."""
+    blocks = -(-num_tokens // block_size)
+    table = torch.arange(first_block, first_block + blocks, dtype=torch.int32, device=device)[None]
+    return AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens, device=device) + first_block * block_size,
+        num_prefill_tokens=num_tokens, prefill_block_tables=table,
+        prefill_cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        prefill_seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        decode_block_tables=None, decode_seq_lens=None,
+    )
+
+
+def decode_meta(num_seqs: int, width: int, block: int, block_size: int, device: torch.device) -> AttentionMetadata:
+    """num_seqs one-token decodes, every one writing into and reading from `block` (tables width wide)."""
+    return AttentionMetadata(
+        slot_mapping=torch.full((num_seqs,), block * block_size, dtype=torch.int64, device=device),
+        num_prefill_tokens=0, prefill_block_tables=None, prefill_cu_seqlens_q=None, prefill_seq_lens=None,
+        decode_block_tables=torch.full((num_seqs, width), block, dtype=torch.int32, device=device),
+        decode_seq_lens=torch.ones(num_seqs, dtype=torch.int32, device=device),
+    )
+
+
+def _forward(model, num_tokens: int, kv, meta, logits_rows: int) -> None:
+    device = kv[0][0].device
+    ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    positions = torch.arange(num_tokens, device=device) % model.rotary.cos.shape[0]  # inside the rope table
+    hidden = model(ids, positions, kv, meta)
+    model.compute_logits(hidden[:logits_rows]).float().softmax(-1)  # a sampler-sized [rows, vocab] in fp32
+
+
+@torch.inference_mode()
+def profile_peak(model, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> int:
+    """Peak bytes allocated (weights included) by the largest step; CUDA only."""
+    tokens = min(max_num_batched_tokens, max_model_len)
+    kv = _caches(model, -(-tokens // block_size), block_size, dtype, device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    _forward(model, tokens, kv, prefill_meta(tokens, block_size, device), min(max_num_seqs, tokens))
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del kv
+    torch.cuda.empty_cache()
+    return peak
+
+
+@torch.inference_mode()
+def decode_peak(model, num_seqs: int, width: int, block_size: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes a padded decode step of num_seqs rows allocates above what is held before it; CUDA only."""
+    kv = _caches(model, 1, block_size, dtype, device)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    _forward(model, num_seqs, kv, decode_meta(num_seqs, width, 0, block_size, device), 0)
+    torch.cuda.synchronize(device)
+    grown = torch.cuda.max_memory_allocated(device) - before
+    del kv
+    torch.cuda.empty_cache()
+    return grown
+
+
+@torch.inference_mode()
+def warm_up(model, kv_caches, pad_block: int, block_size: int, max_blocks_per_seq: int, max_num_seqs: int,
+            buckets: list[int] | None) -> None:
+    """Each kernel variant once, writing only into the pad block. buckets: the padded decode sizes to run
+    eagerly (None when CUDA graphs capture them anyway)."""
+    device = kv_caches[0][0].device
+    _forward(model, 1, kv_caches, prefill_meta(1, block_size, device, pad_block), 0)
+    for rows in (1, max_num_seqs):
+        for width in (1, max_blocks_per_seq):  # one partition; many partitions and the reduce
+            _forward(model, rows, kv_caches, decode_meta(rows, width, pad_block, block_size, device), rows)
+    for b in buckets or []:
+        _forward(model, b, kv_caches, decode_meta(b, max_blocks_per_seq, pad_block, block_size, device), b)
