@@ -10,18 +10,8 @@ from producer.errors import (
     TokenbusError,
     WaitTimeout,
 )
-from producer.protocol import (
-    BatchRecord,
-    BatchStatus,
-    GenerationParams,
-    Job,
-    JobRequest,
-    JobResult,
-    JobStatus,
-    Keys,
-    QueueInfo,
-    Usage,
-)
+from producer.protocol import BatchStatus, GenerationParams, Job, JobRequest, JobResult, JobStatus, Keys, Usage
+from producer.records import BatchRecord, QueueInfo
 
 __all__ = [
     "BatchNotFound", "BatchRecord", "BatchStatus", "Client", "GenerationParams", "InvalidBatch", "InvalidJob",

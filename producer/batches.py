@@ -14,7 +14,8 @@ import structlog
 
 from producer import openai_batch, scripts
 from producer.errors import BatchNotFound, InvalidBatch, InvalidJob, TokenbusError, WaitTimeout, listing
-from producer.protocol import GROUP, BatchRecord, BatchStatus, Priority, batch_job_id, check_batch_id
+from producer.protocol import GROUP, BatchStatus, Priority, batch_job_id, check_batch_id
+from producer.records import BatchRecord
 from producer.scripts import CHUNK, PendingJob
 
 if TYPE_CHECKING:

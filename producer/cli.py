@@ -16,7 +16,8 @@ import structlog
 from producer import batches
 from producer.client import Client
 from producer.errors import TokenbusError
-from producer.protocol import DEFAULT_NAMESPACE, PRIORITIES, GenerationParams, Job, JobStatus, Priority, QueueInfo
+from producer.protocol import DEFAULT_NAMESPACE, PRIORITIES, GenerationParams, Job, JobStatus, Priority
+from producer.records import QueueInfo
 from producer.redaction import redact_url, scrub, secrets_of
 
 EXIT_ERROR = 1

@@ -21,16 +21,13 @@ from producer.protocol import (
     DEFAULT_RESULT_TTL,
     GROUP,
     TERMINAL_STATUSES,
-    BatchRecord,
-    Heartbeat,
     Job,
     JobRequest,
     Keys,
-    QueueInfo,
-    WorkerInfo,
     check_job_id,
     validate_request,
 )
+from producer.records import BatchRecord, Heartbeat, QueueInfo, WorkerInfo
 
 log = structlog.get_logger("tokenbus.producer")
 

@@ -1,4 +1,5 @@
-"""The wire protocol between producers and workers: key names, statuses and pydantic models.
+"""The wire protocol between producers and workers: statuses and pydantic models (key names and priorities
+in producer/keys.py, re-exported here).
 
 This module is the source of truth for docs/protocol.md. It imports no torch: clients in other processes
 (and other languages, via the doc) only need Redis and these shapes.
@@ -9,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -18,8 +18,8 @@ from pydantic_core import PydanticSerializationError
 
 from producer.constraints import check_choice, check_response_format, grammar_error, grammar_for
 from producer.errors import InvalidJob
+from producer.keys import DEFAULT_NAMESPACE, PRIORITIES, Keys, Priority, priority_rank  # noqa: F401  (part of the protocol)
 
-DEFAULT_NAMESPACE = "tokenbus"
 GROUP = "workers"  # the one consumer group, on every job queue
 DEFAULT_MAX_QUEUE_LEN = 1_000_000
 DEFAULT_RESULT_TTL = 7 * 24 * 3600  # seconds a finished job's record (and a batch) is kept
@@ -48,22 +48,6 @@ class JobStatus(StrEnum):
 TERMINAL_STATUSES = frozenset({JobStatus.finished, JobStatus.failed, JobStatus.cancelled})
 
 
-class Priority(StrEnum):
-    """A job's priority: every worker's intake reads interactive queues first, then default, then bulk."""
-
-    interactive = "interactive"
-    default = "default"
-    bulk = "bulk"
-
-
-PRIORITIES = (Priority.interactive, Priority.default, Priority.bulk)  # the order intake serves them in
-
-
-def priority_rank(priority: str) -> int:
-    """0 for interactive, 1 default, 2 bulk: the engine seats lower ranks first."""
-    return PRIORITIES.index(Priority(priority))
-
-
 class BatchStatus(StrEnum):
     validating = "validating"  # record written, jobs being submitted
     in_progress = "in_progress"
@@ -83,75 +67,6 @@ class ErrorCode(StrEnum):
     worker_error = "worker_error"  # an exception while generating
     max_attempts = "max_attempts"  # reclaimed too often (worker crashes); also dead-lettered
     cancelled = "cancelled"
-
-
-@dataclass(frozen=True)
-class Keys:
-    """Every Redis key of one namespace."""
-
-    ns: str = DEFAULT_NAMESPACE
-
-    @property
-    def jobs(self) -> str:
-        """The single stream of tokenbus before priorities: workers still read it as a default queue (drain)."""
-        return f"{self.ns}:jobs"
-
-    def queue(self, priority: str = Priority.default, batch_id: str = "") -> str:
-        """The stream a job is queued on: `{ns}:q:{priority}` for a loose job, `{ns}:q:{priority}:{batch_id}`
-        for a batch's jobs (one stream per batch, so batches of one priority take turns)."""
-        base = f"{self.ns}:q:{Priority(priority).value}"
-        return f"{base}:{batch_id}" if batch_id else base
-
-    def registry(self, priority: str) -> str:
-        """Sorted set of the live batch queues of one priority (member: stream key, score: first submit)."""
-        return f"{self.ns}:queues:{Priority(priority).value}"
-
-    def turn(self, priority: str) -> str:
-        """The queue of this priority that intake read from last (round-robin position, shared by workers)."""
-        return f"{self.ns}:turn:{Priority(priority).value}"
-
-    def priority_of(self, stream: str) -> Priority:
-        """The priority of a queue's stream key; the pre-priority stream {ns}:jobs is default."""
-        parts = stream.split(":")
-        if len(parts) >= 3 and stream.startswith(f"{self.ns}:q:"):
-            return Priority(parts[len(self.ns.split(":")) + 1])
-        return Priority.default
-
-    @property
-    def events(self) -> str:
-        return f"{self.ns}:events"
-
-    @property
-    def dead(self) -> str:
-        return f"{self.ns}:dead"
-
-    @property
-    def cancel(self) -> str:
-        return f"{self.ns}:cancel"
-
-    @property
-    def workers(self) -> str:
-        return f"{self.ns}:workers"
-
-    @property
-    def config(self) -> str:
-        return f"{self.ns}:config"
-
-    def job(self, job_id: str) -> str:
-        return f"{self.ns}:job:{job_id}"
-
-    def tokens(self, job_id: str) -> str:
-        """Stream of a `stream: true` job's partial output: entries {offset, token_ids (JSON), text, done}."""
-        return f"{self.ns}:job:{job_id}:tokens"
-
-    def worker(self, name: str) -> str:
-        return f"{self.ns}:worker:{name}"
-
-    def batch(self, batch_id: str) -> str:
-        return f"{self.ns}:batch:{batch_id}"
-
-    def batch_jobs(self, batch_id: str) -> str:
-        return f"{self.ns}:batch:{batch_id}:jobs"
 
 
 # Wire models are strict: "64" is not an int and 1 is not a bool, so a typo fails at submit, not on a GPU.
@@ -408,85 +323,6 @@ class Job(BaseModel):
 
 def _span(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else b - a
-
-
-class Heartbeat(BaseModel):
-    """The JSON value of `{ns}:worker:{name}` (kept alive by a TTL the worker refreshes)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    name: str
-    model: str | None = None
-    started_at: float | None = None
-    last_seen: float | None = None
-    running: int = 0
-    waiting: int = 0
-    free_blocks: int | None = None
-    jobs_done: int = 0
-    # the prefix cache since the worker's engine started: prompt tokens / full blocks looked up and found
-    prefix_queried_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    prefix_queried_blocks: int = 0
-    prefix_hit_blocks: int = 0
-
-    @property
-    def prefix_hit_rate(self) -> float | None:
-        """Share of looked-up prompt tokens served from the prefix cache (None before any lookup)."""
-        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else None
-
-
-class WorkerInfo(BaseModel):
-    name: str
-    alive: bool  # its heartbeat key still exists
-    heartbeat: Heartbeat | None = None
-
-
-class QueueInfo(BaseModel):
-    namespace: str
-    queue_depth: int  # XLEN summed over every queue: queued + running entries (ended ones are XDELed)
-    pending: int  # delivered to a worker, not acked yet (XPENDING, summed)
-    waiting: int  # queue_depth - pending: not picked up yet
-    by_priority: dict[str, int] = Field(default_factory=dict)  # queue_depth of each priority
-    queues: int = 0  # streams that hold entries (loose queues, batch queues, the pre-priority {ns}:jobs)
-    consumers: int
-    workers: list[WorkerInfo]
-    dead_letters: int
-    cancel_requested: int
-    max_queue_len: int
-    result_ttl: int
-
-
-class BatchRecord(BaseModel):
-    """`{ns}:batch:{id}` hash."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    id: str
-    status: BatchStatus
-    endpoint: str
-    total: int
-    finished: int = 0
-    failed: int = 0
-    cancelled: int = 0
-    created_at: float | None = None
-    in_progress_at: float | None = None
-    completed_at: float | None = None
-    cancelled_at: float | None = None  # when cancel was requested
-    input_file: str | None = None
-    priority: str = Priority.default.value  # of every job of the batch (batches.submit_batch: bulk)
-    queue: str | None = None  # its jobs' stream, {ns}:q:{priority}:{id}; leaves the registry when it ends
-
-    @property
-    def done(self) -> int:
-        return self.finished + self.failed + self.cancelled
-
-    @property
-    def is_terminal(self) -> bool:
-        return self.status in TERMINAL_BATCH_STATUSES
-
-    @classmethod
-    def from_record(cls, fields: dict[str, str]) -> BatchRecord:
-        return cls.model_validate({k: v for k, v in fields.items() if v != ""})
 
 
 def is_valid_id(value: object) -> bool:

@@ -18,7 +18,8 @@ import redis
 from pydantic import BaseModel
 
 from producer.gateway.keys import GatewayKeys
-from producer.protocol import BatchRecord, BatchStatus, Keys
+from producer.protocol import BatchStatus, Keys
+from producer.records import BatchRecord
 
 FINAL = ("completed", "failed", "cancelled", "expired")
 WINDOWS = {"24h": 24 * 3600}  # OpenAI accepts only 24h

@@ -46,8 +46,10 @@ class Server:
         self.jobs = JobQueue(client, settings.namespace, settings.worker_name, settings.result_ttl_s)
         self.leases = Leases()
         self.inbox: queue.Queue = queue.Queue()
-        # the engine's max_num_seqs: the setting, or the device's default when unset
-        self.capacity = engine.max_num_seqs + settings.intake_lookahead
+        # the engine's max_num_seqs (the setting, or the device's default when unset); a smaller setting than
+        # the engine was built with caps the seats this worker takes
+        seats = min(engine.max_num_seqs, settings.max_num_seqs or engine.max_num_seqs)
+        self.capacity = seats + settings.intake_lookahead
         # never more than `capacity` jobs leased here, however far behind the writer is
         self.budget = IntakeBudget(self.capacity, leases=self.leases, limit=self.capacity)
         self.leases.on_release = self.budget.wake
@@ -385,7 +387,7 @@ class Server:
 
 
 def _snapshot(model: str, stats: Any) -> dict[str, Any]:
-    """The heartbeat's engine numbers (protocol.Heartbeat)."""
+    """The heartbeat's engine numbers (producer.records.Heartbeat)."""
     return {"model": model, "running": stats.running, "waiting": stats.waiting, "free_blocks": stats.free_blocks,
             "prefix_queried_tokens": stats.prefix_queried_tokens, "prefix_hit_tokens": stats.prefix_hit_tokens,
             "prefix_queried_blocks": stats.prefix_queried_blocks, "prefix_hit_blocks": stats.prefix_hit_blocks}
