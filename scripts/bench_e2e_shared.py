@@ -129,7 +129,8 @@ def report(args, runs, notes, s_ids, s_max, u_ids, common: int) -> str:
                          f"round by round {', '.join(paired)}")
         else:
             lines.append(f"- ({a}) / ({b}): not measured")
-    lines += ["- (U1) / (U2) counts as met within 3 %: the rounds of one system differ by more than that here.",
+    lines += ["- (U1) / (U2) is judged with 3 % slack (≥ 0.97 counts as met): one system's rounds differ by "
+              "more than that.",
               "- tok/s: output tokens over the wall time from the first submit to the last result read back "
               "(each worker warmed with one job first; vLLM's time is its LLM.generate call, no Redis).",
               "", "![shared prefix](shared_prefix.png)"]
