@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sm90_compile import compile_for_sm90, stack_bytes
+from sm90_compile import compile_for_sm90, run_interpreted, stack_bytes
 
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
 
@@ -303,15 +303,8 @@ def test_gpu_plans_compile_for_sm90(dtype, hq, hk, head_dim, tmp_path):
 @pytest.mark.skipif(INTERPRETED, reason="this is the parent that starts the interpreter run")
 def test_interpreter_suite():
     """Run this file's kernel tests on CPU under TRITON_INTERPRET=1 in a fresh process (see module doc)."""
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider", "-x"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=900,
-    )
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, f"interpreted kernel tests failed:\n{tail}"
-    passed = re.search(r"(\d+) passed", proc.stdout)
+    stdout, tail = run_interpreted(__file__)
+    passed = re.search(r"(\d+) passed", stdout)
     assert passed and int(passed.group(1)) >= len(DECODE_CASES) + len(PREFILL_CASES) + 3, tail
 
 

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from sm90_compile import compile_for_sm90, stack_bytes
+from sm90_compile import compile_for_sm90, run_interpreted, stack_bytes
 
 from kernels.reference import (
     add_rms_norm_ref,
@@ -407,14 +404,7 @@ def test_gpu_plans_compile_for_sm90(tmp_path):
 @parent_only
 def test_interpreter_suite():
     """Run this file's kernel tests on CPU under TRITON_INTERPRET=1 in a fresh process (see module doc)."""
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider", "-x"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=900,
-    )
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, f"interpreted kernel tests failed:\n{tail}"
-    passed = re.search(r"(\d+) passed", proc.stdout)
+    stdout, tail = run_interpreted(__file__)
+    passed = re.search(r"(\d+) passed", stdout)
     expected = len(DTYPES) * (len(NORM_CASES) + 4 + 1 + 2 * len(ROPE_CASES) + len(SILU_CASES))
     assert passed and int(passed.group(1)) == expected, tail
