@@ -272,3 +272,11 @@ def test_engine_scheduler_seats_lower_priority_numbers_first():
                            ("chat-2", 0)]:
         s.add(Sequence(name, [1, 2], SamplingParams(), 0.0, detokenizer=None, priority=priority))
     assert [q.request_id for q in s.waiting] == ["chat-1", "chat-2", "default-1", "bulk-1", "bulk-2", "bulk-3"]
+    # an n > 1 request's later choices join ahead of their own priority (their prompt is cached), never ahead
+    # of a more urgent one
+    s.add(Sequence("bulk-fork", [1, 2], SamplingParams(), 0.0, detokenizer=None, priority=2),
+          first_of_its_priority=True)
+    s.add(Sequence("default-fork", [1, 2], SamplingParams(), 0.0, detokenizer=None, priority=1),
+          first_of_its_priority=True)
+    assert [q.request_id for q in s.waiting] == ["chat-1", "chat-2", "default-fork", "default-1", "bulk-fork",
+                                                 "bulk-1", "bulk-2", "bulk-3"]

@@ -358,8 +358,8 @@ class Engine:
             head = self.requests[request_id]
             if head.num_output_tokens > 0 or head.finish_reason is not None:
                 del self.forks[request_id]
-                for seq in reversed(seqs):  # ahead of newer requests: the prompt's blocks are warm now
-                    self.scheduler.waiting.appendleft(seq)
+                for seq in reversed(seqs):  # ahead of newer requests of their priority: the prompt is cached now
+                    self.scheduler.add(seq, first_of_its_priority=True)
 
     def _output(self, seqs: list[Sequence]) -> RequestOutput:
         seq = seqs[0]

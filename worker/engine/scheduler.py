@@ -44,13 +44,16 @@ class Scheduler:
         self.num_preemptions = 0
         self.guided = guided  # structured output: admits a constrained sequence once its grammar is compiled
 
-    def add(self, seq: Sequence) -> None:
-        """Queue seq behind every waiting sequence of its priority or a more urgent one, so a request of a
-        lower priority number never waits behind one of a higher number."""
-        if not self.waiting or self.waiting[-1].priority <= seq.priority:
+    def add(self, seq: Sequence, first_of_its_priority: bool = False) -> None:
+        """Queue seq behind every waiting sequence of a more urgent priority and, unless
+        `first_of_its_priority`, of its own, so a request of a lower priority number never waits behind one of
+        a higher number."""
+        if not first_of_its_priority and (not self.waiting or self.waiting[-1].priority <= seq.priority):
             self.waiting.append(seq)
             return
-        at = next(i for i, w in enumerate(self.waiting) if w.priority > seq.priority)
+        behind = (lambda w: w.priority >= seq.priority) if first_of_its_priority else \
+            (lambda w: w.priority > seq.priority)
+        at = next((i for i, w in enumerate(self.waiting) if behind(w)), len(self.waiting))
         self.waiting.insert(at, seq)
 
     def has_unfinished(self) -> bool:
