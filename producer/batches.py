@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from producer import openai_batch, scripts
-from producer.errors import BatchNotFound, InvalidBatch, InvalidJob, TokenbusError, WaitTimeout, listing
-from producer.protocol import GROUP, BatchStatus, Priority, batch_job_id, check_batch_id
-from producer.records import BatchRecord
-from producer.scripts import CHUNK, PendingJob
+from producer import openai_batch
+from protocol import scripts
+from protocol.errors import BatchNotFound, InvalidBatch, InvalidJob, TokenbusError, WaitTimeout, listing
+from protocol.models import GROUP, BatchStatus, Priority, batch_job_id, check_batch_id
+from protocol.records import BatchRecord
+from protocol.scripts import CHUNK, PendingJob
 
 if TYPE_CHECKING:
     from producer.client import Client
