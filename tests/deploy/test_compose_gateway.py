@@ -30,7 +30,8 @@ def test_gateway_services_run_the_console_script_with_parsed_settings(compose, m
     gateway, tasks = compose["services"]["gateway"], compose["services"]["gateway-tasks"]
     for svc, command in ((gateway, ["serve"]), (tasks, ["tasks"])):
         assert svc["entrypoint"] == ["tokenbus-gateway"] and svc["command"] == command
-        assert svc["image"] == compose["services"]["worker"]["image"] and "deploy" not in svc  # no GPU
+        assert svc["image"] == "tokenbus-gateway:latest" and svc["build"]["dockerfile"] == "Dockerfile.gateway"
+        assert "deploy" not in svc  # no GPU
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
     assert gateway["environment"] == tasks["environment"] and gateway["volumes"] == tasks["volumes"]
     env = gateway["environment"]

