@@ -1,6 +1,6 @@
-"""The Dockerfiles (the worker's and the gateway's), checked without a Docker engine: hadolint, its shape, the same pip installs as
-scripts/setup_venv, a wheel built from exactly the build context .dockerignore lets through, and the image's
-HEALTHCHECK run against the worker's real metrics server."""
+"""The Dockerfiles (the worker's and the gateway's), checked without a Docker engine: hadolint, their shape,
+the same pip installs as scripts/setup_venv, a wheel built from exactly the build context .dockerignore lets
+through, and the worker image's HEALTHCHECK run against the worker's real metrics server."""
 
 from __future__ import annotations
 

@@ -3,10 +3,10 @@
 Triton decides interpreted-or-compiled when a @triton.jit function is *defined*, i.e. when
 kernels/kv_write.py & co are first imported, from TRITON_INTERPRET. Setting the variable inside this pytest
 process would leak into every other test module (the engine would start running its CPU forward passes
-under the interpreter) and would do nothing if the kernel modules were already imported. So the parent
-pytest process never sets it: `test_interpreter_suite` runs this very file in a child pytest with
-TRITON_INTERPRET=1, where the kernel tests run on CPU tensors. In the parent the kernel tests run on CUDA
-when there is a GPU, and are skipped otherwise; the parent also checks the dispatch and compiles the GPU
+under the interpreter) and would do nothing if the kernel modules were already imported. So scripts/test
+runs this file (and the other INTERPRETED_SUITES) in a pytest process of their own with TRITON_INTERPRET=1,
+where the kernel tests run on CPU tensors. In the main suite the kernel tests run on CUDA when there is a
+GPU, and are skipped otherwise; the main suite also checks the dispatch and compiles the GPU
 launch plans ahead of time for sm_90 (ptxas ships with triton), which catches GPU-only compile errors,
 register spills and lost pipelining without a GPU.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,13 +23,13 @@ import pytest
 import torch
 
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
-from tests.support.sm90_compile import compile_for_sm90, run_interpreted, stack_bytes
+from tests.support.sm90_compile import compile_for_sm90, stack_bytes
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
 needs_kernels = pytest.mark.skipif(
     not INTERPRETED and not torch.cuda.is_available(),
-    reason="no GPU: runs on CPU in the TRITON_INTERPRET=1 child of test_interpreter_suite",
+    reason="no GPU: runs on the CPU in scripts/test's TRITON_INTERPRET=1 process",
 )
 TOL = {
     torch.float32: dict(rtol=1e-5, atol=1e-5),
@@ -299,13 +298,6 @@ def test_gpu_plans_compile_for_sm90(dtype, hq, hk, head_dim, tmp_path):
         if name in ("_decode_partition_kernel", "_prefill_kernel"):
             assert "async_copy_global_to_local" in compiled.asm["ttgir"], f"{name}: K/V loop not pipelined"
 
-
-@pytest.mark.skipif(INTERPRETED, reason="this is the parent that starts the interpreter run")
-def test_interpreter_suite():
-    """Run this file's kernel tests on CPU under TRITON_INTERPRET=1 in a fresh process (see module doc)."""
-    stdout, tail = run_interpreted(__file__)
-    passed = re.search(r"(\d+) passed", stdout)
-    assert passed and int(passed.group(1)) >= len(DECODE_CASES) + len(PREFILL_CASES) + 3, tail
 
 
 @pytest.mark.skipif(INTERPRETED, reason="runs the benchmark script in its own processes")

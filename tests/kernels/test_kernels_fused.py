@@ -1,7 +1,7 @@
 """The fused elementwise Triton kernels (kernels/norm.py, rope.py, activation.py) against their references.
 
 As in tests/kernels/test_kernels.py (see its docstring for why), the parent pytest process never sets
-TRITON_INTERPRET: `test_interpreter_suite` reruns this file in a child pytest with TRITON_INTERPRET=1, where
+TRITON_INTERPRET: scripts/test runs this file in a pytest process of its own with TRITON_INTERPRET=1, where
 the kernel tests run on CPU tensors. With a GPU the parent runs them on CUDA. The parent also compiles the
 GPU launch plans for sm_90 without a GPU, ties the references to transformers' own code, and checks that
 the comparisons below do catch the mistakes a kernel could make (wrong eps, no residual, a missed rounding).
@@ -28,13 +28,13 @@ from kernels.reference import (
     rotary_write_kv_ref,
     silu_and_mul_ref,
 )
-from tests.support.sm90_compile import compile_for_sm90, run_interpreted, stack_bytes
+from tests.support.sm90_compile import compile_for_sm90, stack_bytes
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
 needs_kernels = pytest.mark.skipif(
     not INTERPRETED and not torch.cuda.is_available(),
-    reason="no GPU: runs on CPU in the TRITON_INTERPRET=1 child of test_interpreter_suite",
+    reason="no GPU: runs on the CPU in scripts/test's TRITON_INTERPRET=1 process",
 )
 parent_only = pytest.mark.skipif(INTERPRETED, reason="runs once, in the parent process")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -400,11 +400,3 @@ def test_gpu_plans_compile_for_sm90(tmp_path):
         assert "ld.global.v4" in ptx, f"{name}: loads not vectorised"
         assert not re.search(r"\bfma\.rn\.(bf16|f16)", ptx), f"{name}: half-precision products contracted"
 
-
-@parent_only
-def test_interpreter_suite():
-    """Run this file's kernel tests on CPU under TRITON_INTERPRET=1 in a fresh process (see module doc)."""
-    stdout, tail = run_interpreted(__file__)
-    passed = re.search(r"(\d+) passed", stdout)
-    expected = len(DTYPES) * (len(NORM_CASES) + 4 + 1 + 2 * len(ROPE_CASES) + len(SILU_CASES))
-    assert passed and int(passed.group(1)) == expected, tail

@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -52,16 +50,3 @@ def stack_bytes(cubin: bytes, tmp_path: Path) -> int:
     usage = subprocess.run([str(cuobjdump), "-res-usage", str(path)], capture_output=True, text=True, check=True)
     return int(re.search(r"STACK:(\d+)", usage.stdout).group(1))
 
-
-def run_interpreted(test_file: str) -> tuple[str, str]:
-    """Run a kernel test file under TRITON_INTERPRET=1 in a fresh pytest process (the variable must be set
-    before triton is imported). Returns (its stdout, the tail of its output); fails the caller if it failed."""
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider", "-x"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=900,
-    )
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, f"interpreted kernel tests failed:\n{tail}"
-    return proc.stdout, tail
