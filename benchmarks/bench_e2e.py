@@ -37,10 +37,8 @@ import traceback
 
 import torch
 
-SCRIPTS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(SCRIPTS)
-from benchmarks.bench_common import cpu_name, hf_continuous_batching, hf_static_batches, write_section  # noqa: E402
-from benchmarks.bench_e2e_report import (  # noqa: E402
+from benchmarks.bench_common import cpu_name, hf_continuous_batching, hf_static_batches, write_section
+from benchmarks.bench_e2e_report import (
     Row,
     agreement_matrix,
     plot_latency_cdf,
@@ -49,9 +47,12 @@ from benchmarks.bench_e2e_report import (  # noqa: E402
     results_table,
     sweep_table,
 )
-from benchmarks.bench_e2e_rq import run_rq  # noqa: E402
-from benchmarks.bench_e2e_tokenbus import Timed, engine_offline, run_e2e  # noqa: E402
-from benchmarks.bench_workload import workload  # noqa: E402
+from benchmarks.bench_e2e_rq import run_rq
+from benchmarks.bench_e2e_tokenbus import Timed, engine_offline, run_e2e
+from benchmarks.bench_workload import workload
+
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(SCRIPTS)
 
 PHASES = ("rq", "static", "cb", "vllm", "engine", "e2e", "sweep")
 NAMES = {

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from benchmarks.bench_common import (  # noqa: E402
+from benchmarks.bench_common import (
     SystemResult,
     agreement,
     cpu_name,
@@ -22,8 +22,8 @@ from benchmarks.bench_common import (  # noqa: E402
     hf_static_batches,
     write_section,
 )
-from benchmarks.bench_e2e_tokenbus import engine_offline  # noqa: E402
-from benchmarks.bench_workload import workload  # noqa: E402
+from benchmarks.bench_e2e_tokenbus import engine_offline
+from benchmarks.bench_workload import workload
 
 
 def run_engine(prompt_ids, max_tokens, max_num_seqs: int) -> SystemResult:

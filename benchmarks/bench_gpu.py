@@ -36,7 +36,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- gpu:start -->", "<!-- gpu:end -->"

@@ -14,11 +14,11 @@ import time
 
 import torch
 
-from benchmarks.bench_common import write_section  # noqa: E402
-from worker.engine.sampling_params import SamplingParams  # noqa: E402
-from worker.engine.scheduler import ScheduledBatch  # noqa: E402
-from worker.engine.sequence import Sequence, SequenceStatus  # noqa: E402
-from worker.engine.step_inputs import StepInputs  # noqa: E402
+from benchmarks.bench_common import write_section
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.scheduler import ScheduledBatch
+from worker.engine.sequence import Sequence, SequenceStatus
+from worker.engine.step_inputs import StepInputs
 
 BLOCK_SIZE = 16
 

@@ -21,8 +21,8 @@ from collections import defaultdict
 
 import torch
 
-from benchmarks.bench_common import write_section  # noqa: E402
-from benchmarks.bench_workload import workload  # noqa: E402
+from benchmarks.bench_common import write_section
+from benchmarks.bench_workload import workload
 
 CATEGORIES = [
     ("linear", "linear layers (qkv, o, gate_up, down)"),
