@@ -116,3 +116,26 @@ def test_architecture_doc_names_every_module():
                if (rel := path.relative_to(ROOT).as_posix()).split("/")[0] != "benchmarks"
                and path.name != "__init__.py" and rel not in named]
     assert not missing, "docs/architecture.md's Rooms tree does not name: " + ", ".join(sorted(missing))
+
+
+def test_every_benchmark_starts_from_its_place():
+    """`python -m benchmarks.NAME --help` for every script under benchmarks/: each imports from the package
+    (no sys.path edits) and parses its arguments. The vLLM one runs in vLLM's own venv and is only imported."""
+    import subprocess
+    import sys
+
+    scripts = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if "__main__" in p.read_text())
+    assert len(scripts) >= 10, scripts
+    code = "\n".join([
+        "import importlib, runpy, sys",
+        f"for name in {scripts!r}:",
+        "    if name in ('bench_vllm_cpu', 'bench_queues'):",  # a foreign venv / a tree path as argv[1]
+        "        importlib.import_module('benchmarks.' + name); continue",
+        "    sys.argv = [name, '--help']",
+        "    try:",
+        "        runpy.run_module('benchmarks.' + name, run_name='__main__')",
+        "    except SystemExit as e:",
+        "        assert e.code in (0, None), (name, e.code)",
+    ])
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
