@@ -5,7 +5,8 @@ watcher blocks on that stream; when entries arrive it checks the open batches th
 job's id is `{batch_id}-{i}`), and every watch_interval_s it checks all open batches anyway, since events
 are trimmed and this process may have been down. A batch whose producer record has ended gets its
 finalisation queued (once: tasks.enqueue_finalize); one past its completion window is cancelled and ends as
-`expired`. Several tasks processes may watch at once: the HSETNX guards make each action happen once.
+`expired` with what finished. The full check also sweeps batches stuck in `validating` (ingest.py).
+Several tasks processes may watch at once: the HSETNX guards and leases make each action happen once.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import redis
 import structlog
 
 from producer import batches
-from producer.gateway import tasks
+from producer.gateway import ingest, tasks
 from producer.gateway.context import GatewayContext
 from producer.protocol import TERMINAL_BATCH_STATUSES
 
@@ -55,6 +56,7 @@ class BatchWatcher:
                     ended_jobs.extend(fields.get("job_id", "") for _id, fields in entries)
                 if time.monotonic() >= next_full:
                     self.check(None)
+                    ingest.sweep_validating(ctx)  # cancelled, expired, or whose submit died: end them
                     next_full = time.monotonic() + self.interval_s
                 elif ended_jobs:
                     self.check({jid.rsplit("-", 1)[0] for jid in ended_jobs if "-" in jid})

@@ -1,0 +1,26 @@
+"""The light gateway stack (tests/gateway/light_gateway.py): started by the first test that asks for it and
+stopped as soon as the next test does not use it, like gateway_harness's gateway_stack."""
+
+from __future__ import annotations
+
+import pytest
+from light_gateway import LightStack, start_light_stack, stop_light_stack
+
+_LIGHT: LightStack | None = None
+
+
+@pytest.fixture
+def light_stack(tmp_path_factory) -> LightStack:
+    global _LIGHT
+    if _LIGHT is None:
+        _LIGHT = start_light_stack(tmp_path_factory.mktemp("light-gateway"))
+    for p in _LIGHT.procs.values():
+        p.check_alive()
+    return _LIGHT
+
+
+def pytest_runtest_teardown(item, nextitem):
+    global _LIGHT
+    if _LIGHT is not None and (nextitem is None or "light_stack" not in getattr(nextitem, "fixturenames", ())):
+        stop_light_stack(_LIGHT)
+        _LIGHT = None
