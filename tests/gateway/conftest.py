@@ -1,5 +1,5 @@
 """The light gateway stack (tests/gateway/light_gateway.py): started by the first test that asks for it and
-stopped as soon as the next test does not use it, like gateway_harness's gateway_stack."""
+stopped after the last test of the test_gw_* modules (which run one after another), so it starts once."""
 
 from __future__ import annotations
 
@@ -21,6 +21,6 @@ def light_stack(tmp_path_factory) -> LightStack:
 
 def pytest_runtest_teardown(item, nextitem):
     global _LIGHT
-    if _LIGHT is not None and (nextitem is None or "light_stack" not in getattr(nextitem, "fixturenames", ())):
+    if _LIGHT is not None and (nextitem is None or not nextitem.module.__name__.startswith("test_gw_")):
         stop_light_stack(_LIGHT)
         _LIGHT = None

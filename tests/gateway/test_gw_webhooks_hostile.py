@@ -17,12 +17,12 @@ SECRETS = [WEBHOOK_SECRET]
 
 def test_one_deadline_covers_connect_headers_and_body():
     """A receiver trickling a byte every 0.3 s used to hold an attempt for minutes (the timeout was per read)."""
-    with TrickleReceiver(every=0.3, total_s=20) as slow:
+    with TrickleReceiver(every=0.2, total_s=20) as slow:
         t0 = time.monotonic()
         with pytest.raises(DeliveryFailed, match="did not answer within"):
-            deliver(slow.url, SECRETS, "msg_1", "{}", timeout_s=1.0, allowed=parse_networks("127.0.0.0/8"))
+            deliver(slow.url, SECRETS, "msg_1", "{}", timeout_s=0.6, allowed=parse_networks("127.0.0.0/8"))
         took = time.monotonic() - t0
-    assert took < 1.6, f"one attempt took {took:.2f} s against a deadline of 1 s"
+    assert took < 1.0, f"one attempt took {took:.2f} s against a deadline of 0.6 s"
 
 
 def test_resolved_once_and_connected_to_the_checked_address():
@@ -92,8 +92,8 @@ def test_slow_receiver_delays_no_submit_and_each_key_has_its_own_secret(light_st
         assert slow.active or slow.connections[-1]["closed"] > t0 + submit_s - 0.5
         stack.openai("bob").batches.cancel(b.id)
         wait_until(lambda: hooks.delivered(), 15, "bob's delivery", stack.all(), every=0.05)
-        # Every attempt at the slow receiver was cut at the 1.5 s deadline (+ the receiver noticing the close).
-        wait_until(lambda: len(slow.connections) >= 2, 15, "a retried attempt", stack.all(), every=0.05)
+        # The attempt at the slow receiver was cut at the 1.5 s deadline (+ the receiver noticing the close).
+        wait_until(lambda: slow.connections, 15, "the slow attempt to end", stack.all(), every=0.05)
         held = [c["closed"] - c["opened"] for c in slow.connections]
     assert submit_s < 5, f"bob's submit waited {submit_s:.1f} s behind alice's webhook"
     assert max(held) < 1.5 + 1.5, f"attempts held the connection {held} s"
