@@ -27,7 +27,8 @@ def test_gateway_services_run_the_console_script_with_parsed_settings(compose, m
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["tokenbus-gateway"] == "producer.gateway.__main__:main"
     gateway, tasks = compose["services"]["gateway"], compose["services"]["gateway-tasks"]
-    for svc, command in ((gateway, ["serve"]), (tasks, ["tasks"])):
+    hooks = compose["services"]["gateway-webhooks"]
+    for svc, command in ((gateway, ["serve"]), (tasks, ["tasks"]), (hooks, ["webhooks"])):
         assert svc["entrypoint"] == ["tokenbus-gateway"] and svc["command"] == command
         assert svc["image"] == compose["services"]["worker"]["image"] and "deploy" not in svc  # no GPU
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
