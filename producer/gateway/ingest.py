@@ -174,9 +174,15 @@ def _verdict(ctx: GatewayContext, gw: GatewayBatch) -> tuple[str, list[dict]] | 
         job, status = None, None
     state = getattr(status, "value", status)
     if state == "queued" and job is not None and job.get_position() is None:
-        # Popped by a worker that died or could not record its start (Redis refusing writes): lost. The
+        # Popped by a worker that died or could not record its start (Redis refusing writes): lost. (A worker
+        # marks it started right after popping it: only a job seen lost for a lease's length counts.) The
         # submit is idempotent, so queue it again, a few times at most.
-        if ctx.redis.hincrby(ctx.gkeys.batch(gw.id), "submit_requeues", 1) <= MAX_REQUEUES:
+        key, now = ctx.gkeys.batch(gw.id), time.time()
+        ctx.redis.hsetnx(key, "submit_lost_at", now)
+        if now - float(ctx.redis.hget(key, "submit_lost_at") or now) < ctx.settings.submit_lease_s:
+            return None
+        ctx.redis.hdel(key, "submit_lost_at")
+        if ctx.redis.hincrby(key, "submit_requeues", 1) <= MAX_REQUEUES:
             from producer.gateway import tasks
 
             log.warning("gateway_submit_requeued", batch_id=gw.id)
