@@ -21,6 +21,7 @@ def light_stack(tmp_path_factory) -> LightStack:
 
 def pytest_runtest_teardown(item, nextitem):
     global _LIGHT
-    if _LIGHT is not None and (nextitem is None or not nextitem.module.__name__.startswith("test_gw_")):
+    module = getattr(getattr(nextitem, "module", None), "__name__", "")
+    if _LIGHT is not None and not module.startswith("test_gw_"):
         stop_light_stack(_LIGHT)
         _LIGHT = None
