@@ -90,12 +90,12 @@ def test_tasks_process_survives_redis_refusing_writes_and_exits_1_when_it_lasts(
     b = light_stack.batch("carol", [chat_line("w", "Hi")], tmp_path)
     r.config_set("maxmemory", 1)  # every write refused: RQ cannot even mark the submit started
     light_stack.resume("tasks")
-    time.sleep(0.8)  # a few of RQ's writes fail and its worker quits; ours restarts it
+    time.sleep(0.5)  # a few of RQ's writes fail and its worker quits; ours restarts it
     r.config_set("maxmemory", 0)
     light_stack.procs["tasks"].check_alive()
     light_stack.wait_status("carol", b.id, ("in_progress", "failed"), timeout=20)
     light_stack.openai("carol").batches.cancel(b.id)
-    # Refused for longer than the restart backoff (5 x 0.4 s): the process gives up with exit code 1.
+    # Refused for longer than the restart backoff (4 x 0.3 s): the process gives up with exit code 1.
     proc = light_stack.procs["tasks"].proc
     light_stack.pause("tasks")
     b2 = light_stack.batch("carol", [chat_line("w2", "Hi")], tmp_path)
