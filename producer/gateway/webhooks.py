@@ -20,7 +20,7 @@ import ssl
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from standardwebhooks import Webhook
 
@@ -112,7 +112,8 @@ def deliver(url: str, secrets: Sequence[str], msg_id: str, body: str, *, timeout
     port = parts.port or (443 if https else 80)
     family, sockaddr = resolve_checked(host, port, allowed, resolve)
     payload = body.encode()
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    # Percent-encode what is not ASCII (already-encoded %XX and the reserved characters stay as they are).
+    target = quote((parts.path or "/") + (f"?{parts.query}" if parts.query else ""), safe="/?&=%:@!$'()*+,;~")
     host_header = host if ":" not in host else f"[{host}]"
     if parts.port:
         host_header += f":{parts.port}"

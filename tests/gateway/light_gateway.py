@@ -190,10 +190,10 @@ class TrickleReceiver:
         self.server.server_close()
 
 
-def listener() -> tuple[socket.socket, int]:
+def listener(port: int = 0) -> tuple[socket.socket, int]:
     """A bare loopback listener (what a rebinding attack would reach); its accept() shows any connection."""
     s = socket.socket()
-    s.bind(("127.0.0.1", 0))
+    s.bind(("127.0.0.1", port))
     s.listen(8)
     s.settimeout(0.05)
     return s, s.getsockname()[1]

@@ -4,6 +4,7 @@ for every tenant, and deliveries sharing a worker with submits."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import pytest
@@ -26,33 +27,45 @@ def test_one_deadline_covers_connect_headers_and_body():
 
 
 def test_resolved_once_and_connected_to_the_checked_address():
-    """DNS rebinding: the name resolves to a public address for the check, then to loopback for the connect."""
-    lst, port = listener()
-    answers = ["8.8.8.8", "127.0.0.1"]  # public first, loopback on any second lookup
-    calls = []
+    """DNS rebinding: the name resolves to an allowed address for the check, then to another (loopback) for
+    the connect. 127.0.0.2 stands for the public address (allow-listed), so nothing leaves the box."""
+    checked = socket.socket()
+    checked.bind(("127.0.0.2", 0))
+    port = checked.getsockname()[1]
+    checked.listen(4)
+    target, _ = listener(port)  # 127.0.0.1, same port: where a second lookup would send the signed POST
+    answers, calls = ["127.0.0.2", "127.0.0.1"], []
 
     def rebinding(host, port_, *args, **kwargs):
         addr = answers[min(len(calls), 1)]
         calls.append(addr)
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (addr, port_))]
 
+    def answer_once() -> None:
+        conn, _ = checked.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 204 No Content\r\n\r\n")
+        conn.close()
+
+    server = threading.Thread(target=answer_once, daemon=True)
+    server.start()
     real = socket.getaddrinfo
     socket.getaddrinfo = rebinding  # also what any library resolving again behind our back would call
     try:
-        with pytest.raises(DeliveryFailed):
-            # 8.8.8.8 on a loopback-only box: refused, unreachable or past the deadline, never delivered.
-            deliver(f"http://rebind.example:{port}/hook", SECRETS, "msg_2", "{}", timeout_s=0.5, resolve=rebinding)
+        status = deliver(f"http://rebind.example:{port}/hook", SECRETS, "msg_2", "{}", timeout_s=2.0,
+                         allowed=parse_networks("127.0.0.2/32"), resolve=rebinding)
     finally:
         socket.getaddrinfo = real
+    server.join(5)
     try:
-        conn, _ = lst.accept()
-        conn.close()
+        target.accept()[0].close()
         reached = True
     except TimeoutError:
         reached = False
-    lst.close()
-    assert calls == ["8.8.8.8"], f"resolved {len(calls)} times: {calls}"
-    assert not reached, "a signed POST reached the loopback listener"
+    checked.close()
+    target.close()
+    assert status == 204 and calls == ["127.0.0.2"], f"resolved {len(calls)} times: {calls}"
+    assert not reached, "a signed POST reached the rebinding target"
 
 
 @pytest.mark.parametrize("addr", ["100.64.0.1", "100.100.100.200", "100.127.255.254", "169.254.169.254",
