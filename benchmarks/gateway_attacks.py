@@ -1,6 +1,6 @@
 """Issue #22's attacks on the gateway (webhooks, stuck batches, Redis fill, slow clients), measured on
 127.0.0.1 against real processes: redis-server, `tokenbus-gateway serve`, `tasks` and `webhooks` (the light
-stack of tests/gateway/light_gateway.py, no model worker), with the production webhook deadline (10 s).
+stack of tests/support/light_gateway.py, no model worker), with the production webhook deadline (10 s).
 Prints the figures and writes docs/gateway-attacks.md; docs/reliability.md's gateway table quotes them.
 
     python -m benchmarks.gateway_attacks
@@ -12,18 +12,15 @@ import json
 import os
 import signal
 import socket
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from gateway.webhooks import DeliveryFailed, deliver, parse_networks
+from tests.support import light_gateway as lg
+from tests.support.light_gateway import TrickleReceiver, chat_line, start_light_stack, stop_light_stack
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "gateway")]
-
-import light_gateway as lg  # noqa: E402
-from light_gateway import TrickleReceiver, chat_line, start_light_stack, stop_light_stack  # noqa: E402
-
-from producer.gateway.webhooks import DeliveryFailed, deliver, parse_networks  # noqa: E402
 
 WEBHOOK_TIMEOUT_S = 10.0  # the setting's default
 

@@ -1,4 +1,4 @@
-"""Redis bytes per queued batch job, by request size: what producer.gateway.capacity's estimate must cover.
+"""Redis bytes per queued batch job, by request size: what gateway.capacity's estimate must cover.
 
 Submits batches of N lines (the gateway's own path: producer.batches.submit_batch on an OpenAI batch file)
 into a fresh redis-server and reads INFO used_memory before and after; nothing runs them. Prints a table,
@@ -14,9 +14,9 @@ import json
 import tempfile
 from pathlib import Path
 
+from gateway.capacity import BODY_FACTOR, JOB_OVERHEAD_BYTES, estimate
 from producer import Client, batches
-from producer.gateway.capacity import BODY_FACTOR, JOB_OVERHEAD_BYTES, estimate
-from producer.local_redis import RedisServer
+from tests.support.local_redis import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = [40, 200, 800, 3000]  # prompt characters: lines of roughly 200 B to 3 KB
@@ -76,7 +76,7 @@ job record) plus fixed bookkeeping.
 
 {text}
 
-Fit: bytes per job = {a0:.0f} + {b0:.2f} x line bytes. The gateway's estimate (producer/gateway/capacity.py,
+Fit: bytes per job = {a0:.0f} + {b0:.2f} x line bytes. The gateway's estimate (gateway/capacity.py,
 checked before a batch is queued) is {JOB_OVERHEAD_BYTES} + {BODY_FACTOR} x line bytes, above every row.
 A running or ended job keeps its record (with the result) until result_ttl; the estimate covers the
 queued state, which is what a flood of batches fills.

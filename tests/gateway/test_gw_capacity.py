@@ -8,9 +8,9 @@ import time
 
 import openai
 import pytest
-from light_gateway import chat_line, wait_until
 
-from producer.gateway.capacity import estimate
+from gateway.capacity import estimate
+from tests.support.light_gateway import chat_line, wait_until
 
 
 def _set(r, **limits):

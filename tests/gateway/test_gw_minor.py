@@ -10,17 +10,17 @@ import time
 import httpx
 import openai
 import pytest
-from gateway_harness import KEYS, Proc
-from light_gateway import chat_line, wait_until
 
-from producer.local_redis import free_port
+from tests.support.gateway_harness import KEYS, Proc
+from tests.support.light_gateway import chat_line, wait_until
+from tests.support.local_redis import free_port
 
 
 def test_healthz_hides_the_redis_error(tmp_path):
     port, dead = free_port(), free_port()
     env = dict(os.environ, TOKENBUS_REDIS_URL=f"redis://127.0.0.1:{dead}/0", TOKENBUS_GATEWAY_API_KEYS="k",
                TOKENBUS_GATEWAY_PORT=str(port), TOKENBUS_GATEWAY_FILES_DIR=str(tmp_path / "f"), TOKENBUS_LOG_JSON="1")
-    proc = Proc("gateway-no-redis", ["-m", "producer.gateway", "serve"], env, tmp_path)
+    proc = Proc("gateway-no-redis", ["-m", "gateway", "serve"], env, tmp_path)
     try:
         def answer():
             try:

@@ -8,10 +8,10 @@ import threading
 import time
 
 import pytest
-from light_gateway import WEBHOOK_SECRET, TrickleReceiver, chat_line, listener, wait_until
 from standardwebhooks import Webhook, WebhookVerificationError
 
-from producer.gateway.webhooks import DeliveryFailed, address_problem, deliver, parse_networks
+from gateway.webhooks import DeliveryFailed, address_problem, deliver, parse_networks
+from tests.support.light_gateway import WEBHOOK_SECRET, TrickleReceiver, chat_line, listener, wait_until
 
 SECRETS = [WEBHOOK_SECRET]
 
@@ -90,7 +90,7 @@ def test_allow_list_and_mixed_answers():
 
 
 def test_slow_receiver_delays_no_submit_and_each_key_has_its_own_secret(light_stack, tmp_path):
-    from gateway_harness import WebhookReceiver
+    from tests.support.gateway_harness import WebhookReceiver
 
     stack = light_stack
     with TrickleReceiver(every=0.4, total_s=20) as slow, WebhookReceiver(fail_first=0) as hooks:
