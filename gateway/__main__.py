@@ -1,4 +1,5 @@
-"""`tokenbus-gateway` (serve: the HTTP API) and `tokenbus-gateway tasks` (RQ worker + batch watcher)."""
+"""`tokenbus-gateway` (serve: the HTTP API), `tokenbus-gateway tasks` (RQ worker + batch watcher) and
+`tokenbus-gateway webhooks` (RQ worker delivering webhooks)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, help="listen port (TOKENBUS_GATEWAY_PORT)")
     t = sub.add_parser("tasks", help="RQ worker: batch submission, finalisation, webhooks; and the batch watcher")
     t.add_argument("--burst", action="store_true", help="exit when the queue is empty (tests, cron)")
+    w = sub.add_parser("webhooks", help="RQ worker delivering batch webhooks (its own queue: a slow receiver "
+                                        "delays no submit)")
+    w.add_argument("--burst", action="store_true", help="exit when the queue is empty (tests, cron)")
     a = p.parse_args(argv)
 
     from gateway.settings import GatewaySettings
@@ -31,10 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as err:
         print(f"error: invalid gateway settings:\n{err}", file=sys.stderr)
         return 2
-    if a.command == "tasks":
+    if a.command in ("tasks", "webhooks"):
         from gateway.tasks_worker import run_tasks
 
-        return run_tasks(settings, burst=a.burst)
+        return run_tasks(settings, burst=a.burst, webhooks=a.command == "webhooks")
     return serve(settings)
 
 
@@ -42,6 +46,7 @@ def serve(settings: GatewaySettings) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.server import protocol_with_header_deadline
     from protocol.logs import configure_logging
 
     configure_logging(settings.log_level, settings.log_json, libraries="info")
@@ -51,8 +56,12 @@ def serve(settings: GatewaySettings) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     # Our own structlog lines carry the request outcomes; uvicorn's access log would repeat each one.
+    # Slow clients: headers within header_timeout_s (server.py), bodies at min_body_rate (limits.py), idle
+    # keep-alive connections closed after 5 s, and at most 64 KiB of headers.
     uvicorn.run(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                proxy_headers=True, timeout_graceful_shutdown=30)
+                proxy_headers=True, timeout_graceful_shutdown=30, timeout_keep_alive=5,
+                http=protocol_with_header_deadline(settings.header_timeout_s),
+                h11_max_incomplete_event_size=64 * 1024)
     return 0
 
 

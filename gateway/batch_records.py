@@ -49,6 +49,7 @@ class GatewayBatch(BaseModel):
     completed: int | None = None
     failed: int | None = None
     in_progress_at: float | None = None
+    reserved_bytes: int | None = None  # estimated Redis bytes reserved at create (capacity.py)
 
     @classmethod
     def load(cls, r: redis.Redis, gkeys: GatewayKeys, batch_id: str) -> GatewayBatch | None:

@@ -12,11 +12,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from gateway import tasks
+from gateway import capacity, ingest
 from gateway.batch_records import WINDOWS, GatewayBatch, batch_object, load_core
 from gateway.context import GatewayContext
+from gateway.enqueue import enqueue_submit
 from gateway.errors import APIError, invalid, not_found
-from gateway.webhooks import check_url
+from gateway.webhooks import check_url, literal_address_problem
 from producer import batches
 from producer.openai_batch import CHAT, COMPLETIONS
 from protocol.models import describe_validation_error
@@ -66,6 +67,8 @@ def create(ctx: GatewayContext, owner: str, req: CreateBatch) -> dict[str, Any]:
     if req.webhook_url is not None:
         if problem := check_url(req.webhook_url):
             raise invalid(problem, param="webhook_url")
+        if problem := literal_address_problem(req.webhook_url, ctx.settings.webhook_allow_networks):
+            raise invalid(problem, param="webhook_url", code="webhook_url_not_public")
         if not ctx.settings.webhook_secret:
             raise invalid("this gateway has no webhook signing secret, so it sends no webhooks; leave out "
                           "webhook_url or ask the operator to set TOKENBUS_GATEWAY_WEBHOOK_SECRET",
@@ -74,19 +77,29 @@ def create(ctx: GatewayContext, owner: str, req: CreateBatch) -> dict[str, Any]:
     if meta.purpose != "batch":
         raise invalid(f"file {meta.id} has purpose {meta.purpose!r}; a batch's input needs purpose 'batch'",
                       param="input_file_id")
-    if meta.endpoint != req.endpoint:
+    if meta.endpoint != req.endpoint and not (meta.line_errors and meta.endpoint is None):
         raise invalid(f"the lines of file {meta.id} use url {meta.endpoint}, but this batch's endpoint is "
                       f"{req.endpoint}; they must match", param="endpoint", code="mismatched_endpoint")
     now = time.time()
     gw = GatewayBatch(id=f"batch_{uuid.uuid4().hex}", owner=owner, input_file_id=meta.id, endpoint=req.endpoint,
                       completion_window=req.completion_window, created_at=now,
                       expires_at=now + WINDOWS[req.completion_window], metadata=req.metadata,
-                      webhook_url=req.webhook_url, total=meta.requests)
+                      webhook_url=req.webhook_url, total=meta.requests, errors=meta.line_errors)
+    if not gw.errors:  # a file with invalid lines queues nothing: it fails in validating (OpenAI's way)
+        gw.reserved_bytes = capacity.estimate(meta.requests or 0, meta.bytes)
+        capacity.reserve(ctx, owner, gw.reserved_bytes)  # 429 naming the limit: nothing was written
     pipe = ctx.redis.pipeline(transaction=True)
     pipe.hset(ctx.gkeys.batch(gw.id), mapping=gw.fields())
     pipe.zadd(ctx.gkeys.batches(owner), {gw.id: now})
-    pipe.execute()
-    tasks.enqueue_submit(ctx, gw.id)
+    pipe.sadd(ctx.gkeys.validating, gw.id)
+    try:
+        pipe.execute()
+    except Exception:
+        if gw.reserved_bytes:
+            ctx.redis.hincrby(ctx.gkeys.queued_bytes, owner, -gw.reserved_bytes)
+            ctx.redis.hincrby(ctx.gkeys.queued_bytes, "*", -gw.reserved_bytes)
+        raise
+    enqueue_submit(ctx, gw.id)
     return batch_object(gw, None)
 
 
@@ -115,7 +128,26 @@ def cancel(ctx: GatewayContext, owner: str, batch_id: str) -> dict[str, Any]:
     # of the two always sees the other and cancels the producer's batch (twice is harmless).
     if ctx.redis.hget(key, "submitted_at"):
         batches.cancel_batch(ctx.client, batch_id)
+    else:
+        _cancel_unsubmitted(ctx, batch_id)
     return retrieve(ctx, owner, batch_id)
+
+
+def _cancel_unsubmitted(ctx: GatewayContext, batch_id: str) -> None:
+    """Nobody is submitting it (we got its lease): it ends `cancelled` now, whatever happened to its submit
+    task (queued behind others, failed, its process killed). A submit holding the lease sees the cancel."""
+    lease = ingest.SubmitLease(ctx, batch_id, "cancel")
+    if not lease.acquire():
+        return
+    try:
+        gw = GatewayBatch.load(ctx.redis, ctx.gkeys, batch_id)
+        if gw is None or gw.final_status or gw.submitted_at:
+            return
+        if load_core(ctx.redis, ctx.keys, batch_id) is not None:  # a submit died part-way
+            ingest.drop_ingested(ctx, batch_id)
+        ingest.end_without_jobs(ctx, gw, "cancelled", [])
+    finally:
+        lease.release(keep=True)
 
 
 def list_page(ctx: GatewayContext, owner: str, after: str | None, limit: int) -> dict[str, Any]:

@@ -77,6 +77,9 @@ async def _complete(request: Request, who: str, endpoint: str) -> Any:
         message = str(err).removeprefix("body: ").removeprefix("body.")
         param = message.split(":", 1)[0] if ":" in message.split(" ", 1)[0] else None
         raise invalid(message, param=param) from None
+    if (asked := fields.get("max_tokens")) is not None and asked > ctx.settings.max_tokens_limit:
+        raise invalid(f"max_tokens {asked} is above this gateway's limit of {ctx.settings.max_tokens_limit}",
+                      param="max_tokens", code="max_tokens_too_large")
     fields["stream"] = stream
     job_id = await run_in_threadpool(submit, ctx, who, endpoint, fields)
     headers = {"x-tokenbus-job-id": job_id}

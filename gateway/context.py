@@ -24,7 +24,8 @@ class GatewayContext:
         self.redis = redis.Redis.from_url(settings.redis_url, decode_responses=True, socket_timeout=30,
                                           socket_connect_timeout=5, health_check_interval=30)
         self.client = Client(redis_client=self.redis, namespace=settings.namespace)
-        self.files = FileStore(self.redis, self.gkeys, settings.files_dir, settings.max_line_bytes)
+        self.files = FileStore(self.redis, self.gkeys, settings.files_dir, settings.max_line_bytes,
+                               settings.max_tokens_limit, settings.max_requests_per_file)
         self.api_keys = settings.keys_by_owner
         self.waiter = JobWaiter(self.client)  # its thread starts with the HTTP app, never in tasks
 
@@ -37,6 +38,11 @@ class GatewayContext:
     @cached_property
     def queue(self) -> Queue:
         return Queue(self.settings.queue_name, connection=self.rq_redis)
+
+    @cached_property
+    def webhook_queue(self) -> Queue:
+        """Deliveries wait on their own queue, worked by their own process: a slow receiver delays no submit."""
+        return Queue(self.settings.webhook_queue_name, connection=self.rq_redis)
 
     def close(self) -> None:
         self.redis.close()

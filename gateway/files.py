@@ -8,6 +8,7 @@ same files_dir (one box: a named volume; several boxes: a shared filesystem).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -36,6 +37,7 @@ class FileMeta(BaseModel):
     created_at: float
     endpoint: str | None = None  # batch input files: the one endpoint of their lines
     requests: int | None = None  # batch input files: non-blank lines
+    line_errors: list[dict[str, Any]] | None = None  # batch input files: invalid lines (a batch of it fails)
 
     def to_openai(self) -> dict[str, Any]:
         return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": int(self.created_at),
@@ -44,9 +46,11 @@ class FileMeta(BaseModel):
 
 
 class FileStore:
-    def __init__(self, r: redis.Redis, keys: GatewayKeys, root: Path, max_line_bytes: int) -> None:
+    def __init__(self, r: redis.Redis, keys: GatewayKeys, root: Path, max_line_bytes: int,
+                 max_tokens: int = 2**31 - 1, max_requests: int = 2**31 - 1) -> None:
         # No mkdir here: the serving processes make the directory (a mere import must not create one).
         self.r, self.keys, self.root, self.max_line_bytes = r, keys, Path(root), max_line_bytes
+        self.max_tokens, self.max_requests = max_tokens, max_requests
 
     def path(self, file_id: str) -> Path:
         # Two hex characters of fan-out keep any one directory small.
@@ -57,7 +61,10 @@ class FileStore:
         raw = self.r.hgetall(self.keys.file(file_id)) if file_id.startswith("file-") else {}
         if not raw or raw.get("owner") != owner:
             return None
-        return FileMeta.model_validate({k: v for k, v in raw.items() if v != ""})
+        data: dict[str, Any] = {k: v for k, v in raw.items() if v != ""}
+        if "line_errors" in data:
+            data["line_errors"] = json.loads(data["line_errors"])
+        return FileMeta.model_validate(data)
 
     def get(self, owner: str, file_id: str) -> FileMeta:
         """The file's metadata; 404 unless it exists and belongs to owner."""
@@ -70,7 +77,8 @@ class FileStore:
         return Upload(self, owner, "file-" + uuid.uuid4().hex[:24])
 
     def register(self, meta: FileMeta) -> FileMeta:
-        fields = {k: ("" if v is None else v) for k, v in meta.model_dump().items()}
+        fields = {k: ("" if v is None else json.dumps(v) if isinstance(v, list) else v)
+                  for k, v in meta.model_dump().items()}
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(self.keys.file(meta.id), mapping=fields)
         pipe.zadd(self.keys.files(meta.owner), {meta.id: meta.created_at})
@@ -97,7 +105,7 @@ class Upload:
         self.part = self.final.with_name(f".{file_id}.part")
         self._f: BinaryIO | None = self.part.open("wb")
         self.bytes = 0
-        self.validator = BatchFileValidator(store.max_line_bytes)
+        self.validator = BatchFileValidator(store.max_line_bytes, store.max_tokens, store.max_requests)
 
     def write(self, data: bytes) -> None:
         """Blocking (file I/O, validation): the caller runs it in a thread."""
@@ -117,10 +125,10 @@ class Upload:
         os.replace(self.part, self.final)
         meta = FileMeta(id=self.id, owner=self.owner, filename=filename, purpose=purpose, bytes=self.bytes,
                         created_at=time.time(), endpoint=self.validator.endpoint,
-                        requests=self.validator.requests)
+                        requests=self.validator.requests, line_errors=self.validator.line_errors())
         self.store.register(meta)
         log.info("file_uploaded", file_id=self.id, owner=self.owner, bytes=self.bytes,
-                 requests=meta.requests, endpoint=meta.endpoint)
+                 requests=meta.requests, endpoint=meta.endpoint, invalid_lines=self.validator.error_count)
         return meta
 
     def abort(self) -> None:

@@ -45,13 +45,19 @@ def job_error(job: Job) -> APIError:
     """The HTTP error for a job that ended without a result."""
     code = job.error_code or job.status.value
     message = job.error or f"job {job.id} ended {job.status.value}"
+    return error_for(code, message, job.id)
+
+
+def error_for(code: str | None, message: str, job_id: str | None = None) -> APIError:
+    """The HTTP error for a job's error code (also the status_code of a batch error-file line)."""
     if code == "model_mismatch":
         return APIError(404, message, param="model", code="model_not_found")
     if code == "invalid_request":
         return APIError(400, message, code="invalid_request")
     if code == "cancelled":
         return APIError(409, message, code="cancelled")
-    return APIError(500, f"{message} (job {job.id}); retry the request", code=code, type="server_error")
+    where = f" (job {job_id})" if job_id else ""
+    return APIError(500, f"{message}{where}; retry the request", code=code, type="server_error")
 
 
 def job_object(job: Job, endpoint: str) -> dict[str, Any]:

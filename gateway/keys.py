@@ -35,3 +35,22 @@ class GatewayKeys:
     def job(self, job_id: str) -> str:
         """hash: owner and endpoint of a job submitted through /v1/chat/completions or /v1/completions."""
         return f"{self.ns}:gw:job:{job_id}"
+
+    @property
+    def validating(self) -> str:
+        """set: batches created and not yet submitted or ended; the watcher sweeps it (ingest.py)."""
+        return f"{self.ns}:gw:validating"
+
+    def submit_lease(self, batch_id: str) -> str:
+        """string with a TTL: held by whoever is submitting (or ending) a validating batch (ingest.py)."""
+        return f"{self.ns}:gw:submit-lease:{batch_id}"
+
+    @property
+    def queued_bytes(self) -> str:
+        """hash: owner -> estimated Redis bytes of its open batches; '*' -> all owners' (capacity.py)."""
+        return f"{self.ns}:gw:queued-bytes"
+
+    @property
+    def config(self) -> str:
+        """hash: limits changed at run time (capacity.py), over the settings."""
+        return f"{self.ns}:gw:config"

@@ -4,20 +4,29 @@ Uploads get their own (large) limit; every other body the small JSON one. Counti
 covers chunked uploads that send no Content-Length. Before answering 413 the rest of the body is read and
 dropped (up to DRAIN_CAP), because an HTTP client still sending would otherwise see a reset connection
 instead of the 413.
+
+Slow bodies (slowloris on the body): after grace_s the bytes received must keep up with min_rate bytes/s
+on average; a body that falls behind gets 408 and its connection closed. Slow headers are cut by the
+HTTP protocol itself (server.py), before any ASGI code runs.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import too_large
+from gateway.errors import APIError, too_large
 
 DRAIN_CAP = 64 * 1024 * 1024
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, *, max_body: int, max_upload: int, upload_path: str = "/v1/files") -> None:
+    def __init__(self, app: ASGIApp, *, max_body: int, max_upload: int, upload_path: str = "/v1/files",
+                 grace_s: float = 10.0, min_rate: int = 16 * 1024) -> None:
         self.app, self.max_body, self.max_upload, self.upload_path = app, max_body, max_upload, upload_path
+        self.grace_s, self.min_rate = grace_s, min_rate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -31,11 +40,23 @@ class BodyLimit:
                 await _drain(receive, DRAIN_CAP)
             await too_large(limit, what).response()(scope, receive, send)
             return
-        seen = 0
+        seen, started, done = 0, time.monotonic(), False
 
         async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, done
+            if done:  # the body is read: what is left is waiting for a disconnect, which has no deadline
+                return await receive()
+            # By when the next bytes must come: grace_s, plus the time min_rate allows for what came so far.
+            left = started + self.grace_s + seen / self.min_rate - time.monotonic()
+            try:
+                message = await asyncio.wait_for(receive(), max(left, 0.001))
+            except TimeoutError:
+                raise APIError(408, f"the request body came too slowly ({seen} bytes in "
+                                    f"{time.monotonic() - started:.0f} s; this gateway wants {self.min_rate} "
+                                    f"bytes/s after the first {self.grace_s:g} s)", code="request_timeout",
+                               headers={"connection": "close"}) from None
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                done = True
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:

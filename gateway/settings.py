@@ -37,15 +37,34 @@ class GatewaySettings(BaseSettings):
     completion_timeout_s: float = Field(600.0, gt=0,
                                          description="longest wait of /v1/chat/completions and /v1/completions")
     stream_threads: int = Field(256, gt=0, description="concurrent blocking waits (streams) of one gateway")
-    webhook_secret: str = Field("", description="Standard Webhooks signing secret (whsec_<base64>); "
-                                                "unset = webhooks are refused")
+    webhook_secret: str = Field("", description="master Standard Webhooks secret (whsec_<base64>); each API key "
+                                                "signs with its own secret derived from it; unset = webhooks refused")
+    webhook_previous_secret: str = Field("", description="the master secret before a rotation: deliveries are "
+                                                         "signed with both until it is unset (docs/gateway.md)")
     webhook_retry_intervals: str = Field("5,30,120,600,1800,3600",
                                          description="seconds between webhook attempts (comma-separated)")
-    webhook_timeout_s: float = Field(10.0, gt=0, description="one webhook POST's timeout")
-    webhook_allow_private: bool = Field(False, description="allow webhook URLs that resolve to loopback, private "
-                                                           "or link-local addresses (off: no SSRF into your network)")
-    rq_queue: str = Field("", description="RQ queue of batch submission, finalisation and webhooks; "
-                                          "unset = {namespace}-gateway")
+    webhook_timeout_s: float = Field(10.0, gt=0, description="one webhook attempt's deadline: connect, send and "
+                                                             "the response headers together")
+    webhook_allow_networks: str = Field("", description="comma-separated CIDRs webhooks may reach although not "
+                                                        "globally routable (e.g. 10.0.0.0/8); empty = public only")
+    rq_queue: str = Field("", description="RQ queue of batch submission and finalisation; "
+                                          "unset = {namespace}-gateway (webhooks: the same name + -webhooks)")
+    # Redis capacity: what one tenant, and all of them, may hold queued (estimated Redis bytes, docs/gateway.md).
+    max_queued_bytes_per_key: int = Field(512 * MiB, ge=0, description="one key's open batches, in estimated "
+                                                                       "Redis bytes (0 = no limit)")
+    max_queued_bytes: int = Field(4096 * MiB, ge=0, description="all keys' open batches, in estimated Redis "
+                                                                "bytes (0 = no limit)")
+    redis_reserve_bytes: int = Field(64 * MiB, ge=0, description="a batch is refused unless Redis keeps this "
+                                                                  "much of its maxmemory free after it")
+    max_requests_per_file: int = Field(50_000, gt=0, description="lines of one batch input file (OpenAI: 50,000)")
+    max_tokens_limit: int = Field(131_072, gt=0, description="largest max_tokens a request may ask for")
+    submit_lease_s: float = Field(15.0, gt=0, description="a submit that has not renewed its lease for this "
+                                                          "long died with its process: the batch fails")
+    tasks_restart_backoff_s: str = Field("1,2,5,10,20,30,60", description="tasks/webhooks: seconds between "
+                                         "restarts of an RQ worker that quit on an error; then the process exits 1")
+    header_timeout_s: float = Field(10.0, gt=0, description="a request's headers must arrive within this")
+    body_grace_s: float = Field(10.0, gt=0, description="a body gets this long before min_body_rate applies")
+    min_body_rate: int = Field(16 * 1024, gt=0, description="bytes/s a request body must keep up on average")
     watch_interval_s: float = Field(2.0, gt=0, description="tasks: seconds between scans of open batches")
     log_level: str = Field("info", validation_alias=_env("log_level"), description="debug, info, warning, error")
     log_json: bool | None = Field(None, validation_alias=_env("log_json"),
@@ -56,6 +75,25 @@ class GatewaySettings(BaseSettings):
     def _intervals(cls, v: str) -> str:
         if not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*", v):
             raise ValueError(f"give whole seconds separated by commas, e.g. 5,30,120 (got {v!r})")
+        return v
+
+    @field_validator("tasks_restart_backoff_s")
+    @classmethod
+    def _backoff(cls, v: str) -> str:
+        try:
+            assert [float(x) for x in v.split(",")]
+        except (ValueError, AssertionError):
+            raise ValueError(f"give seconds separated by commas, e.g. 1,2,5 (got {v!r})") from None
+        return v
+
+    @field_validator("webhook_allow_networks")
+    @classmethod
+    def _networks(cls, v: str) -> str:
+        import ipaddress
+
+        for n in (x.strip() for x in v.split(",")):
+            if n:
+                ipaddress.ip_network(n, strict=False)  # ValueError names the bad one
         return v
 
     @property
@@ -70,6 +108,10 @@ class GatewaySettings(BaseSettings):
     @property
     def queue_name(self) -> str:
         return self.rq_queue or f"{self.namespace}-gateway"
+
+    @property
+    def webhook_queue_name(self) -> str:
+        return f"{self.queue_name}-webhooks"
 
 
 def owner_id(api_key: str) -> str:

@@ -1,9 +1,11 @@
 """RQ jobs of the gateway: submit a batch's file, finalise an ended batch, deliver its webhook.
 
 They run in `tokenbus-gateway tasks` (tasks_worker.py), on the RQ queue `{namespace}-gateway` in the same
-Redis. Each is idempotent and keyed by the batch id (RQ job ids `submit-`, `finalize-`, `webhook-{batch}`),
-so a retry or a second enqueue never duplicates jobs, files or deliveries. Failures retry with RQ's Retry
-and backoff; what still fails lands in RQ's failed-job registry (`rq info`, `rq requeue`).
+Redis; webhook deliveries on their own queue `{namespace}-gateway-webhooks`, worked by `tokenbus-gateway
+webhooks`, so a slow receiver never delays a submit or a finalisation. Each is idempotent and keyed by
+the batch id (RQ job ids `submit-`, `finalize-`, `webhook-{batch}`), so a retry or a second enqueue never
+duplicates jobs, files or deliveries. Failures retry with RQ's Retry and backoff; what still fails lands
+in RQ's failed-job registry (`rq info`, `rq requeue`).
 """
 
 from __future__ import annotations
@@ -12,16 +14,19 @@ import hashlib
 import json
 import time
 
+import redis
 import structlog
-from rq import Retry
 
+from gateway import capacity, error_lines, ingest
 from gateway.batch_records import GatewayBatch, batch_object, load_core
 from gateway.context import GatewayContext
+from gateway.enqueue import enqueue_finalize, enqueue_submit, enqueue_webhook  # noqa: F401 (callers use tasks.*)
 from gateway.files import FileMeta
+from gateway.secrets import signing_secrets
 from gateway.settings import GatewaySettings
-from gateway.webhooks import deliver
+from gateway.webhooks import deliver, parse_networks
 from producer import batches
-from protocol.errors import InvalidBatch
+from protocol.errors import InvalidBatch, QueueFull
 from protocol.models import BatchStatus
 
 log = structlog.get_logger("tokenbus.gateway")
@@ -42,50 +47,45 @@ def set_context(ctx: GatewayContext | None) -> None:
     _CTX = ctx
 
 
-# ---- enqueueing (called by the app, the watcher and the tasks themselves) ----------------------------------
-
-def enqueue_submit(ctx: GatewayContext, batch_id: str) -> None:
-    ctx.queue.enqueue(f"{__name__}.submit_batch", batch_id, job_id=f"submit-{batch_id}",
-                      retry=Retry(max=3, interval=[2, 10, 60]), job_timeout=6 * 3600, result_ttl=3600,
-                      failure_ttl=30 * 86400)
-
-
-def enqueue_finalize(ctx: GatewayContext, batch_id: str) -> bool:
-    """Queue the finalisation once per batch (HSETNX is the guard); False when it already was."""
-    if not ctx.redis.hsetnx(ctx.gkeys.batch(batch_id), "finalize_enqueued_at", time.time()):
-        return False
-    ctx.queue.enqueue(f"{__name__}.finalize_batch", batch_id, job_id=f"finalize-{batch_id}",
-                      retry=Retry(max=5, interval=[2, 10, 60, 300, 900]), job_timeout=6 * 3600,
-                      result_ttl=3600, failure_ttl=30 * 86400)
-    return True
-
-
-def enqueue_webhook(ctx: GatewayContext, gw: GatewayBatch) -> bool:
-    """Queue the batch's one webhook event (when it has a webhook_url); HSETNX makes it once per batch."""
-    if not gw.webhook_url or not ctx.redis.hsetnx(ctx.gkeys.batch(gw.id), "webhook_enqueued_at", time.time()):
-        return False
-    intervals = ctx.settings.retry_intervals
-    ctx.queue.enqueue(f"{__name__}.deliver_batch_webhook", gw.id, job_id=f"webhook-{gw.id}",
-                      retry=Retry(max=len(intervals), interval=intervals), job_timeout=120,
-                      result_ttl=86400, failure_ttl=30 * 86400)
-    return True
-
-
 # ---- the jobs ------------------------------------------------------------------------------------------------
 
 def submit_batch(batch_id: str) -> str:
-    """Write the batch's jobs from its input file with producer.batches.submit_batch (the CLI's machinery)."""
+    """Write the batch's jobs from its input file with producer.batches.submit_batch (the CLI's machinery).
+
+    Holds the batch's submit lease throughout (ingest.py). QueueFull or Redis out of memory fail the batch
+    at once, its written jobs removed; other errors (a lost connection) raise, so RQ retries; when RQ gives
+    up, the watcher's sweep fails the batch."""
     ctx = context()
     gw = GatewayBatch.load(ctx.redis, ctx.gkeys, batch_id)
     if gw is None or gw.final_status:
         return "nothing to do"
+    lease = ingest.SubmitLease(ctx, batch_id, "submit")
+    if not lease.acquire():
+        return "a cancel, an expiry or another submit holds this batch"
+    try:
+        return _submit(ctx, batch_id)
+    finally:
+        lease.release()
+
+
+def _submit(ctx: GatewayContext, batch_id: str) -> str:
+    gw = GatewayBatch.load(ctx.redis, ctx.gkeys, batch_id)
+    if gw is None or gw.final_status:  # ended by a cancel or the sweep before we took the lease
+        return "nothing to do"
     if gw.cancel_requested_at and load_core(ctx.redis, ctx.keys, batch_id) is None:
-        _end_without_jobs(ctx, gw, "cancelled", [])
+        ingest.end_without_jobs(ctx, gw, "cancelled", [])
         return "cancelled before submission"
+    if time.time() > gw.expires_at and load_core(ctx.redis, ctx.keys, batch_id) is None:
+        ingest.end_without_jobs(ctx, gw, "expired", [])
+        return "expired before submission"
+    if gw.errors:  # the input file's lines were invalid (files.py): OpenAI fails such a batch in validating
+        ingest.end_without_jobs(ctx, gw, "failed", gw.errors)
+        return "invalid"
     path = ctx.files.path(gw.input_file_id)
     if not path.is_file():
-        _end_without_jobs(ctx, gw, "failed", [{"code": "file_not_found", "param": "input_file_id", "line": None,
-                                               "message": f"input file {gw.input_file_id} was deleted"}])
+        ingest.end_without_jobs(ctx, gw, "failed", [{"code": "file_not_found", "param": "input_file_id",
+                                                     "line": None,
+                                                     "message": f"input file {gw.input_file_id} was deleted"}])
         return "input file gone"
     # Open before the jobs exist: a batch that ends at once is still seen by the watcher.
     ctx.redis.sadd(ctx.gkeys.open_batches, batch_id)
@@ -95,25 +95,25 @@ def submit_batch(batch_id: str) -> str:
         errors = [{"code": "invalid_request", "message": msg, "param": None, "line": n}
                   for n, msg in err.line_errors] or [{"code": "invalid_file", "message": str(err),
                                                       "param": None, "line": None}]
-        _end_without_jobs(ctx, gw, "failed", errors)
+        ingest.end_without_jobs(ctx, gw, "failed", errors)  # raised before any job was written
         return "invalid"
-    ctx.redis.hset(ctx.gkeys.batch(batch_id), "submitted_at", time.time())
+    except QueueFull as err:
+        ingest.fail_ingest(ctx, gw, "queue_full", f"the job queue is full ({err}); create the batch again later")
+        return "queue full"
+    except redis.exceptions.OutOfMemoryError as err:
+        ingest.fail_ingest(ctx, gw, "redis_out_of_memory",
+                           f"Redis ran out of memory while this batch was queued ({err}); its jobs were removed. "
+                           "Create it again when running batches have ended, or split the file")
+        return "redis out of memory"
+    pipe = ctx.redis.pipeline(transaction=True)
+    pipe.hset(ctx.gkeys.batch(batch_id), "submitted_at", time.time())
+    pipe.srem(ctx.gkeys.validating, batch_id)
+    pipe.execute()
     # A cancel that came during the submit saw no submitted_at, so it left the cancelling to us.
     if ctx.redis.hget(ctx.gkeys.batch(batch_id), "cancel_requested_at"):
         batches.cancel_batch(ctx.client, batch_id)
     log.info("gateway_batch_submitted", batch_id=batch_id, owner=gw.owner)
     return "submitted"
-
-
-def _end_without_jobs(ctx: GatewayContext, gw: GatewayBatch, status: str, errors: list[dict]) -> None:
-    gw.final_status, gw.ended_at, gw.errors = status, time.time(), errors or None
-    gw.completed, gw.failed = 0, 0
-    pipe = ctx.redis.pipeline(transaction=True)
-    pipe.hset(ctx.gkeys.batch(gw.id), mapping=gw.fields("final_status", "ended_at", "errors", "completed", "failed"))
-    pipe.srem(ctx.gkeys.open_batches, gw.id)
-    pipe.execute()
-    log.info("gateway_batch_ended", batch_id=gw.id, status=status, errors=len(errors))
-    enqueue_webhook(ctx, gw)
 
 
 def _file_id(batch_id: str, kind: str) -> str:
@@ -141,9 +141,9 @@ def finalize_batch(batch_id: str) -> str:
     for p in paths.values():
         p.parent.mkdir(parents=True, exist_ok=True)
     with export.open("rb") as src, paths["output"].open("wb") as out, paths["error"].open("wb") as err:
-        for line in src:
-            # OpenAI's split: a line with a response goes to the output file, one with an error to the errors.
-            kind = "output" if json.loads(line).get("error") is None else "error"
+        for raw in src:
+            # OpenAI's split and shapes: a 200 response to the output file, everything else to the errors.
+            kind, line = error_lines.openai_line(json.loads(raw), expired=gw.expire_requested_at is not None)
             (out if kind == "output" else err).write(line)
             lines[kind] += 1
     export.unlink(missing_ok=True)
@@ -168,6 +168,7 @@ def finalize_batch(batch_id: str) -> str:
         "in_progress_at"))
     pipe.srem(ctx.gkeys.open_batches, batch_id)
     pipe.execute()
+    capacity.release(ctx, batch_id, gw.owner)
     log.info("gateway_batch_finalized", batch_id=batch_id, status=gw.final_status, output_lines=lines["output"],
              error_lines=lines["error"])
     enqueue_webhook(ctx, gw)
@@ -192,8 +193,10 @@ def deliver_batch_webhook(batch_id: str) -> int:
     key = ctx.gkeys.batch(batch_id)
     attempt = ctx.redis.hincrby(key, "webhook_attempts", 1)
     try:
-        status = deliver(gw.webhook_url, ctx.settings.webhook_secret, event["id"], json.dumps(event),
-                         timeout_s=ctx.settings.webhook_timeout_s, allow_private=ctx.settings.webhook_allow_private)
+        s = ctx.settings
+        status = deliver(gw.webhook_url, signing_secrets(s.webhook_secret, s.webhook_previous_secret, gw.owner),
+                         event["id"], json.dumps(event), timeout_s=s.webhook_timeout_s,
+                         allowed=parse_networks(s.webhook_allow_networks))
     except Exception as err:
         ctx.redis.hset(key, "webhook_last_error", str(err)[:500])
         log.warning("webhook_attempt_failed", batch_id=batch_id, attempt=attempt, error=str(err)[:200])

@@ -4,8 +4,9 @@ Every job's end is an entry in {ns}:events (written by the same Lua that counts 
 watcher blocks on that stream; when entries arrive it checks the open batches those jobs belong to (a batch
 job's id is `{batch_id}-{i}`), and every watch_interval_s it checks all open batches anyway, since events
 are trimmed and this process may have been down. A batch whose producer record has ended gets its
-finalisation queued (once: tasks.enqueue_finalize); one past its completion window is cancelled and ends as
-`expired`. Several tasks processes may watch at once: the HSETNX guards make each action happen once.
+finalisation queued (once: enqueue_finalize); one past its completion window is cancelled and ends as
+`expired` with what finished. The full check also sweeps batches stuck in `validating` (ingest.py).
+Several tasks processes may watch at once: the HSETNX guards and leases make each action happen once.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import time
 import redis
 import structlog
 
-from gateway import tasks
+from gateway import ingest
 from gateway.context import GatewayContext
+from gateway.enqueue import enqueue_finalize
 from producer import batches
 from protocol.models import TERMINAL_BATCH_STATUSES
 
@@ -55,6 +57,7 @@ class BatchWatcher:
                     ended_jobs.extend(fields.get("job_id", "") for _id, fields in entries)
                 if time.monotonic() >= next_full:
                     self.check(None)
+                    ingest.sweep_validating(ctx)  # cancelled, expired, or whose submit died: end them
                     next_full = time.monotonic() + self.interval_s
                 elif ended_jobs:
                     self.check({jid.rsplit("-", 1)[0] for jid in ended_jobs if "-" in jid})
@@ -84,7 +87,7 @@ class BatchWatcher:
             if final:
                 ctx.redis.srem(ctx.gkeys.open_batches, bid)
             elif core_status in TERMINAL_BATCH_STATUSES:
-                queued += tasks.enqueue_finalize(ctx, bid)
+                queued += enqueue_finalize(ctx, bid)
             elif core_status and expires_at and now > float(expires_at) and not expire_requested:
                 if ctx.redis.hsetnx(ctx.gkeys.batch(bid), "expire_requested_at", now):
                     log.info("gateway_batch_expiring", batch_id=bid)

@@ -28,7 +28,8 @@ def test_gateway_services_run_the_console_script_with_parsed_settings(compose, m
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["tokenbus-gateway"] == "gateway.__main__:main"
     gateway, tasks = compose["services"]["gateway"], compose["services"]["gateway-tasks"]
-    for svc, command in ((gateway, ["serve"]), (tasks, ["tasks"])):
+    hooks = compose["services"]["gateway-webhooks"]
+    for svc, command in ((gateway, ["serve"]), (tasks, ["tasks"]), (hooks, ["webhooks"])):
         assert svc["entrypoint"] == ["tokenbus-gateway"] and svc["command"] == command
         assert svc["image"] == "tokenbus-gateway:latest" and svc["build"]["dockerfile"] == "Dockerfile.gateway"
         assert "deploy" not in svc  # no GPU

@@ -30,9 +30,10 @@ def test_file_upload_download_delete_streams_many_chunks(gateway_stack, tmp_path
     assert not any(p.name == meta.id for p in gateway_stack.files_dir.rglob("*")), "the content is gone too"
 
 
-def test_malformed_upload_is_refused_naming_each_bad_line(gateway_stack, tmp_path):
+def test_malformed_file_is_accepted_and_its_batch_fails_naming_each_line(gateway_stack, tmp_path):
+    """OpenAI's way (issue #22): the upload is accepted; a batch of it fails in `validating`, errors.data
+    naming each bad line, with the line numbers `tokenbus batch submit` gives."""
     client = gateway_stack.openai("bob")
-    before = [f.id for f in client.files.list()]
     src = write_jsonl(tmp_path / "bad.jsonl", [
         chat_line("ok-1", "hi"),                                                          # 1
         "{not json",                                                                      # 2
@@ -42,14 +43,16 @@ def test_malformed_upload_is_refused_naming_each_bad_line(gateway_stack, tmp_pat
         json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/completions",
                     "body": {"model": MODEL, "prompt": "x"}}),                            # 6 other endpoint
     ])
-    with pytest.raises(openai.BadRequestError) as err:
-        client.files.create(file=src.open("rb"), purpose="batch")
-    message = err.value.body["message"]  # the SDK's .message adds an 'Error code: 400 - ' prefix
-    assert message.startswith("4 of 5 lines are invalid; the file was not stored")
-    assert "line 2: not valid JSON" in message and "line 4: body: temperature" in message
-    assert "line 5: custom_id 'ok-1' already used on line 1" in message and "line 6: url /v1/completions" in message
-    assert err.value.param == "file" and err.value.code == "invalid_batch_file"
-    assert [f.id for f in client.files.list()] == before
+    uploaded = client.files.create(file=src.open("rb"), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    done = gateway_stack.wait_batch(client, batch.id, timeout=30)
+    assert done.status == "failed" and done.failed_at and done.output_file_id is None
+    errors = {e.line: e for e in done.errors.data}
+    assert sorted(errors) == [2, 4, 5, 6]
+    assert errors[2].code == "invalid_json_line" and errors[5].code == "duplicate_custom_id"
+    assert errors[6].code == "mismatched_url" and "body: temperature" in errors[4].message
+    assert "custom_id 'ok-1' already used on line 1" in errors[5].message
     # The same numbers as `tokenbus batch submit` gives for the file.
     cli = subprocess.run([sys.executable, "-m", "producer", "--url", gateway_stack.redis.url, "batch", "submit",
                           str(src)], capture_output=True, text=True, cwd=ROOT, timeout=60)

@@ -29,7 +29,10 @@ def test_each_ended_batch_gets_exactly_one_signed_delivery_after_transient_500s(
         time.sleep(4.5)  # two retry intervals: a duplicate delivery would have come by now
         attempts = list(hooks.attempts)
 
-    verifier = Webhook(WEBHOOK_SECRET)
+    with gateway_stack.http("alice") as http:
+        secret = http.get("/v1/webhook_secret").json()["secret"]  # alice's own, derived from WEBHOOK_SECRET
+    assert secret != WEBHOOK_SECRET
+    verifier = Webhook(secret)
     by_batch: dict[str, list[dict]] = {}
     for attempt in attempts:
         event = verifier.verify(attempt["body"], attempt["headers"])  # raises unless the signature is right
@@ -87,7 +90,7 @@ def test_a_webhook_that_never_succeeds_ends_in_rq_failed_registry(redis_server, 
 
     settings = GatewaySettings(redis_url=redis_server.url, api_keys="k", files_dir=tmp_path,
                                webhook_secret=WEBHOOK_SECRET, webhook_retry_intervals="0,0",
-                               webhook_allow_private=True)
+                               webhook_allow_networks="127.0.0.0/8")
     ctx = GatewayContext(settings)
     tasks.set_context(ctx)
     try:
@@ -97,9 +100,9 @@ def test_a_webhook_that_never_succeeds_ends_in_rq_failed_registry(redis_server, 
                               ended_at=1.5, total=0, completed=0, failed=0, webhook_url=hooks.url)
             ctx.redis.hset(ctx.gkeys.batch(gw.id), mapping=gw.fields())
             assert tasks.enqueue_webhook(ctx, gw) and not tasks.enqueue_webhook(ctx, gw)  # queued once only
-            SimpleWorker([ctx.queue], connection=ctx.rq_redis).work(burst=True)
+            SimpleWorker([ctx.webhook_queue], connection=ctx.rq_redis).work(burst=True)
             assert [a["status"] for a in hooks.attempts] == [500, 500, 500]  # the first try and two retries
-        assert FailedJobRegistry(queue=ctx.queue).get_job_ids() == ["webhook-batch_doomed"]
+        assert FailedJobRegistry(queue=ctx.webhook_queue).get_job_ids() == ["webhook-batch_doomed"]
         record = ctx.redis.hgetall(ctx.gkeys.batch(gw.id))
         assert record["webhook_attempts"] == "3" and "answered 500" in record["webhook_last_error"]
         assert "webhook_delivered_at" not in record

@@ -1,6 +1,7 @@
 """A whole gateway deployment for tests, as real processes: redis-server, a worker on the real SmolLM2-135M
-(CPU), `python -m gateway serve` (uvicorn on a free port) and `python -m gateway tasks`
-(RQ worker + batch watcher); plus a webhook receiver thread. One per test session (gateway_stack).
+(CPU), `python -m gateway serve` (uvicorn on a free port), `python -m gateway tasks`
+(RQ worker + batch watcher) and `python -m gateway webhooks` (deliveries); plus a webhook
+receiver thread. One per test session (gateway_stack).
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ def start_stack(tmp: Path) -> Stack:
                TOKENBUS_GATEWAY_API_KEYS=",".join(KEYS.values()), TOKENBUS_GATEWAY_PORT=str(port),
                TOKENBUS_GATEWAY_FILES_DIR=str(stack.files_dir), TOKENBUS_GATEWAY_MAX_UPLOAD_BYTES=str(MAX_UPLOAD),
                TOKENBUS_GATEWAY_MAX_BODY_BYTES=str(MAX_BODY), TOKENBUS_GATEWAY_WEBHOOK_SECRET=WEBHOOK_SECRET,
-               TOKENBUS_GATEWAY_WEBHOOK_RETRY_INTERVALS="2,2,2,2", TOKENBUS_GATEWAY_WEBHOOK_ALLOW_PRIVATE="true",
+               TOKENBUS_GATEWAY_WEBHOOK_RETRY_INTERVALS="2,2,2,2",
+               TOKENBUS_GATEWAY_WEBHOOK_ALLOW_NETWORKS="127.0.0.0/8",
                TOKENBUS_GATEWAY_WATCH_INTERVAL_S="0.5", TOKENBUS_GATEWAY_COMPLETION_TIMEOUT_S="120")
     try:
         stack.procs["worker"] = Proc("worker", [
@@ -126,11 +128,12 @@ def start_stack(tmp: Path) -> Stack:
             "--max-num-batched-tokens", "512", "--kv-cache-gb", "0.25", "--heartbeat-s", "0.5"], env, tmp)
         stack.procs["gateway"] = Proc("gateway", ["-m", "gateway", "serve"], env, tmp)
         stack.procs["tasks"] = Proc("tasks", ["-m", "gateway", "tasks"], env, tmp)
+        stack.procs["webhooks"] = Proc("webhooks", ["-m", "gateway", "webhooks"], env, tmp)
         procs = list(stack.procs.values())
         wait_until(lambda: _ready(stack.base_url), 60, "the gateway's /healthz", procs, every=0.1)
         r = srv.client()
         wait_until(lambda: r.exists("tokenbus:worker:gw-worker"), 300, "the worker's heartbeat", procs, every=0.2)
-        wait_until(lambda: r.exists("rq:workers"), 60, "the RQ worker", procs, every=0.1)
+        wait_until(lambda: r.scard("rq:workers") >= 2, 60, "the RQ workers", procs, every=0.1)
     except BaseException:
         stop_stack(stack)
         raise
