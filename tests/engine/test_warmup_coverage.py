@@ -96,7 +96,8 @@ def test_every_served_kernel_variant_was_warmed_up(tmp_path):
     sys.path.insert(0, str(ROOT / "tests"))
     from tiny_models import make_tiny_model
 
-    directory = make_tiny_model(str(tmp_path / "tiny"), "llama")
+    # max_position 256: 16 blocks a row, two width buckets (the warm-up runs each)
+    directory = make_tiny_model(str(tmp_path / "tiny"), "llama", max_position_embeddings=256)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, __file__, directory], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
