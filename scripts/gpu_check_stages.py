@@ -77,17 +77,16 @@ def copy_bandwidth(ctx: Ctx) -> float:
 
 # ---------------------------------------------------------------- (a) kernels against their references
 
-# A representative third of tests/test_kernels*.py's 154 CUDA tests, sized for stage a's cap with a cold
+# A representative third of tests/kernels/test_kernels*.py's 154 CUDA tests, sized for stage a's cap with a cold
 # Triton cache: every kernel test in bfloat16 and float32 (float16, which the engine never picks, dropped),
 # the decode/prefill block x GQA grid at block 16 for every group and at blocks 32/64 for one group
-STAGE_A_TESTS = ["tests/test_kernels.py", "tests/test_kernels_fused.py"]
+STAGE_A_TESTS = ["tests/kernels/test_kernels.py", "tests/kernels/test_kernels_fused.py"]
 STAGE_A_SELECT = ("not interpreter_suite and not sm90 and not bench_script and not (float16 and not bfloat16) "
                   "and not -32-2-2-32 and not -32-16-2-32 and not -64-2-2-32 and not -64-16-2-32")
 
 
 def stage_kernels(ctx: Ctx) -> None:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_kernels
+    from benchmarks import bench_kernels
 
     cases = bench_kernels.correctness_cases(torch, smoke=False)
     if ctx.smoke:  # the interpreter runs every program in Python: one small case, still several partitions
@@ -108,7 +107,7 @@ def stage_kernels(ctx: Ctx) -> None:
         return
     proc = subprocess.run(pytest_cmd, cwd=ROOT, capture_output=True, text=True)
     summary = (proc.stdout.strip().splitlines() or ["no output"])[-1]
-    ctx.emit(row("tests/test_kernels*.py on CUDA, bf16/fp32 selection", summary[:60], "all pass",
+    ctx.emit(row("tests/kernels/test_kernels*.py on CUDA, bf16/fp32 selection", summary[:60], "all pass",
                  proc.returncode == 0, "" if proc.returncode == 0 else proc.stdout[-400:].replace("\n", " ")))
 
 
@@ -141,9 +140,9 @@ def stage_bandwidth(ctx: Ctx) -> None:
                      f"{ms * 1e3:.1f} us"))
         del k_cache, v_cache
     if not ctx.smoke:
-        sys.path.insert(0, str(ROOT / "scripts"))
-        import bench_kernels
         from triton.testing import do_bench
+
+        from benchmarks import bench_kernels
 
         for batch, ctx_len in ((16, 1024), (16, 4096)):
             r = bench_kernels.bench_config(torch, do_bench, "0.5B", QWEN_HEADS, batch, ctx_len, bw)
@@ -163,9 +162,7 @@ def model_name(ctx: Ctx) -> str:
 
 def checkpoint(ctx: Ctx, name: str) -> str:
     """A random-weight checkpoint in `name`'s shapes, made once per gpu_check run (stages c and d share it)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_gpu
-
+    from benchmarks import bench_gpu
     directory = Path(os.environ.get("GPU_CHECK_CACHE") or tempfile.mkdtemp(prefix="gpu-check-")) / name
     if not (directory / "config.json").is_file():
         shape = bench_gpu.SHAPES[name] | (bench_gpu.SMOKE if ctx.smoke else {})
@@ -246,9 +243,7 @@ def stage_decode(ctx: Ctx) -> None:
 def stage_throughput(ctx: Ctx) -> None:
     import argparse
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_gpu
-
+    from benchmarks import bench_gpu
     # on the CPU transformers' continuous batching sizes its cache from the host's memory (the OOM killer
     # ended the smoke run): the smoke run times the engine alone
     args = argparse.Namespace(smoke=ctx.smoke, requests=2 if ctx.smoke else 64, skip_transformers=ctx.smoke)
@@ -280,9 +275,7 @@ def hf_greedy(model, prompt: list[int], n: int, device: str) -> list[int]:
 def stage_parity(ctx: Ctx) -> None:
     from transformers import AutoModelForCausalLM
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    import tiny_models
-
+    from tests.support import tiny_models
     from worker import Engine, SamplingParams
 
     gen = torch.Generator().manual_seed(0)
@@ -318,11 +311,11 @@ def _prefix_share(a: list[int], b: list[int]) -> float:
 
 # the modules each stage imports on the GPU (its smoke run skips some): the rehearsal imports them all
 STAGE_IMPORTS = {
-    "a": ("bench_kernels", "pytest", "triton.testing", "kernels.decode_attention"),
-    "b": ("bench_kernels", "triton.testing", "kernels.decode_attention", "kernels.prefill_attention"),
+    "a": ("benchmarks.bench_kernels", "pytest", "triton.testing", "kernels.decode_attention"),
+    "b": ("benchmarks.bench_kernels", "triton.testing", "kernels.decode_attention", "kernels.prefill_attention"),
     "c": ("worker", "worker.engine.model_runner", "worker.engine.cuda_graphs", "torch.profiler"),
-    "d": ("bench_gpu", "worker", "transformers"),
-    "e": ("tiny_models", "worker", "transformers", "gpu_check_graphs", "worker.engine.guided",
+    "d": ("benchmarks.bench_gpu", "worker", "transformers"),
+    "e": ("tests.support.tiny_models", "worker", "transformers", "gpu_check_graphs", "worker.engine.guided",
           "producer.constraints"),
 }
 
@@ -330,7 +323,6 @@ STAGE_IMPORTS = {
 def check_imports(key: str, ctx: Ctx) -> None:
     import importlib
 
-    sys.path.insert(0, str(ROOT / "tests"))
     failed = []
     for name in STAGE_IMPORTS[key]:
         try:
@@ -364,11 +356,10 @@ HIDDEN_STAGES = {"z": ("self-test: overrun", stage_overrun_selftest, 8)}
 
 def tokenizer_setup() -> None:
     """Point the tiny models' and bench_gpu's tokenizer at the carried copy where the GGUF package is absent."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    sys.path.insert(0, str(ROOT / "tests"))
     import gpu_env
-    import tiny_models
     from transformers import AutoTokenizer
+
+    from tests.support import tiny_models
 
     directory = gpu_env.tokenizer_dir()
     tiny_models._tokenizer = lambda: AutoTokenizer.from_pretrained(directory)
