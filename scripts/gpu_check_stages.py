@@ -316,7 +316,7 @@ STAGE_IMPORTS = {
     "c": ("worker", "worker.engine.model_runner", "worker.engine.cuda_graphs", "torch.profiler"),
     "d": ("benchmarks.bench_gpu", "worker", "transformers"),
     "e": ("tests.support.tiny_models", "worker", "transformers", "gpu_check_graphs", "worker.engine.guided",
-          "producer.constraints"),
+          "protocol.constraints"),
 }
 
 
