@@ -59,7 +59,7 @@ def child(directory: str) -> dict:
     from worker.engine import warmup
 
     engine = Engine(directory, device="cpu", dtype="float32", block_size=16, max_num_seqs=4,
-                    max_num_batched_tokens=48, kv_cache_gb=0.01, static_decode=True)
+                    max_num_batched_tokens=32, kv_cache_gb=0.01, static_decode=True)
     assert engine.backend.name == "triton-interpreter"
     runner = engine.runner
     runner.inputs.device_updates = True  # the GPU's block tables: row views, row stride max_blocks_per_seq
@@ -69,18 +69,18 @@ def child(directory: str) -> dict:
     launches.clear()
 
     greedy = dict(temperature=0.0, ignore_eos=True)
-    shared = list(range(100, 140))  # 40 tokens: two full blocks for the prefix cache
+    shared = list(range(100, 134))  # 34 tokens: two full blocks for the prefix cache
     engine.add_request("a", list(range(200, 205)), SamplingParams(max_tokens=3, **greedy))
-    engine.add_request("b", list(range(300, 320)), SamplingParams(max_tokens=4, **greedy))
-    engine.add_request("c", shared, SamplingParams(max_tokens=6, **greedy))  # 5 + 20 + 40 > 48: chunked
+    engine.add_request("b", list(range(300, 308)), SamplingParams(max_tokens=3, **greedy))
+    engine.add_request("c", shared, SamplingParams(max_tokens=4, **greedy))  # 5 + 8 + 34 > 32: chunked
     finished = {}
     steps = 0
     while engine.has_unfinished_requests():
         steps += 1
         if steps == 4:  # joins a running decode batch: mixed steps; its first 32 tokens are cached
-            engine.add_request("d", [*shared[:35], 7, 8], SamplingParams(max_tokens=3, n=2, **greedy))
+            engine.add_request("d", [*shared[:33], 7, 8], SamplingParams(max_tokens=3, n=2, **greedy))
         if steps == 5:
-            engine.add_request("e", list(range(400, 411)), SamplingParams(max_tokens=4, choice=["yes", "no"],
+            engine.add_request("e", list(range(400, 406)), SamplingParams(max_tokens=3, choice=["yes", "no"],
                                                                           temperature=0.0))
         for out in engine.step():
             finished[out.request_id] = out
