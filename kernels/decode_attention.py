@@ -15,7 +15,8 @@ Stage 2, _decode_reduce_kernel, grid (num_seqs, num_q_heads): merges a sequence'
 When one partition covers every context, stage 1 normalises and writes `out` itself and stage 2 is skipped.
 
 num_partitions comes from block_tables.shape[1] (no device->host sync); partitions past a sequence's
-length exit at once. The partition size is chosen so that num_seqs * num_kv_heads * num_partitions gives
+length exit at once, so callers hand a table cut to the step's longest context (kernels/partitions.py).
+The partition size is chosen so that num_seqs * num_kv_heads * num_partitions gives
 the GPU a few waves of programs: a few long sequences still fill it. A DecodeWorkspace holds the partials
 allocated once (the engine's, sized for its widest batch and table), so a step allocates nothing and a
 fixed-width table gives a fixed partition count: what a CUDA graph replays.
@@ -30,10 +31,9 @@ import triton
 import triton.language as tl
 
 from kernels.launch import Launch, check_launchable
+from kernels.partitions import MAX_PARTITION, MIN_PARTITION, pick_partition_size  # noqa: F401 (re-exported)
 
 LOG2E = 1.4426950408889634
-MIN_PARTITION = 128
-MAX_PARTITION = 1024
 
 
 @triton.jit
@@ -145,13 +145,6 @@ def _decode_reduce_kernel(
         m_run = m_new
     out = acc / l_run
     tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
-
-
-def pick_partition_size(max_context: int, num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Power of two in [MIN_PARTITION, MAX_PARTITION] giving ~4 waves of stage-1 programs on the GPU."""
-    wanted_parts = max(1, triton.cdiv(4 * num_sms, max(1, num_seqs * num_kv_heads)))
-    size = triton.next_power_of_2(max(1, triton.cdiv(max_context, wanted_parts)))
-    return min(MAX_PARTITION, max(MIN_PARTITION, size))
 
 
 @functools.cache

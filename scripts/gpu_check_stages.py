@@ -1,10 +1,12 @@
 """The stages of scripts/gpu_check, one function each: (a) kernels against their references, (b) kernel
-bandwidth, (c) decode step time against its floor, (d) engine tok/s against transformers' continuous batching,
-(e) a tiny model's tokens against HF `generate`.
+bandwidth, (c) decode step time against its floor, kernel launches and host syncs per step, (d) engine tok/s
+against transformers' continuous batching, (e) a tiny model's tokens against HF `generate` and with CUDA
+graphs on against off (gpu_check_graphs.py).
 
-Each takes a Ctx and returns rows: {check, value, reference, ok, note}; ok is True/False against the issue's
-target, or None where a number has no target. With ctx.smoke the same code runs on the CPU on tiny shapes
-(kernels under TRITON_INTERPRET=1), so the table, the files and the imports are checked without a GPU.
+Each takes a Ctx and hands each row to ctx.emit as soon as it is measured: {check, value, reference, ok,
+note}; ok is True/False against the issue's target, or None where a number has no target. With ctx.smoke the
+same code runs on the CPU on tiny shapes (kernels under TRITON_INTERPRET=1), so the table, the files and the
+imports are checked without a GPU.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -28,6 +31,8 @@ QWEN_HEADS = (14, 2, 64)  # Qwen2.5-0.5B: q heads, kv heads, head_dim
 @dataclass
 class Ctx:
     smoke: bool
+    rehearsal: bool = False  # inside the rehearsal venv (scripts/gpu_check --rehearse)
+    emit: Callable[[dict], None] = print  # appends a row to the report the moment it is measured
 
     @property
     def device(self) -> str:
@@ -72,37 +77,47 @@ def copy_bandwidth(ctx: Ctx) -> float:
 
 # ---------------------------------------------------------------- (a) kernels against their references
 
-def stage_kernels(ctx: Ctx) -> list[dict]:
+# A representative third of tests/kernels/test_kernels*.py's 154 CUDA tests, sized for stage a's cap with a cold
+# Triton cache: every kernel test in bfloat16 and float32 (float16, which the engine never picks, dropped),
+# the decode/prefill block x GQA grid at block 16 for every group and at blocks 32/64 for one group
+STAGE_A_TESTS = ["tests/kernels/test_kernels.py", "tests/kernels/test_kernels_fused.py"]
+STAGE_A_SELECT = ("not interpreter_suite and not sm90 and not bench_script and not (float16 and not bfloat16) "
+                  "and not -32-2-2-32 and not -32-16-2-32 and not -64-2-2-32 and not -64-16-2-32")
+
+
+def stage_kernels(ctx: Ctx) -> None:
     from benchmarks import bench_kernels
-    rows = []
+
     cases = bench_kernels.correctness_cases(torch, smoke=False)
     if ctx.smoke:  # the interpreter runs every program in Python: one small case, still several partitions
         cases = [(torch.float32, (4, 2, 32), 16, [1, 17, 40], 16)]
     results = bench_kernels.check_correctness(torch, ctx.device, cases)
     bad = [case for case, _, ok in results if not ok]
     worst = max(err for _, err, _ in results)
-    rows.append(row("paged decode (multi-partition) / prefill / write_kv vs reference",
-                    f"{len(results) - len(bad)}/{len(results)} cases", "all", not bad,
-                    f"max abs err {worst:.1e}" + (f"; failed: {bad[:3]}" if bad else "")))
-    if ctx.smoke:  # the fused-kernel suite under the interpreter takes minutes: the GPU runs it whole
-        return rows
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_kernels.py",
-         "tests/kernels/test_kernels_fused.py", "-k", "not interpreter_suite and not sm90"],
-        cwd=ROOT, capture_output=True, text=True)
+    ctx.emit(row("paged decode (multi-partition) / prefill / write_kv vs reference",
+                 f"{len(results) - len(bad)}/{len(results)} cases", "all", not bad,
+                 f"max abs err {worst:.1e}" + (f"; failed: {bad[:3]}" if bad else "")))
+    pytest_cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *STAGE_A_TESTS, "-k",
+                  STAGE_A_SELECT]
+    if ctx.smoke:  # the fused-kernel suite under the interpreter takes minutes: collect it (imports, conftest)
+        proc = subprocess.run([*pytest_cmd, "--collect-only"], cwd=ROOT, capture_output=True, text=True)
+        summary = (proc.stdout.strip().splitlines() or ["no output"])[-1]
+        ctx.emit(row("stage a's CUDA test selection collects (conftest + imports)", summary[:60], "collects",
+                     proc.returncode == 0, "" if proc.returncode == 0 else proc.stdout[-300:].replace("\n", " ")))
+        return
+    proc = subprocess.run(pytest_cmd, cwd=ROOT, capture_output=True, text=True)
     summary = (proc.stdout.strip().splitlines() or ["no output"])[-1]
-    rows.append(row("tests/test_kernels*.py on CUDA (fp32/bf16/fp16, awkward shapes)", summary[:60], "all pass",
-                    proc.returncode == 0, "" if proc.returncode == 0 else proc.stdout[-400:].replace("\n", " ")))
-    return rows
+    ctx.emit(row("tests/kernels/test_kernels*.py on CUDA, bf16/fp32 selection", summary[:60], "all pass",
+                 proc.returncode == 0, "" if proc.returncode == 0 else proc.stdout[-400:].replace("\n", " ")))
 
 
 # ---------------------------------------------------------------- (b) kernel bandwidth, prefill vs SDPA
 
-def stage_bandwidth(ctx: Ctx) -> list[dict]:
+def stage_bandwidth(ctx: Ctx) -> None:
     from kernels.decode_attention import paged_decode_attention_triton
 
     bw = copy_bandwidth(ctx)
-    rows = [row("device copy bandwidth (read + write)", f"{bw / 1e9:,.0f} GB/s")]
+    ctx.emit(row("device copy bandwidth (read + write)", f"{bw / 1e9:,.0f} GB/s"))
     if ctx.smoke:
         hq, hk, d = 4, 2, 32
         grid = [(2, 64)]
@@ -120,9 +135,9 @@ def stage_bandwidth(ctx: Ctx) -> list[dict]:
         ms = time_ms(ctx, partial(paged_decode_attention_triton, q, k_cache, v_cache, table, seq_lens, d**-0.5))
         gbps = 2 * k_cache.numel() * k_cache.element_size() / (ms * 1e-3)
         share = gbps / bw
-        rows.append(row(f"decode attention batch {batch} ctx {ctx_len}", f"{gbps / 1e9:,.0f} GB/s = {share:.0%}",
-                        ">= 80% at batch >= 64", (share >= 0.8) if batch >= 64 and not ctx.smoke else None,
-                        f"{ms * 1e3:.1f} us"))
+        ctx.emit(row(f"decode attention batch {batch} ctx {ctx_len}", f"{gbps / 1e9:,.0f} GB/s = {share:.0%}",
+                     ">= 80% at batch >= 64", (share >= 0.8) if batch >= 64 and not ctx.smoke else None,
+                     f"{ms * 1e3:.1f} us"))
         del k_cache, v_cache
     if not ctx.smoke:
         from triton.testing import do_bench
@@ -132,10 +147,9 @@ def stage_bandwidth(ctx: Ctx) -> list[dict]:
         for batch, ctx_len in ((16, 1024), (16, 4096)):
             r = bench_kernels.bench_config(torch, do_bench, "0.5B", QWEN_HEADS, batch, ctx_len, bw)
             ours, sdpa = r[7], r[9]
-            rows.append(row(f"prefill batch {batch} ctx {ctx_len} (512-token chunk)", f"{ours:,.0f} us",
-                            "SDPA " + ("n/a" if sdpa is None else f"{sdpa:,.0f} us"),
-                            None if sdpa is None else ours <= 1.5 * sdpa, f"{r[8]:.0f} TFLOP/s"))
-    return rows
+            ctx.emit(row(f"prefill batch {batch} ctx {ctx_len} (512-token chunk)", f"{ours:,.0f} us",
+                         "SDPA " + ("n/a" if sdpa is None else f"{sdpa:,.0f} us"),
+                         None if sdpa is None else ours <= 1.5 * sdpa, f"{r[8]:.0f} TFLOP/s"))
 
 
 # ---------------------------------------------------------------- model checkpoints in real shapes
@@ -175,20 +189,20 @@ def profile_counts(ctx: Ctx, engine, steps: int) -> tuple[float, float]:
     return launches / steps, syncs / steps
 
 
-def stage_decode(ctx: Ctx) -> list[dict]:
+def stage_decode(ctx: Ctx) -> None:
     from worker import Engine, SamplingParams
     from worker.engine.model_runner import kv_bytes_per_block
 
     bw = copy_bandwidth(ctx)
     batches, context = ((1, 2), 16) if ctx.smoke else ((1, 64, 256), 1024)
-    rows = []
     path = checkpoint(ctx, model_name(ctx))
     for graphs in (True,) if ctx.smoke else (True, False):  # no graphs on a CPU
         for batch in batches:
+            # max_model_len 2048 (not the model's 32k): the same kernels, 5 table widths to capture, not 9
             engine = Engine(path, device=ctx.device, dtype=ctx.dtype, max_num_seqs=batch,
                             max_num_batched_tokens=max(8192 if not ctx.smoke else 256, batch),
                             kv_cache_gb=0.25 if ctx.smoke else 16, cuda_graphs=graphs,
-                            cpu_kernels=not ctx.smoke)
+                            cpu_kernels=not ctx.smoke, max_model_len=None if ctx.smoke else 2048)
             gen = torch.Generator().manual_seed(batch)
             for i in range(batch):
                 prompt = torch.randint(3, 49152, (context,), generator=gen).tolist()
@@ -212,20 +226,21 @@ def stage_decode(ctx: Ctx) -> list[dict]:
             kv = batch * (context + 30) * kv_bytes_per_block(engine.model, 1, engine.dtype)
             floor_ms = 1000 * (weights + kv) / bw
             ratio = step_ms / floor_ms
-            rows.append(row(f"decode step batch {batch} ctx {context} graphs {'on' if graphs else 'off'}",
-                            f"{step_ms:.2f} ms = {ratio:.1f}x floor",
-                            f"floor {floor_ms:.2f} ms; <= 1.5x at batch 256",
-                            (ratio <= 1.5) if batch == 256 else None,
-                            f"{launches:.0f} launches, {syncs:.1f} host syncs / step (target <= 1)"))
+            mode = f"batch {batch} ctx {context} graphs {'on' if graphs else 'off'}"
+            ctx.emit(row(f"decode step {mode}", f"{step_ms:.2f} ms = {ratio:.1f}x floor",
+                         f"floor {floor_ms:.2f} ms; <= 1.5x at batch 256", (ratio <= 1.5) if batch == 256 else None))
+            ctx.emit(row(f"kernel launches / host syncs per decode step, {mode} (torch.profiler)",
+                         f"{launches:.0f} / {syncs:.1f}", "<= 1 host sync per step",
+                         None if ctx.smoke else syncs <= 1,
+                         "launches: cuda*LaunchKernel + cudaGraphLaunch; syncs: " + ", ".join(SYNC_CALLS)))
             del engine
             if not ctx.smoke:
                 torch.cuda.empty_cache()
-    return rows
 
 
 # ---------------------------------------------------------------- (d) engine against transformers CB
 
-def stage_throughput(ctx: Ctx) -> list[dict]:
+def stage_throughput(ctx: Ctx) -> None:
     import argparse
 
     from benchmarks import bench_gpu
@@ -236,16 +251,15 @@ def stage_throughput(ctx: Ctx) -> list[dict]:
     name = model_name(ctx)
     r = bench_gpu.bench_model(name, args, ctx.device, ctx.dtype, bw, checkpoint_dir=checkpoint(ctx, name))
     ours, theirs = r["ours"], r["theirs"]
-    rows = [row(f"engine tok/s, bench_gpu workload ({args.requests} requests)", f"{ours.tok_s:,.0f}",
-                note=f"decode step {ours.extra['decode_step_ms']:.2f} ms, floor {ours.extra['decode_floor_ms']:.2f}")]
+    ctx.emit(row(f"engine tok/s, bench_gpu workload ({args.requests} requests)", f"{ours.tok_s:,.0f}",
+                 note=f"decode step {ours.extra['decode_step_ms']:.2f} ms, floor {ours.extra['decode_floor_ms']:.2f}"))
     if theirs.output_tokens:
         ratio = ours.tok_s / theirs.tok_s
-        rows.append(row("transformers continuous batching tok/s", f"{theirs.tok_s:,.0f}",
-                        "engine >= 5x", None if ctx.smoke else ratio >= 5, f"engine / CB = {ratio:.2f}x"))
+        ctx.emit(row("transformers continuous batching tok/s", f"{theirs.tok_s:,.0f}",
+                     "engine >= 5x", None if ctx.smoke else ratio >= 5, f"engine / CB = {ratio:.2f}x"))
     else:
-        rows.append(row("transformers continuous batching tok/s", "failed" if theirs.error else "not run",
-                        "engine >= 5x", None, theirs.error[:150] or "skipped in the CPU smoke run"))
-    return rows
+        ctx.emit(row("transformers continuous batching tok/s", "failed" if theirs.error else "not run",
+                     "engine >= 5x", None, theirs.error[:150] or "skipped in the CPU smoke run"))
 
 
 # ---------------------------------------------------------------- (e) tokens against HF generate
@@ -258,7 +272,7 @@ def hf_greedy(model, prompt: list[int], n: int, device: str) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def stage_parity(ctx: Ctx) -> list[dict]:
+def stage_parity(ctx: Ctx) -> None:
     from transformers import AutoModelForCausalLM
 
     from tests.support import tiny_models
@@ -267,7 +281,6 @@ def stage_parity(ctx: Ctx) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 17, 40, 63)]
     n_new = 12 if ctx.smoke else 32
-    rows = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-tiny-") as tmp:
         path = tiny_models.make_tiny_model(tmp, "llama")
         for dtype in ("float32",) if ctx.smoke else ("float32", "bfloat16"):
@@ -282,11 +295,13 @@ def stage_parity(ctx: Ctx) -> list[dict]:
             same = sum(a == b for a, b in zip(got, want, strict=True))
             agree = statistics.mean(_prefix_share(a, b) for a, b in zip(got, want, strict=True))
             exact = dtype == "float32"
-            rows.append(row(f"tiny llama {dtype} tokens vs HF generate ({ctx.device})",
-                            f"{same}/{len(prompts)} identical, {agree:.0%} agreement",
-                            "identical" if exact else "agreement rate", (same == len(prompts)) if exact else None))
+            ctx.emit(row(f"tiny llama {dtype} tokens vs HF generate ({ctx.device})",
+                         f"{same}/{len(prompts)} identical, {agree:.0%} agreement",
+                         "identical" if exact else "agreement rate", (same == len(prompts)) if exact else None))
             del engine
-    return rows
+        import gpu_check_graphs
+
+        gpu_check_graphs.compare_graphs(ctx, path)
 
 
 def _prefix_share(a: list[int], b: list[int]) -> float:
@@ -294,14 +309,49 @@ def _prefix_share(a: list[int], b: list[int]) -> float:
     return n / max(len(b), 1)
 
 
-STAGES = {
-    "a": ("kernels vs reference", stage_kernels, 75),
-    "b": ("kernel bandwidth", stage_bandwidth, 60),
-    "c": ("decode step vs floor", stage_decode, 120),
-    "d": ("engine vs transformers CB", stage_throughput, 150),
-    "e": ("tokens vs HF generate", stage_parity, 45),
+# the modules each stage imports on the GPU (its smoke run skips some): the rehearsal imports them all
+STAGE_IMPORTS = {
+    "a": ("benchmarks.bench_kernels", "pytest", "triton.testing", "kernels.decode_attention"),
+    "b": ("benchmarks.bench_kernels", "triton.testing", "kernels.decode_attention", "kernels.prefill_attention"),
+    "c": ("worker", "worker.engine.model_runner", "worker.engine.cuda_graphs", "torch.profiler"),
+    "d": ("benchmarks.bench_gpu", "worker", "transformers"),
+    "e": ("tests.support.tiny_models", "worker", "transformers", "gpu_check_graphs", "worker.engine.guided",
+          "protocol.constraints"),
 }
-SMOKE_CAPS = {"a": 240, "b": 240, "c": 240, "d": 240, "e": 240}  # a loaded 2-core CI box
+
+
+def check_imports(key: str, ctx: Ctx) -> None:
+    import importlib
+
+    failed = []
+    for name in STAGE_IMPORTS[key]:
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # noqa: BLE001 - every failure is the finding
+            failed.append(f"{name}: {type(err).__name__}: {err}")
+    ctx.emit(row(f"stage {key}'s GPU-path imports", f"{len(STAGE_IMPORTS[key]) - len(failed)}/"
+                 f"{len(STAGE_IMPORTS[key])}", "all import", not failed, "; ".join(failed)[:300]))
+
+
+def stage_overrun_selftest(ctx: Ctx) -> None:
+    """Stage z (never in the default list; tests/deploy/test_gpu_rehearsal.py): one row, then a grandchild and
+    itself both outlive the cap. The runner must keep the row and kill the whole process group."""
+    ctx.emit(row("self-test row measured before the overrun", "kept"))
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    Path(os.environ["GPU_CHECK_SELFTEST_PID"]).write_text(str(child.pid))
+    time.sleep(120)
+
+
+# caps in seconds on the GPU with a cold Triton cache: 460 in all
+STAGES = {
+    "a": ("kernels vs reference", stage_kernels, 70),
+    "b": ("kernel bandwidth", stage_bandwidth, 50),
+    "c": ("decode step vs floor, launches and syncs", stage_decode, 120),
+    "d": ("engine vs transformers CB", stage_throughput, 115),
+    "e": ("tokens vs HF generate; graphs on vs off", stage_parity, 105),
+}
+SMOKE_CAPS = {"a": 240, "b": 240, "c": 240, "d": 240, "e": 240, "z": 8}  # a loaded 2-core CI box
+HIDDEN_STAGES = {"z": ("self-test: overrun", stage_overrun_selftest, 8)}
 
 
 def tokenizer_setup() -> None:

@@ -150,7 +150,8 @@ def test_warm_up_writes_only_the_pad_block(tiny_dir):
         k[-1].zero_(), v[-1].zero_()
     before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     warmup.warm_up(engine.model, runner.kv_caches, runner.pad_block, engine.config.block_size,
-                   runner.max_blocks_per_seq, engine.max_num_seqs, runner.static.buckets)
+                   runner.max_blocks_per_seq, engine.max_num_seqs, engine.config.max_num_batched_tokens,
+                   runner.static.shapes())
     for (k0, v0), (k1, v1) in zip(before, runner.kv_caches, strict=True):
         assert torch.equal(k0[:-1], k1[:-1]) and torch.equal(v0[:-1], v1[:-1])
         assert k1[-1].abs().sum() > 0, "the warm-up wrote nothing into the pad block"

@@ -203,9 +203,9 @@ class Engine:
         """Every kernel variant the serve loop hits, compiled before the first request; then the graphs."""
         started = time.perf_counter()
         runner, cfg = self.runner, self.config
-        buckets = runner.static.buckets if runner.static is not None and not self.cuda_graphs else None
+        shapes = runner.static.shapes() if runner.static is not None and not self.cuda_graphs else None
         warmup.warm_up(self.model, runner.kv_caches, runner.pad_block, cfg.block_size, runner.max_blocks_per_seq,
-                       self.max_num_seqs, buckets)
+                       self.max_num_seqs, cfg.max_num_batched_tokens, shapes)
         torch.cuda.synchronize(self.device)
         warm_s = time.perf_counter() - started
         graph_s = runner.static.capture() if self.cuda_graphs else 0.0
