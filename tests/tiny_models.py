@@ -32,10 +32,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
                                          "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                             "rope_theta": 1000000.0}}),
     # partial rotary (16 of 32 dims), longrope switching to the long factors at position 32
-    "phi3": dict(max_position_embeddings=128, sliding_window=24, tie_word_embeddings=False,
+    "phi3": dict(max_position_embeddings=128, original_max_position_embeddings=32, sliding_window=24,
+                 tie_word_embeddings=False,
                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                   "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0],
-                                  "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+                                  "long_factor": [0.25, 0.5, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0],
                                   "original_max_position_embeddings": 32}),
 }
 
