@@ -26,7 +26,7 @@ class FusedDecodeLayers:
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.intermediate_size, self.eps = arch.intermediate_size, arch.rms_norm_eps
         self.scale = arch.head_dim**-0.5
-        self.window = arch.sliding_window or 0  # one for every layer: cpu_fusable models have no per-layer ones
+        self.window = arch.window(0)  # one for every layer (build() checks)
         self.weights: list[torch.Tensor] = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -42,6 +42,8 @@ class FusedDecodeLayers:
         """The fused layers for a CPU float32 model whose linears are panel CpuLinears, else None."""
         arch = getattr(model, "arch", None)
         if arch is None or arch.qk_norm or not model.cpu_fusable or model.embed_tokens.weight.dtype != torch.float32:
+            return None
+        if len({arch.window(i) for i in range(arch.num_layers)}) > 1:  # the C++ step takes one window
             return None
         linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)]

@@ -91,6 +91,11 @@ class LlamaArch:
             window = None
         if model_type == "qwen3" and not getattr(config, "use_sliding_window", False):
             window = None
+        # Qwen2/3 window only the layers from max_window_layers on; transformers names each layer's kind
+        layer_types = getattr(config, "layer_types", None)
+        layer_windows = ()
+        if window and layer_types and len(set(layer_types)) > 1:
+            layer_windows = tuple(window if t == "sliding_attention" else 0 for t in layer_types)
         return cls(
             model_type=model_type,
             vocab_size=config.vocab_size,
@@ -106,6 +111,7 @@ class LlamaArch:
             qkv_bias=qkv_bias,
             qk_norm=model_type == "qwen3",
             sliding_window=window,
+            layer_windows=layer_windows,
         )
 
 
