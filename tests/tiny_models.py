@@ -22,7 +22,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     ),
     "qwen2": dict(rope_theta=1000000.0, tie_word_embeddings=True),
     "qwen3": dict(rope_theta=1000000.0, head_dim=32),
-    "mistral": dict(rope_theta=10000.0, sliding_window=None),
+    "mistral": dict(rope_theta=10000.0, sliding_window=12),  # bites: prompts + outputs run past 12
     # windows shorter than a 16-token block (gemma2) and longer (gemma3, phi3); soft-caps small enough to bite
     "gemma2": dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=7, attn_logit_softcapping=2.0,
                    final_logit_softcapping=3.0, tie_word_embeddings=False),

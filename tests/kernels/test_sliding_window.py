@@ -15,7 +15,7 @@ import re
 
 import pytest
 import torch
-from sm90_compile import compile_for_sm90, run_interpreted
+from sm90_compile import compile_for_sm90, run_interpreted, stack_bytes
 
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
 
@@ -143,8 +143,9 @@ def test_triton_gelu_tanh_and_mul_matches_reference():
 
 
 @pytest.mark.skipif(INTERPRETED, reason="compiles the GPU plans; the interpreter run has no compiler")
-def test_windowed_plans_compile_for_sm90():
-    """The SLIDING / SOFTCAP variants (Gemma 2's shapes: head_dim 256, GQA 2) and GeGLU compile for sm_90."""
+def test_windowed_plans_compile_for_sm90(tmp_path):
+    """The SLIDING / SOFTCAP variants (Gemma 2's shapes: head_dim 256, GQA 2) and GeGLU compile for sm_90,
+    without register spills, their K/V loops still software-pipelined."""
     from kernels.activation import plan_silu_and_mul
     from kernels.decode_attention import plan_decode
     from kernels.prefill_attention import plan_prefill
@@ -167,7 +168,10 @@ def test_windowed_plans_compile_for_sm90():
     assert all(launch.meta.get("SLIDING", True) and launch.meta.get("GELU", True) for launch in launches)
     for launch in launches:
         compiled = compile_for_sm90(launch)
-        assert compiled.asm["cubin"], launch.kernel.__name__
+        name = launch.kernel.__name__
+        assert stack_bytes(compiled.asm["cubin"], tmp_path) == 0, f"{name} spills registers"
+        if name in ("_decode_partition_kernel", "_prefill_kernel"):
+            assert "async_copy_global_to_local" in compiled.asm["ttgir"], f"{name}: K/V loop not pipelined"
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the parent that starts the interpreter run")
