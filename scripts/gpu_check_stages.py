@@ -97,6 +97,8 @@ def stage_kernels(ctx: Ctx) -> None:
     ctx.emit(row("paged decode (multi-partition) / prefill / write_kv vs reference",
                  f"{len(results) - len(bad)}/{len(results)} cases", "all", not bad,
                  f"max abs err {worst:.1e}" + (f"; failed: {bad[:3]}" if bad else "")))
+    for sliding in sliding_window_rows(ctx):
+        ctx.emit(sliding)
     pytest_cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *STAGE_A_TESTS, "-k",
                   STAGE_A_SELECT]
     if ctx.smoke:  # the fused-kernel suite under the interpreter takes minutes: collect it (imports, conftest)
@@ -109,6 +111,46 @@ def stage_kernels(ctx: Ctx) -> None:
     summary = (proc.stdout.strip().splitlines() or ["no output"])[-1]
     ctx.emit(row("tests/kernels/test_kernels*.py on CUDA, bf16/fp32 selection", summary[:60], "all pass",
                  proc.returncode == 0, "" if proc.returncode == 0 else proc.stdout[-400:].replace("\n", " ")))
+
+
+def sliding_window_rows(ctx: Ctx) -> list[dict]:
+    """Windowed, soft-capped decode and prefill (Gemma 2's switches) against the reference at Gemma-2-like
+    shapes (16 q / 8 kv heads, head_dim 256; window 4096 over 8k contexts and 100 over 2k ones), and what the
+    window saves: windowed decode time against the same decode without one."""
+    from kernels.decode_attention import paged_decode_attention_triton
+    from kernels.prefill_attention import paged_prefill_attention_triton
+    from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
+
+    dtype = torch.float32 if ctx.smoke else torch.bfloat16
+    hq, hk, d = (4, 2, 16) if ctx.smoke else (16, 8, 256)
+    cases = [(3, 40, 7)] if ctx.smoke else [(16, 8192, 4096), (16, 2048, 100)]  # (batch, context, window)
+    worst, ok, rows, softcap = 0.0, True, [], 50.0
+    for batch, ctx_len, window in cases:
+        blocks = -(-ctx_len // 16)
+        k_cache = torch.randn(batch * blocks, 16, hk, d, device=ctx.device, dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        table = torch.randperm(batch * blocks, device=ctx.device).to(torch.int32).view(batch, blocks)
+        lens = torch.randint(ctx_len // 2, ctx_len + 1, (batch,), device=ctx.device, dtype=torch.int32)
+        q = torch.randn(batch, hq, d, device=ctx.device, dtype=dtype)
+        args = (q, k_cache, v_cache, table, lens, d**-0.5)
+        out = paged_decode_attention_triton(*args, window=window, softcap=softcap)
+        err = (out.float() - paged_decode_attention_ref(*args, window, softcap).float()).abs().max().item()
+        q_len = 8 if ctx.smoke else 512  # each sequence's newest q_len tokens: a prefill chunk
+        cu = torch.arange(batch + 1, device=ctx.device, dtype=torch.int32) * q_len
+        qp = torch.randn(batch * q_len, hq, d, device=ctx.device, dtype=dtype)
+        pargs = (qp, k_cache, v_cache, table, cu, lens, d**-0.5)
+        pout = paged_prefill_attention_triton(*pargs, window=window, softcap=softcap)
+        err = max(err, (pout.float() - paged_prefill_attention_ref(*pargs, window, softcap).float()).abs().max().item())
+        worst, ok = max(worst, err), ok and err < (1e-4 if ctx.smoke else 2e-2)
+        windowed = time_ms(ctx, partial(paged_decode_attention_triton, *args, window=window))
+        full = time_ms(ctx, partial(paged_decode_attention_triton, *args))
+        rows.append(row(f"windowed decode batch {batch} ctx <= {ctx_len} window {window}",
+                        f"{windowed * 1e3:.1f} us vs {full * 1e3:.1f} us full", "faster than full",
+                        None if ctx.smoke else windowed < full, "time: the window skips whole partitions"))
+        del k_cache, v_cache
+    rows.insert(0, row("sliding window + soft-cap decode/prefill vs reference", f"max abs err {worst:.1e}",
+                       "bf16 2e-2", ok, f"{len(cases)} shapes, head_dim {d}"))
+    return rows
 
 
 # ---------------------------------------------------------------- (b) kernel bandwidth, prefill vs SDPA

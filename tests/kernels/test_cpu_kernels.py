@@ -37,7 +37,7 @@ def test_decode_matches_reference(ext, block_size, hq, hk, head_dim):
     q = strided(torch.randn(len(lens), hq, head_dim, generator=gen), gen)  # a qkv-split-like view
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     scale = head_dim**-0.5
-    out = ext.paged_decode_attention_cpu(q, k_cache, v_cache, table, seq_lens, scale)
+    out = ext.paged_decode_attention_cpu(q, k_cache, v_cache, table, seq_lens, scale, 0, 0.0)
     ref = paged_decode_attention_ref(q, k_cache, v_cache, table, seq_lens, scale)
     assert out.shape == ref.shape and out.is_contiguous()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -55,7 +55,7 @@ def test_decode_ignores_junk_past_each_sequence(ext):
         v_cache[last, (n - 1) % 16 + 1 :] = float("inf")
     q = torch.randn(3, 6, 32, generator=gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    out = ext.paged_decode_attention_cpu(q, k_cache, v_cache, table, seq_lens, 0.17)
+    out = ext.paged_decode_attention_cpu(q, k_cache, v_cache, table, seq_lens, 0.17, 0, 0.0)
     torch.testing.assert_close(out, paged_decode_attention_ref(q, ref_k, ref_v, table, seq_lens, 0.17),
                                rtol=1e-5, atol=1e-5)
 
@@ -81,7 +81,7 @@ def test_bad_input_is_refused_with_a_reason(ext):
     cache = torch.zeros(2, 16, 2, 32)
     with pytest.raises(RuntimeError, match="float32"):
         ext.paged_decode_attention_cpu(q, cache, cache, torch.zeros(2, 1, dtype=torch.int32),
-                                       torch.ones(2, dtype=torch.int32), 1.0)
+                                       torch.ones(2, dtype=torch.int32), 1.0, 0, 0.0)
 
 
 def test_the_cpu_backend_runs_the_cpp_kernels_for_float32(ext, monkeypatch):

@@ -22,7 +22,22 @@ FAMILIES: dict[str, dict[str, Any]] = {
     ),
     "qwen2": dict(rope_theta=1000000.0, tie_word_embeddings=True),
     "qwen3": dict(rope_theta=1000000.0, head_dim=32),
-    "mistral": dict(rope_theta=10000.0, sliding_window=None),
+    "mistral": dict(rope_theta=10000.0, sliding_window=12),  # bites: prompts + outputs run past 12
+    # windows shorter than a 16-token block (gemma2) and longer (gemma3, phi3); soft-caps small enough to bite
+    "gemma2": dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=7, attn_logit_softcapping=2.0,
+                   final_logit_softcapping=3.0, tie_word_embeddings=False),
+    "gemma3_text": dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=20,
+                        layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                            "rope_theta": 1000000.0}}),
+    # partial rotary (16 of 32 dims), longrope switching to the long factors at position 32
+    "phi3": dict(max_position_embeddings=128, original_max_position_embeddings=32, sliding_window=24,
+                 tie_word_embeddings=False,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                  "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0],
+                                  "long_factor": [0.25, 0.5, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0],
+                                  "original_max_position_embeddings": 32}),
 }
 
 
@@ -54,6 +69,8 @@ def make_tiny_model(directory: str, model_type: str = "llama", **overrides: Any)
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.08)
+            elif model_type.startswith("gemma"):  # (1 + w) norms start at w = 0: make w matter
+                p.normal_(0.0, 0.2)
     model.save_pretrained(directory)
     _tokenizer().save_pretrained(directory)
     return directory

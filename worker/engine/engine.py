@@ -22,7 +22,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.guided import GrammarError, GuidedDecoding
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_block
-from worker.engine.models.llama import LlamaArch, LlamaForCausalLM, RotaryEmbedding
+from worker.engine.models import native_model_class
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
@@ -108,14 +108,12 @@ class Engine:
         started = time.perf_counter()
         source = loader.resolve(cfg.model, cfg.cache_dir)
         hf_config = loader.load_config(source)
-        arch = LlamaArch.from_hf_config(hf_config)
+        model_class = native_model_class(hf_config)
+        arch = model_class.arch_type.from_hf_config(hf_config)
         self.model_name = cfg.model
         self.tokenizer = loader.load_tokenizer(source)
         self.eos_token_ids = loader.load_generation_eos(source, hf_config, self.tokenizer)
         self.max_model_len = min(cfg.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
-        if arch.sliding_window:
-            # beyond the window our full attention would differ from the model's: stay inside it
-            self.max_model_len = min(self.max_model_len, arch.sliding_window)
         self.backend = select_backend(self.device, self.dtype, cfg.cpu_kernels, cfg.cache_dir)
         self.backend.check_model(arch, cfg.model)
         self.max_num_seqs = cfg.max_num_seqs or (CUDA_MAX_NUM_SEQS if self.device.type == "cuda" else CPU_MAX_NUM_SEQS)
@@ -128,12 +126,12 @@ class Engine:
         self.cuda_graphs = self.device.type == "cuda" and cfg.cuda_graphs and cfg.static_decode is not False
         static_decode = cfg.static_decode if cfg.static_decode is not None else self.cuda_graphs
         with torch.device("meta"):  # no memory is touched until the weights arrive
-            meta_model = LlamaForCausalLM(arch, self.backend)
+            meta_model = model_class(arch, self.backend)
         # cast while on meta: the weights are allocated once, in the target dtype, on the target device
         self.model = meta_model.to(self.dtype).to_empty(device=self.device)
         if arch.tie_word_embeddings:  # materialising from meta unties shared parameters
             self.model.lm_head.weight = self.model.embed_tokens.weight
-        self.model.attach_rotary(RotaryEmbedding(hf_config, arch.head_dim, self.max_model_len).to(self.device))
+        self.model.attach_rotary(self.model.build_rotary(hf_config, self.max_model_len).to(self.device))
         self.model.load_weights(loader.iter_weights(source))
         self.model.eval().requires_grad_(False)
         self.backend.prepare(self.model)
