@@ -81,7 +81,8 @@ def test_dashboard_in_chromium(stack, tmp_path):
         expect(page.locator("#batch-percent")).to_have_text("100 %", timeout=90_000)
         expect(page.locator("#batch-status")).to_have_text("completed", timeout=30_000)
         expect(page.locator("#error-link")).to_be_visible()
-        expect(page.locator("#failed-lines").get_by_role("cell", name="too-long", exact=True)).to_be_visible()  # its failed line
+        failed = page.locator("#failed-lines")  # the error file's lines, on the batch's page
+        expect(failed.get_by_role("cell", name="too-long", exact=True)).to_be_visible()
         page.screenshot(path=shots / "batch.png", full_page=True)
         page.get_by_role("link", name="Batches").click()
         row = page.locator(f'tr[data-batch="{batch_id}"]')

@@ -75,6 +75,9 @@ def start_ui_stack(tmp: Path) -> UiStack:
 
 
 def stop_ui_stack(stack: UiStack) -> None:
+    for p in stack.procs.values():  # all at once: the worker drains and the RQ worker takes a second each
+        if p.proc.poll() is None:
+            p.proc.terminate()
     for p in stack.procs.values():
         p.stop()
     stack.redis.cleanup()
