@@ -66,6 +66,11 @@ def test_dashboard_in_chromium(stack, tmp_path):
         page.get_by_label("API key").fill(KEYS["alice"])
         page.keyboard.press("Enter")  # keyboard only
         expect(page.get_by_role("heading", name="Overview")).to_be_visible()
+        page.keyboard.press("Tab")  # the first stop is the skip link, the next the navigation
+        expect(page.get_by_role("link", name="Skip to content")).to_be_focused()
+        page.keyboard.press("Tab")
+        expect(page.get_by_role("link", name="Overview")).to_be_focused()
+        expect(page.get_by_role("link", name="Overview")).to_have_attribute("aria-current", "page")
         cookie = next(c for c in context.cookies() if c["name"] == "tb_session")
         assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and KEYS["alice"] not in cookie["value"]
 

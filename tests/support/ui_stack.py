@@ -47,27 +47,29 @@ def _ready(url: str) -> bool:
 def start_ui_stack(tmp: Path) -> UiStack:
     from tests.support.tiny_models import make_tiny_model
 
-    # a long context, so a job can run long enough to be watched streaming and then cancelled
-    model = make_tiny_model(str(tmp / "tiny"), "llama", rope_scaling=None, max_position_embeddings=4096)
     srv = RedisServer().start()
     port = free_port()
+    model = str(tmp / "tiny")
     stack = UiStack(redis=srv, base_url=f"http://127.0.0.1:{port}", model=model)
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENBUS_REDIS_URL=srv.url, TOKENBUS_LOG_JSON="1",
                TOKENBUS_DEVICE="cpu", HF_HUB_OFFLINE="1", TOKENBUS_GATEWAY_API_KEYS=",".join(KEYS.values()),
                TOKENBUS_GATEWAY_UI_READONLY_KEYS=KEYS["bob"], TOKENBUS_GATEWAY_PORT=str(port),
                TOKENBUS_GATEWAY_FILES_DIR=str(tmp / "files"), TOKENBUS_GATEWAY_WATCH_INTERVAL_S="0.3")
     try:
+        # the gateway needs no model: it starts while the model is written
+        stack.procs["gateway"] = Proc("gateway", ["-m", "gateway", "serve"], env, tmp)
+        stack.procs["tasks"] = Proc("tasks", ["-m", "gateway", "tasks"], env, tmp)
+        # a long context, so a job can run long enough to be watched streaming and then cancelled
+        make_tiny_model(model, "llama", rope_scaling=None, max_position_embeddings=4096)
         # PyTorch reference kernels: no C++ build to wait for (or to share a build lock with other suites)
         stack.procs["worker"] = Proc("worker", [
             "-m", "worker", "--model", model, "--worker-name", WORKER, "--max-num-seqs", "8",
             "--max-num-batched-tokens", "512", "--kv-cache-gb", "0.05", "--heartbeat-s", "0.5",
             "--cpu-kernels", "false"], env, tmp)
-        stack.procs["gateway"] = Proc("gateway", ["-m", "gateway", "serve"], env, tmp)
-        stack.procs["tasks"] = Proc("tasks", ["-m", "gateway", "tasks"], env, tmp)
         wait_until(lambda: _ready(stack.base_url), 60, "the gateway's /healthz", stack.all(), every=0.1)
         r = srv.client()
-        wait_until(lambda: r.exists(f"tokenbus:worker:{WORKER}"), 180, "the worker's heartbeat", stack.all(), 0.1)
         wait_until(lambda: r.exists("rq:workers"), 60, "the RQ worker", stack.all(), every=0.1)
+        wait_until(lambda: r.exists(f"tokenbus:worker:{WORKER}"), 180, "the worker's heartbeat", stack.all(), 0.1)
     except BaseException:
         stop_ui_stack(stack)
         raise
