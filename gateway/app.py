@@ -55,6 +55,10 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(routes.router)
     app.include_router(completions.router)
     app.include_router(jobs.router)
+    if settings.ui_enabled:
+        from gateway import ui  # jinja2 loads only with the dashboard
+
+        ui.mount(app)
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz(request: Request) -> dict[str, Any]:

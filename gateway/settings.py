@@ -66,6 +66,15 @@ class GatewaySettings(BaseSettings):
     body_grace_s: float = Field(10.0, gt=0, description="a body gets this long before min_body_rate applies")
     min_body_rate: int = Field(16 * 1024, gt=0, description="bytes/s a request body must keep up on average")
     watch_interval_s: float = Field(2.0, gt=0, description="tasks: seconds between scans of open batches")
+    # the dashboard at /ui (gateway/ui/, docs/gateway.md "Dashboard")
+    ui_enabled: bool = Field(True, description="serve the dashboard at /ui")
+    ui_keys: str = Field("", description="comma-separated API keys that may log in to the dashboard; "
+                                         "unset = every API key")
+    ui_readonly_keys: str = Field("", description="comma-separated API keys that log in to the dashboard "
+                                                  "read-only (they see, but retry, delete and cancel nothing)")
+    ui_session_ttl_s: int = Field(8 * 3600, gt=0, description="a dashboard session's lifetime")
+    ui_secure_cookie: bool | None = Field(None, description="Secure session cookie; unset = when the request "
+                                                            "came over HTTPS (X-Forwarded-Proto too)")
     log_level: str = Field("info", validation_alias=_env("log_level"), description="debug, info, warning, error")
     log_json: bool | None = Field(None, validation_alias=_env("log_json"),
                                   description="JSON logs; unset = JSON when stderr is not a TTY")
@@ -100,6 +109,14 @@ class GatewaySettings(BaseSettings):
     def keys_by_owner(self) -> dict[str, str]:
         """owner id -> API key. The owner id (a hash) is what Redis records hold: never the key itself."""
         return {owner_id(k): k for k in (k.strip() for k in self.api_keys.split(",")) if k}
+
+    @property
+    def ui_login_owners(self) -> set[str]:
+        return {owner_id(k) for k in (k.strip() for k in self.ui_keys.split(",")) if k}
+
+    @property
+    def ui_readonly_owners(self) -> set[str]:
+        return {owner_id(k) for k in (k.strip() for k in self.ui_readonly_keys.split(",")) if k}
 
     @property
     def retry_intervals(self) -> list[int]:

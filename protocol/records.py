@@ -20,7 +20,11 @@ class Heartbeat(BaseModel):
     running: int = 0
     waiting: int = 0
     free_blocks: int | None = None
+    used_blocks: int | None = None
     jobs_done: int = 0
+    serving_path: str | None = None  # the engine's backend and device, e.g. "cpu-cpp on cpu", "triton on cuda:0"
+    generated_tokens: int = 0  # since the engine started (the dashboard's tokens/s is its rate)
+    step_ms: list[float] = Field(default_factory=list)  # the latest steps' wall times, oldest first (<= 32)
     # the prefix cache since the worker's engine started: prompt tokens / full blocks looked up and found
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0

@@ -2,9 +2,10 @@
 
 The Triton decode and prefill kernels run in scripts/test's TRITON_INTERPRET=1 process (see
 tests/kernels/test_kernels.py for why a process of their own), the C++ decode kernel (which also serves
-prefill on the CPU path, one query at a time) here. Windows shorter than a block, equal to one, longer than one and longer
-than every sequence; soft-caps small enough to change the softmax. The reference's window itself is checked
-against a dense mask written from Hugging Face's definition (key t visible to query p iff p - window < t <= p).
+prefill on the CPU path, one query at a time) here. Windows shorter than a block, equal to one, longer than
+one and longer than every sequence; soft-caps small enough to change the softmax. The reference's window
+itself is checked against a dense mask written from Hugging Face's definition (key t visible to query p
+iff p - window < t <= p).
 The new constexpr variants also compile for sm_90 (ptxas ships with triton).
 """
 
