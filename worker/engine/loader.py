@@ -118,7 +118,16 @@ def load_config(source: ModelSource) -> Any:
 def load_tokenizer(source: ModelSource) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(source.directory, **source.hf_kwargs)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.directory, **source.hf_kwargs)
+    except (OSError, ValueError, TypeError) as exc:  # what transformers raises for absent or unusable files
+        tokenizer, reason = None, str(exc).splitlines()[0][:200]
+    else:
+        reason = "AutoTokenizer found no tokenizer files"
+    if tokenizer is None or isinstance(tokenizer, bool):
+        raise ValueError(f"model {source.name!r} has no usable tokenizer ({reason}): tokenbus needs one to read "
+                         "prompts and write text; put tokenizer.json (or the tokenizer's files) beside config.json")
+    return tokenizer
 
 
 def load_generation_eos(source: ModelSource, config: Any, tokenizer: Any) -> list[int]:

@@ -40,7 +40,9 @@ class FusedDecodeLayers:
     def build(cls, model: torch.nn.Module, ext: ModuleType) -> FusedDecodeLayers | None:
         """The fused layers for a CPU float32 model whose linears are panel CpuLinears, else None."""
         arch = getattr(model, "arch", None)
-        if arch is None or arch.qk_norm or model.embed_tokens.weight.dtype != torch.float32:
+        # only the Llama family's dense layers (not q/k norms, experts, or transformers' own modules)
+        if arch is None or getattr(arch, "qk_norm", True) or getattr(arch, "moe", None) is not None \
+                or not hasattr(model, "embed_tokens") or model.embed_tokens.weight.dtype != torch.float32:
             return None
         linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)]

@@ -1,0 +1,72 @@
+"""One staggered mixed batch, shared by the per-architecture tests: requests arrive over several steps, one
+prompt is longer than a step's token budget (chunked prefill), the KV cache is too small for all of them at
+once (preemption), and the last prompt starts with the first one's two full blocks (a prefix-cache hit).
+Each request's greedy tokens must equal Hugging Face `generate` on the same prompt."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+# token ids below 1000 (every tiny model's vocabulary is SmolLM2's); prompt 0 (40 tokens) > the 24-token budget
+_gen = torch.Generator().manual_seed(23)
+_ids = torch.randint(3, 1000, (200,), generator=_gen).tolist()
+PROMPTS = [_ids[:40], _ids[40:49], _ids[49:70], _ids[70:103], _ids[:32] + _ids[103:121]]
+MAX_TOKENS = [20, 16, 12, 18, 10]
+ARRIVALS = [0, 0, 2, 5, 9]  # the step before which each request is added
+ENGINE_KWARGS = dict(device="cpu", dtype="float32", block_size=16, max_num_seqs=4, max_num_batched_tokens=24,
+                     num_kv_blocks=8)
+
+# tiny configs (2 layers, hidden 64, head_dim 32) of the architectures the tests serve
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+
+
+def run_staggered(engine: Any) -> dict[str, Any]:
+    """The batch through `engine`; returns each request's tokens and the engine's counters."""
+    from worker import SamplingParams
+
+    outputs: dict[int, list[int]] = {}
+    step = 0
+    while len(outputs) < len(PROMPTS):
+        for i, arrival in enumerate(ARRIVALS):
+            if arrival == step:
+                params = SamplingParams(max_tokens=MAX_TOKENS[i], temperature=0.0, ignore_eos=True)
+                engine.add_request(str(i), PROMPTS[i], params)
+        for out in engine.step():
+            outputs[int(out.request_id)] = out.token_ids
+        step += 1
+    stats = engine.stats()
+    engine.block_manager.check_invariants([])
+    return {"tokens": [outputs[i] for i in range(len(PROMPTS))], "preemptions": stats.preemptions,
+            "prefix_hit_tokens": stats.prefix_hit_tokens, "backend": engine.backend.name,
+            "serving_path": engine.serving_path}
+
+
+def hf_tokens(directory: str) -> list[list[int]]:
+    from hf_reference import hf_greedy, load_hf
+
+    hf = load_hf(directory)
+    return [hf_greedy(hf, p, m, ignore_eos=True) for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)]
+
+
+def check(result: dict[str, Any], expected: list[list[int]], what: str) -> None:
+    assert result["preemptions"] > 0, f"{what}: the batch did not preempt"
+    assert result["prefix_hit_tokens"] >= 32, f"{what}: the last prompt did not hit the prefix cache"
+    for i, (got, want) in enumerate(zip(result["tokens"], expected, strict=True)):
+        assert got == want, f"{what}: request {i} {got} != HF {want}"
+
+
+def run_in_engine(directory: str) -> dict[str, Any]:
+    from worker import Engine
+
+    return run_staggered(Engine(directory, **ENGINE_KWARGS))
+
+
+if __name__ == "__main__":  # the Triton child: TRITON_INTERPRET=1, one JSON line per model directory
+    import json
+    import sys
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    print(json.dumps({d: run_in_engine(d) for d in sys.argv[1:]}))
