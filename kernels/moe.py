@@ -103,6 +103,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 def plan_moe_gemm(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, sorted_ids: torch.Tensor,
     block_experts: torch.Tensor, num_pairs: int, a_row_div: int, mul_weight: bool, block_m: int,
+    on_gpu: bool, block_n: int | None = None, block_k: int | None = None,
 ) -> list[Launch]:
     """One grouped GEMM: out[pair] = a[pair // a_row_div] @ w[expert of pair]^T (* weights[pair])."""
     if w.dim() != 3 or a.shape[1] != w.shape[2] or out.shape[1] != w.shape[1]:
@@ -111,8 +112,10 @@ def plan_moe_gemm(
     if num_pairs == 0:
         return []
     n, k = w.shape[1], w.shape[2]
-    block_n = min(64, max(16, triton.next_power_of_2(n)))
-    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    # the interpreter pays per program and per op, not per element: one wide tile there
+    widest = 64 if on_gpu else 256
+    block_n = block_n or min(widest, max(16, triton.next_power_of_2(n)))
+    block_k = block_k or min(widest, max(16, triton.next_power_of_2(k)))
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     args = (a, w, out, weights, sorted_ids, block_experts, num_pairs, n, k, *a.stride(), *w.stride(), *out.stride())
     meta = {"A_ROW_DIV": a_row_div, "MUL_WEIGHT": mul_weight, "INPUT_PRECISION": precision, "BLOCK_M": block_m,
@@ -122,9 +125,9 @@ def plan_moe_gemm(
 
 def fused_moe_triton(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    block_m: int | None = None,
+    block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
 ) -> torch.Tensor:
-    """The experts' weighted sum [num_tokens, hidden]; see the module doc. `block_m` forces the tile, for tests."""
+    """The experts' weighted sum [num_tokens, hidden]; see the module doc. block_m/n/k force the tiles (tests)."""
     check_launchable(_moe_gemm_kernel, x)
     num_tokens, top_k = topk_ids.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
@@ -139,10 +142,11 @@ def fused_moe_triton(
     weights = topk_weights.reshape(-1).contiguous()
     gate_up = torch.empty(num_pairs, 2 * inter, dtype=x.dtype, device=x.device)
     for launch in plan_moe_gemm(x, w13, gate_up, weights, sorted_ids, block_experts, num_pairs, top_k, False,
-                                block_m):
+                                block_m, x.is_cuda, block_n, block_k):
         launch()
     h = silu_and_mul_triton(gate_up)
     down = torch.empty(num_pairs, x.shape[1], dtype=x.dtype, device=x.device)
-    for launch in plan_moe_gemm(h, w2, down, weights, sorted_ids, block_experts, num_pairs, 1, True, block_m):
+    for launch in plan_moe_gemm(h, w2, down, weights, sorted_ids, block_experts, num_pairs, 1, True, block_m,
+                                x.is_cuda, block_n, block_k):
         launch()
     return down.view(num_tokens, top_k, -1).sum(dim=1)

@@ -30,13 +30,13 @@ needs_kernels = pytest.mark.skipif(
 )
 parent_only = pytest.mark.skipif(INTERPRETED, reason="runs once, in the parent process")
 
-# (tokens, experts, top_k, hidden, inter, routing, block_m)
+# (tokens, experts, top_k, hidden, inter, routing, tiles (block_m, block_n, block_k) or None for the defaults)
 CASES = [
     (1, 8, 2, 72, 40, "random", None),
-    (5, 3, 3, 64, 48, "random", None),  # top_k = experts: every expert gets every token
-    (37, 9, 2, 40, 24, "skewed", None),  # most experts empty
-    (37, 8, 1, 48, 80, "one", 64),  # every token on one expert, one tile
-    (20, 8, 2, 32, 16, "random", 16),
+    (5, 3, 3, 64, 48, "random", (16, 32, 16)),  # top_k = experts: every expert gets every token; K loops, N tiles
+    (37, 9, 2, 40, 24, "skewed", (16, 16, 16)),  # most experts empty; tails in N and K
+    (37, 8, 1, 48, 80, "one", (64, None, None)),  # every token on one expert, one tile
+    (20, 8, 2, 32, 16, "random", None),
 ]
 
 
@@ -55,12 +55,13 @@ def inputs(n, experts, top_k, hidden, inter, routing, dtype=torch.float32, devic
 
 
 @needs_kernels
-@pytest.mark.parametrize("n,experts,top_k,hidden,inter,routing,block_m", CASES)
-def test_fused_moe_matches_reference(n, experts, top_k, hidden, inter, routing, block_m):
+@pytest.mark.parametrize("n,experts,top_k,hidden,inter,routing,tiles", CASES)
+def test_fused_moe_matches_reference(n, experts, top_k, hidden, inter, routing, tiles):
     from kernels.moe import fused_moe_triton
 
     x, w13, w2, weights, ids = inputs(n, experts, top_k, hidden, inter, routing)
-    out = fused_moe_triton(x, w13, w2, weights, ids, block_m=block_m)
+    block_m, block_n, block_k = tiles or (None, None, None)
+    out = fused_moe_triton(x, w13, w2, weights, ids, block_m=block_m, block_n=block_n, block_k=block_k)
     ref = fused_moe_ref(x.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu())
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
 
@@ -153,10 +154,11 @@ def test_gpu_plans_compile_for_sm90(tmp_path):
         gate_up = torch.empty(4 * top_k, 2 * inter, dtype=dtype)
         weights = torch.empty(4 * top_k)
         launches += plan_moe_gemm(x, w13, gate_up, weights, sorted_ids, block_experts, 4 * top_k, top_k, False,
-                                  block_m)
+                                  block_m, on_gpu=True)
         h = torch.empty(4 * top_k, inter, dtype=dtype)
         down = torch.empty(4 * top_k, hidden, dtype=dtype)
-        launches += plan_moe_gemm(h, w2, down, weights, sorted_ids, block_experts, 4 * top_k, 1, True, block_m)
+        launches += plan_moe_gemm(h, w2, down, weights, sorted_ids, block_experts, 4 * top_k, 1, True, block_m,
+                                  on_gpu=True)
     for launch in launches:
         compiled = compile_for_sm90(launch)
         assert stack_bytes(compiled.asm["cubin"], tmp_path) == 0, "the MoE GEMM spills registers"
