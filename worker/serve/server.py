@@ -75,7 +75,7 @@ class Server:
         self.step_failures = 0
         self.exit_code = 0
         # the heartbeat's engine numbers, every field from the first beat on
-        self._snapshot: dict[str, Any] = _snapshot(engine.model_name, engine.stats())
+        self._snapshot: dict[str, Any] = _snapshot(engine, engine.stats())
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -161,7 +161,7 @@ class Server:
     def _publish_stats(self, stats: Any) -> None:
         """Heartbeat numbers and gauges after every turn of the loop, not only after a step: a cancel or an
         ending with no step after it (the engine went idle) must not leave the last step's numbers up."""
-        self._snapshot = _snapshot(self.engine.model_name, stats)
+        self._snapshot = _snapshot(self.engine, stats)
         if self.metrics is not None:
             self.metrics.observe_engine(stats.running, stats.waiting, stats.used_blocks, stats.free_blocks)
 
@@ -256,7 +256,7 @@ class Server:
         elapsed = time.perf_counter() - started
         self.step_failures = 0
         stats = self.engine.stats()
-        self._snapshot = _snapshot(self.engine.model_name, stats)
+        self._snapshot = _snapshot(self.engine, stats)
         if self.metrics is not None:
             self.metrics.observe_prefix_cache(stats.prefix_queried_tokens, stats.prefix_hit_tokens,
                                               stats.prefix_queried_blocks, stats.prefix_hit_blocks,
@@ -386,8 +386,9 @@ class Server:
         self.writer.end(ending, started_at=job.started_at, **stats)
 
 
-def _snapshot(model: str, stats: Any) -> dict[str, Any]:
+def _snapshot(engine: Any, stats: Any) -> dict[str, Any]:
     """The heartbeat's engine numbers (producer.records.Heartbeat)."""
-    return {"model": model, "running": stats.running, "waiting": stats.waiting, "free_blocks": stats.free_blocks,
+    return {"model": engine.model_name, "model_path": getattr(engine, "serving_path", None),
+            "running": stats.running, "waiting": stats.waiting, "free_blocks": stats.free_blocks,
             "prefix_queried_tokens": stats.prefix_queried_tokens, "prefix_hit_tokens": stats.prefix_hit_tokens,
             "prefix_queried_blocks": stats.prefix_queried_blocks, "prefix_hit_blocks": stats.prefix_hit_blocks}
