@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from staggered_batch import TINY, check, hf_tokens, run_in_engine
+from staggered_batch import ENGINE_KWARGS, TINY, check, hf_tokens, run_in_engine, run_staggered
 from tiny_models import make_tiny_model
 
 from worker import Engine
@@ -99,6 +99,22 @@ def test_missing_tokenizer_is_refused(tmp_path):
     AutoConfig.for_model("gpt_neox", **TINY, num_hidden_layers=1).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="has no usable tokenizer.*put tokenizer.json"):
         Engine(str(tmp_path), device="cpu", dtype="float32")
+
+
+def test_attention_outside_the_interface_is_refused(tmp_path):
+    """Bloom computes attention itself (ALiBi), so our attention is never called: refused at load, not served
+    wrong."""
+    directory = make_tiny_model(str(tmp_path), "bloom", vocab_size=1024, hidden_size=64, n_head=2, n_layer=2)
+    with pytest.raises(ValueError, match="did not route every layer's attention through AttentionInterface"):
+        Engine(directory, device="cpu", dtype="float32", num_kv_blocks=8)
+
+
+def test_model_impl_transformers_forces_the_fallback(tiny):
+    """A Llama-family model (Mixtral) through transformers' own code when asked: the same tokens."""
+    directory, expected = tiny("mixtral")
+    engine = Engine(directory, **{**ENGINE_KWARGS, "model_impl": "transformers"})
+    assert engine.serving_path == "transformers"
+    check(run_staggered(engine, short=True), expected, "mixtral through transformers")
 
 
 def _child(directories: list[str]) -> None:

@@ -108,7 +108,7 @@ class Engine:
         started = time.perf_counter()
         source = loader.resolve(cfg.model, cfg.cache_dir)
         hf_config = loader.load_config(source)
-        arch = registry.model_arch(hf_config, cfg.model)
+        arch = registry.model_arch(hf_config, cfg.model, cfg.model_impl)
         self.serving_path = registry.serving_path(arch)  # "native" or "transformers"
         self.model_name = cfg.model
         self.tokenizer = loader.load_tokenizer(source)

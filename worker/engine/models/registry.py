@@ -17,10 +17,16 @@ NATIVE_MODEL_TYPES = (*SUPPORTED_MODEL_TYPES, *MOE_MODEL_TYPES)
 log = structlog.get_logger("tokenbus.engine")
 
 
-def model_arch(hf_config: Any, model_name: str = "") -> Any:
+def model_arch(hf_config: Any, model_name: str = "", model_impl: str = "auto") -> Any:
     """The native family's arch for a type tokenbus implements, else the fallback's (which refuses what
-    neither path can serve: encoder-decoders, multimodal configs, non-causal types)."""
+    neither path can serve: encoder-decoders, multimodal configs, non-causal types). model_impl
+    "transformers" takes the fallback for any type; "native" refuses it."""
     model_type = getattr(hf_config, "model_type", None)
+    if model_impl == "transformers":
+        return FallbackArch.from_hf_config(hf_config, model_name)
+    if model_impl == "native" and model_type not in NATIVE_MODEL_TYPES:
+        raise ValueError(f"model type {model_type!r} is not supported natively; tokenbus implements "
+                         f"{list(NATIVE_MODEL_TYPES)} (model_impl 'auto' serves it through transformers)")
     if model_type in MOE_MODEL_TYPES:
         return moe_arch(hf_config)
     if model_type in SUPPORTED_MODEL_TYPES:

@@ -120,7 +120,9 @@ class TransformersCausalLM(nn.Module):
         try:
             hf_model = AutoModelForCausalLM.from_pretrained(
                 source.directory, dtype=dtype, attn_implementation=ATTN_NAME, **source.hf_kwargs)
-        except ValueError as exc:  # transformers refuses a custom attention for models that cannot take one
+        # transformers refuses a custom attention for models that cannot take one (ValueError), or some look
+        # their own attention classes up by implementation name (KeyError: Falcon)
+        except (ValueError, KeyError) as exc:
             raise ValueError(f"model {source.name!r} ({arch.model_type}): transformers' modeling code does not "
                              f"route attention through AttentionInterface, so tokenbus cannot serve it ({exc})") \
                 from exc
@@ -179,6 +181,11 @@ class TransformersCausalLM(nn.Module):
         try:
             self.hf.base_model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device),
                                position_ids=torch.arange(2, device=device)[None], use_cache=False)
+        except Exception as exc:  # e.g. Falcon looks its own attention classes up by implementation name
+            raise ValueError(
+                f"model {model_name!r} ({arch.model_type}): its transformers code cannot run with an attention "
+                f"implementation registered through AttentionInterface ({type(exc).__name__}: {exc}); tokenbus "
+                "cannot serve it through the fallback") from exc
         finally:
             _STEP.model = None
         shapes = set(self.seen.values())
