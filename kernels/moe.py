@@ -85,7 +85,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     num_pairs = flat.numel()
     device = flat.device
     max_padded = -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
+    # scatter_add, not bincount: bincount's output size depends on the data (a host sync, no graph capture)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)

@@ -127,6 +127,8 @@ class Engine:
             )
         # graphs replay the padded decode path, so they need it; static_decode None follows the graphs
         self.cuda_graphs = self.device.type == "cuda" and cfg.cuda_graphs and cfg.static_decode is not False
+        # transformers' own modeling code was never checked under graph capture: the fallback runs eagerly
+        self.cuda_graphs = self.cuda_graphs and self.serving_path == "native"
         static_decode = cfg.static_decode if cfg.static_decode is not None else self.cuda_graphs
         self.model = registry.build_model(arch, hf_config, source, self.backend, self.dtype, self.device,
                                           self.max_model_len, loader.iter_weights)
