@@ -52,7 +52,7 @@ def run_staggered(engine: Any, short: bool = False) -> dict[str, Any]:
 
 
 def hf_tokens(directory: str) -> list[list[int]]:
-    from hf_reference import hf_greedy, load_hf
+    from tests.support.hf_reference import hf_greedy, load_hf
 
     hf = load_hf(directory)
     return [hf_greedy(hf, p, m, ignore_eos=True) for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)]

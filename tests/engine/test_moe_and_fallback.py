@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from staggered_batch import ENGINE_KWARGS, TINY, check, hf_tokens, run_in_engine, run_staggered
-from tiny_models import make_tiny_model
 
+from tests.engine.staggered_batch import ENGINE_KWARGS, TINY, check, hf_tokens, run_in_engine, run_staggered
+from tests.support.tiny_models import make_tiny_model
 from worker import Engine
 
 ARCHS = {
@@ -65,8 +65,7 @@ def test_triton_path_under_the_interpreter_equals_hf(tiny):
     """The experts through the fused-MoE kernel and attention through the Triton kernels (the PyTorch
     references are made to raise in the child, so nothing falls back silently)."""
     dirs = {arch: tiny(arch)[0] for arch in TRITON_ARCHS}
-    paths = [str(ROOT), str(ROOT / "tests"), str(Path(__file__).parent)]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(paths)}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     args = [f"{directory}:{int(TRITON_ARCHS[arch])}" for arch, directory in dirs.items()]
     proc = subprocess.run([sys.executable, __file__, *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=900)

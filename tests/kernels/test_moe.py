@@ -1,9 +1,9 @@
 """The fused-MoE Triton kernel (kernels/moe.py) against its PyTorch reference (kernels/moe_reference.py).
 
-As in tests/test_kernels_fused.py, the parent pytest process never sets TRITON_INTERPRET:
-`test_interpreter_suite` reruns this file in a child pytest with TRITON_INTERPRET=1 where the kernel tests
-run on CPU tensors (with a GPU the parent runs them on CUDA). The parent compiles the GPU plans for sm_90,
-ties the reference to transformers' own Mixtral / Qwen3-MoE blocks, and checks the alignment's bookkeeping.
+As tests/kernels/test_kernels_fused.py: scripts/test runs this file a second time in its TRITON_INTERPRET=1
+process (INTERPRETED_SUITES), where the kernel tests run on CPU tensors; with a GPU they run on CUDA. The
+plain run compiles the GPU plans for sm_90, ties the reference to transformers' own Mixtral / Qwen3-MoE
+blocks, and checks the alignment's bookkeeping.
 
 Awkward shapes on purpose: 1, 5 and 37 tokens, 3, 8 and 9 experts, top-1, top-2 and top-3, hidden and
 intermediate sizes that are not powers of two, experts that get no token at all, every token on one expert,
@@ -18,15 +18,15 @@ import zlib
 
 import pytest
 import torch
-from sm90_compile import compile_for_sm90, run_interpreted, stack_bytes
 
 from kernels.moe_reference import fused_moe_ref, route_topk_ref
+from tests.support.sm90_compile import compile_for_sm90, stack_bytes
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
 needs_kernels = pytest.mark.skipif(
     not INTERPRETED and not torch.cuda.is_available(),
-    reason="no GPU: runs on CPU in the TRITON_INTERPRET=1 child of test_interpreter_suite",
+    reason="no GPU: runs on CPU in scripts/test's TRITON_INTERPRET=1 process",
 )
 parent_only = pytest.mark.skipif(INTERPRETED, reason="runs once, in the parent process")
 
@@ -164,11 +164,3 @@ def test_gpu_plans_compile_for_sm90(tmp_path):
         assert stack_bytes(compiled.asm["cubin"], tmp_path) == 0, "the MoE GEMM spills registers"
         if launch.args[0].dtype == torch.bfloat16:  # fp32 stays IEEE (no TF32), so no tensor cores there
             assert re.search(r"\b(w?gmma|mma)\.", compiled.asm["ptx"]), "bf16 grouped GEMM without tensor cores"
-
-
-@parent_only
-def test_interpreter_suite():
-    """Run this file's kernel tests on CPU under TRITON_INTERPRET=1 in a fresh process (see module doc)."""
-    stdout, tail = run_interpreted(__file__)
-    passed = re.search(r"(\d+) passed", stdout)
-    assert passed and int(passed.group(1)) == len(CASES) + 2, tail

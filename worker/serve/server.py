@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from producer.protocol import ErrorCode
+from protocol.models import ErrorCode
 from worker.engine.sampling_params import SamplingParams
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter, FirstToken
@@ -387,7 +387,7 @@ class Server:
 
 
 def _snapshot(engine: Any, stats: Any) -> dict[str, Any]:
-    """The heartbeat's engine numbers (producer.records.Heartbeat)."""
+    """The heartbeat's engine numbers (protocol.records.Heartbeat)."""
     return {"model": engine.model_name, "model_path": getattr(engine, "serving_path", None),
             "running": stats.running, "waiting": stats.waiting, "free_blocks": stats.free_blocks,
             "prefix_queried_tokens": stats.prefix_queried_tokens, "prefix_hit_tokens": stats.prefix_hit_tokens,
