@@ -15,6 +15,7 @@ class Heartbeat(BaseModel):
 
     name: str
     model: str | None = None
+    model_path: str | None = None  # "native" (tokenbus's own model code) or "transformers" (the fallback)
     started_at: float | None = None
     last_seen: float | None = None
     running: int = 0

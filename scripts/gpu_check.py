@@ -6,7 +6,7 @@ killed, a row says so, and the next stage runs. Each row is appended to gpu_chec
 $OUT (./gpu-check-out when OUT is unset) the moment it is measured; the stages' output goes to
 gpu_check_stages.log beside them.
 
-    scripts/gpu_check                 # CUDA: stages a-e, caps summing to 460 s
+    scripts/gpu_check                 # CUDA: stages a-e and m, caps summing to 480 s
     scripts/gpu_check --cpu-smoke     # no GPU: the same stages on tiny shapes, kernels under TRITON_INTERPRET=1
     scripts/gpu_check --rehearse      # no GPU: the smoke run inside a venv holding only what the GPU image
                                       # holds, after installing the carry (.whl/) as the GPU run does

@@ -359,6 +359,7 @@ STAGE_IMPORTS = {
     "d": ("benchmarks.bench_gpu", "worker", "transformers"),
     "e": ("tests.support.tiny_models", "worker", "transformers", "gpu_check_graphs", "worker.engine.guided",
           "protocol.constraints"),
+    "m": ("kernels.moe", "kernels.moe_reference", "triton.testing"),
 }
 
 
@@ -384,15 +385,49 @@ def stage_overrun_selftest(ctx: Ctx) -> None:
     time.sleep(120)
 
 
-# caps in seconds on the GPU with a cold Triton cache: 460 in all
+# ---------------------------------------------------------------- (m) fused-MoE kernel vs its reference
+
+def stage_moe(ctx: Ctx) -> None:
+    """The fused-MoE kernel (kernels/moe.py) on one Mixtral-8x7B and one Qwen3-30B-A3B layer: error against
+    the PyTorch reference, time against it, and the expert weights it touches read at what share of the copy
+    bandwidth (a decode-sized batch reads each chosen expert once: the floor)."""
+    from kernels.moe import fused_moe_triton
+    from kernels.moe_reference import fused_moe_ref, route_topk_ref
+
+    dtype = torch.float32 if ctx.smoke else torch.bfloat16
+    # (name, experts, top_k, hidden, inter, token counts)
+    shapes = [("tiny", 4, 2, 64, 32, (3, 20))] if ctx.smoke else [
+        ("Mixtral-8x7B", 8, 2, 4096, 14336, (1, 64, 512)), ("Qwen3-30B-A3B", 128, 8, 2048, 768, (1, 64, 512))]
+    bw = copy_bandwidth(ctx)
+    for name, experts, top_k, hidden, inter, token_counts in shapes:
+        gen = torch.Generator(device=ctx.device).manual_seed(0)
+        w13 = (torch.randn(experts, 2 * inter, hidden, device=ctx.device, generator=gen) * hidden**-0.5).to(dtype)
+        w2 = (torch.randn(experts, hidden, inter, device=ctx.device, generator=gen) * inter**-0.5).to(dtype)
+        for n in token_counts:
+            x = torch.randn(n, hidden, device=ctx.device, generator=gen).to(dtype)
+            weights, ids = route_topk_ref(torch.randn(n, experts, device=ctx.device, generator=gen), top_k, True)
+            out = fused_moe_triton(x, w13, w2, weights, ids)
+            ref = fused_moe_ref(x, w13, w2, weights, ids)
+            err = ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+            ms = time_ms(ctx, partial(fused_moe_triton, x, w13, w2, weights, ids))
+            ref_ms = time_ms(ctx, partial(fused_moe_ref, x, w13, w2, weights, ids))
+            touched = int(torch.unique(ids).numel()) * 3 * inter * hidden * w13.element_size()
+            share = touched / (ms * 1e-3) / bw
+            ctx.emit(row(f"fused MoE {name} tokens {n}", f"{ms:.3f} ms, weights at {share:.0%} of copy bw",
+                            f"reference {ref_ms:.3f} ms", err < (1e-5 if ctx.smoke else 2e-2),
+                            f"relative error {err:.1e}"))
+
+
+# caps in seconds on the GPU with a cold Triton cache: 480 in all
 STAGES = {
     "a": ("kernels vs reference", stage_kernels, 70),
     "b": ("kernel bandwidth", stage_bandwidth, 50),
     "c": ("decode step vs floor, launches and syncs", stage_decode, 120),
     "d": ("engine vs transformers CB", stage_throughput, 115),
     "e": ("tokens vs HF generate; graphs on vs off", stage_parity, 105),
+    "m": ("fused MoE vs reference", stage_moe, 20),
 }
-SMOKE_CAPS = {"a": 240, "b": 240, "c": 240, "d": 240, "e": 240, "z": 8}  # a loaded 2-core CI box
+SMOKE_CAPS = {"a": 240, "b": 240, "c": 240, "d": 240, "e": 240, "m": 240, "z": 8}  # a loaded 2-core CI box
 HIDDEN_STAGES = {"z": ("self-test: overrun", stage_overrun_selftest, 8)}
 
 

@@ -255,7 +255,7 @@ def test_info_reports_queue_workers_and_dead_letters(client):
     client.redis.xreadgroup(GROUP, "w1", {client.keys.queue(): ">"}, count=1)
     client.redis.sadd(client.keys.workers, "w1", "w-old")
     beat = {"name": "w1", "model": "smollm2-135m", "started_at": time.time() - 60, "last_seen": time.time(),
-            "running": 1, "waiting": 0, "free_blocks": 100, "jobs_done": 7}
+            "running": 1, "waiting": 0, "free_blocks": 100, "jobs_done": 7, "model_path": "transformers"}
     client.redis.set(client.keys.worker("w1"), json.dumps(beat), ex=30)
     dead = {"job_id": "j", "reason": "max_attempts", "attempts": 3, "request": "{}"}
     client.redis.xadd(client.keys.dead, dead)
@@ -264,6 +264,10 @@ def test_info_reports_queue_workers_and_dead_letters(client):
     assert info.consumers == 1
     assert [(w.name, w.alive) for w in info.workers] == [("w-old", False), ("w1", True)]
     assert info.workers[1].heartbeat.jobs_done == 7 and info.workers[1].heartbeat.model == "smollm2-135m"
+    assert info.workers[1].heartbeat.model_path == "transformers"  # which code serves the model
+    from producer.cli import format_info
+
+    assert "model=smollm2-135m path=transformers" in format_info(info)
 
 
 def test_info_on_an_empty_namespace(client):

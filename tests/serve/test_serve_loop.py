@@ -67,6 +67,7 @@ def test_round_trip_matches_offline_engine(serve_engine, serve, make_client, red
         assert time.monotonic() < deadline, heartbeat
         time.sleep(0.1)
     assert heartbeat["name"] == "test-worker-0" and heartbeat["running"] == 0
+    assert heartbeat["model_path"] == "native"  # the tiny Llama runs on tokenbus's own model code
     assert handle.stop() == 0
     assert r.get(K.worker("test-worker-0")) is None, "a stopped worker signs off"
     assert serve_engine.stats().used_blocks == 0

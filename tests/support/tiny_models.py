@@ -60,7 +60,7 @@ def make_tiny_model(directory: str, model_type: str = "llama", **overrides: Any)
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
         bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False,
     )
-    fields.update(FAMILIES[model_type])
+    fields.update(FAMILIES.get(model_type, {}))
     fields.update(overrides)
     config = AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(1234)

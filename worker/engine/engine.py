@@ -22,7 +22,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.guided import GrammarError, GuidedDecoding
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_block
-from worker.engine.models import native_model_class
+from worker.engine.models import registry
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
@@ -108,8 +108,8 @@ class Engine:
         started = time.perf_counter()
         source = loader.resolve(cfg.model, cfg.cache_dir)
         hf_config = loader.load_config(source)
-        model_class = native_model_class(hf_config)
-        arch = model_class.arch_type.from_hf_config(hf_config)
+        arch = registry.model_arch(hf_config, cfg.model, cfg.model_impl)
+        self.serving_path = registry.serving_path(arch)  # "native" or "transformers"
         self.model_name = cfg.model
         self.tokenizer = loader.load_tokenizer(source)
         self.eos_token_ids = loader.load_generation_eos(source, hf_config, self.tokenizer)
@@ -124,16 +124,11 @@ class Engine:
             )
         # graphs replay the padded decode path, so they need it; static_decode None follows the graphs
         self.cuda_graphs = self.device.type == "cuda" and cfg.cuda_graphs and cfg.static_decode is not False
+        # transformers' own modeling code was never checked under graph capture: the fallback runs eagerly
+        self.cuda_graphs = self.cuda_graphs and self.serving_path == "native"
         static_decode = cfg.static_decode if cfg.static_decode is not None else self.cuda_graphs
-        with torch.device("meta"):  # no memory is touched until the weights arrive
-            meta_model = model_class(arch, self.backend)
-        # cast while on meta: the weights are allocated once, in the target dtype, on the target device
-        self.model = meta_model.to(self.dtype).to_empty(device=self.device)
-        if arch.tie_word_embeddings:  # materialising from meta unties shared parameters
-            self.model.lm_head.weight = self.model.embed_tokens.weight
-        self.model.attach_rotary(self.model.build_rotary(hf_config, self.max_model_len).to(self.device))
-        self.model.load_weights(loader.iter_weights(source))
-        self.model.eval().requires_grad_(False)
+        self.model = registry.build_model(arch, hf_config, source, self.backend, self.dtype, self.device,
+                                          self.max_model_len, loader.iter_weights)
         self.backend.prepare(self.model)
         max_blocks_per_seq = -(-self.max_model_len // cfg.block_size)
         self.backend.reserve(arch, self.max_num_seqs, max_blocks_per_seq * cfg.block_size, self.device)
@@ -161,7 +156,7 @@ class Engine:
             "engine_ready", model=cfg.model, device=str(self.device), dtype=str(self.dtype), kv_blocks=num_blocks,
             block_size=cfg.block_size, max_model_len=self.max_model_len, backend=self.backend.name,
             max_num_seqs=self.max_num_seqs, static_decode=static_decode, cuda_graphs=self.cuda_graphs,
-            load_s=round(time.perf_counter() - started, 2),
+            serving_path=self.serving_path, load_s=round(time.perf_counter() - started, 2),
         )
 
     def _num_kv_blocks(self) -> int:

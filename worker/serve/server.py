@@ -76,7 +76,7 @@ class Server:
         self.step_failures = 0
         self.exit_code = 0
         # the heartbeat's engine numbers, every field from the first beat on
-        self._snapshot: dict[str, Any] = _snapshot(engine.model_name, engine.stats())
+        self._snapshot: dict[str, Any] = _snapshot(engine, engine.stats())
         self.serving_path = f"{engine.backend.name} on {engine.device}"
         self.step_ms: deque[float] = deque(maxlen=STEP_TIMES_KEPT)  # the dashboard's step-time sparkline
 
@@ -164,7 +164,7 @@ class Server:
     def _publish_stats(self, stats: Any) -> None:
         """Heartbeat numbers and gauges after every turn of the loop, not only after a step: a cancel or an
         ending with no step after it (the engine went idle) must not leave the last step's numbers up."""
-        self._snapshot = _snapshot(self.engine.model_name, stats)
+        self._snapshot = _snapshot(self.engine, stats)
         if self.metrics is not None:
             self.metrics.observe_engine(stats.running, stats.waiting, stats.used_blocks, stats.free_blocks)
 
@@ -261,7 +261,7 @@ class Server:
         self.step_ms.append(round(elapsed * 1000, 2))
         self.step_failures = 0
         stats = self.engine.stats()
-        self._snapshot = _snapshot(self.engine.model_name, stats)
+        self._snapshot = _snapshot(self.engine, stats)
         if self.metrics is not None:
             self.metrics.observe_prefix_cache(stats.prefix_queried_tokens, stats.prefix_hit_tokens,
                                               stats.prefix_queried_blocks, stats.prefix_hit_blocks,
@@ -391,9 +391,10 @@ class Server:
         self.writer.end(ending, started_at=job.started_at, **stats)
 
 
-def _snapshot(model: str, stats: Any) -> dict[str, Any]:
+def _snapshot(engine: Any, stats: Any) -> dict[str, Any]:
     """The heartbeat's engine numbers (protocol.records.Heartbeat)."""
-    return {"model": model, "running": stats.running, "waiting": stats.waiting, "free_blocks": stats.free_blocks,
+    return {"model": engine.model_name, "model_path": getattr(engine, "serving_path", None),
+            "running": stats.running, "waiting": stats.waiting, "free_blocks": stats.free_blocks,
             "used_blocks": stats.used_blocks, "generated_tokens": stats.generated_tokens,
             "prefix_queried_tokens": stats.prefix_queried_tokens, "prefix_hit_tokens": stats.prefix_hit_tokens,
             "prefix_queried_blocks": stats.prefix_queried_blocks, "prefix_hit_blocks": stats.prefix_hit_blocks}

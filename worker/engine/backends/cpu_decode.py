@@ -41,7 +41,9 @@ class FusedDecodeLayers:
     def build(cls, model: torch.nn.Module, ext: ModuleType) -> FusedDecodeLayers | None:
         """The fused layers for a CPU float32 model whose linears are panel CpuLinears, else None."""
         arch = getattr(model, "arch", None)
-        if arch is None or arch.qk_norm or not model.cpu_fusable or model.embed_tokens.weight.dtype != torch.float32:
+        # only dense Llama-shaped layers (not q/k norms, experts, transformers' own modules, per-layer windows)
+        if arch is None or getattr(arch, "qk_norm", True) or getattr(arch, "moe", None) is not None \
+                or not getattr(model, "cpu_fusable", False) or model.embed_tokens.weight.dtype != torch.float32:
             return None
         if len({arch.window(i) for i in range(arch.num_layers)}) > 1:  # the C++ step takes one window
             return None

@@ -88,6 +88,13 @@ class ReferenceBackend:
         self.write_kv(k, v, k_cache, v_cache, slot_mapping)
         return q
 
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+        """A mixture-of-experts layer's experts, weighted and summed (kernels/moe_reference.py has the shapes)."""
+        from kernels.moe_reference import fused_moe_ref
+
+        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+
     # ---- whole layers and sampling ------------------------------------------------------------------------
 
     def run_layers(self, model: torch.nn.Module, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],

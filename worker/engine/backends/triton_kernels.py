@@ -16,6 +16,7 @@ class TritonBackend(ReferenceBackend):
         from kernels.activation import gelu_tanh_and_mul_triton, silu_and_mul_triton
         from kernels.decode_attention import DecodeWorkspace, num_sms, paged_decode_attention_triton
         from kernels.kv_write import write_kv_triton
+        from kernels.moe import fused_moe_triton
         from kernels.norm import add_rms_norm_triton, rms_norm_triton
         from kernels.prefill_attention import paged_prefill_attention_triton
         from kernels.rope import rotary_triton, rotary_write_kv_triton
@@ -30,6 +31,7 @@ class TritonBackend(ReferenceBackend):
         self._gelu_tanh_and_mul = gelu_tanh_and_mul_triton
         self._rotary = rotary_triton
         self._rotary_write_kv = rotary_write_kv_triton
+        self._fused_moe = fused_moe_triton
         self._workspace_type, self._num_sms = DecodeWorkspace, num_sms
         self.decode_workspace: DecodeWorkspace | None = None
 
@@ -74,6 +76,9 @@ class TritonBackend(ReferenceBackend):
 
     def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._gelu_tanh_and_mul(gate_up)
+
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+        return self._fused_moe(x, w13, w2, topk_weights, topk_ids)
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

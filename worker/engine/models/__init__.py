@@ -1,5 +1,5 @@
-"""The natively implemented families: Hugging Face model_type -> the model class (its arch_type reads the
-config). A model type not listed here is not served natively."""
+"""The natively implemented dense families: Hugging Face model_type -> the model class (its arch_type reads the
+config). The MoE families are in moe.py; registry.py picks native or the transformers fallback."""
 
 from worker.engine.models.gemma import GemmaArch, GemmaForCausalLM
 from worker.engine.models.llama import SUPPORTED_MODEL_TYPES, LlamaArch, LlamaForCausalLM
@@ -13,13 +13,5 @@ NATIVE_MODELS: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
-def native_model_class(hf_config) -> type[LlamaForCausalLM]:
-    """The class that serves this config natively; ValueError naming the native types if none does."""
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in NATIVE_MODELS:
-        raise ValueError(f"model type {model_type!r} is not supported; tokenbus implements {sorted(NATIVE_MODELS)}")
-    return NATIVE_MODELS[model_type]
-
-
 __all__ = ["NATIVE_MODELS", "SUPPORTED_MODEL_TYPES", "GemmaArch", "GemmaForCausalLM", "LlamaArch",
-           "LlamaForCausalLM", "Phi3Arch", "Phi3ForCausalLM", "native_model_class"]
+           "LlamaForCausalLM", "Phi3Arch", "Phi3ForCausalLM"]
