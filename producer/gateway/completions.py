@@ -72,7 +72,8 @@ async def _complete(request: Request, who: str, endpoint: str) -> Any:
     body = await json_body(request)
     stream, include_usage = _stream_options(body)
     try:
-        fields = body_fields(endpoint, body)
+        # off the event loop: a big constraint takes a while to check (a 60,000-entry choice took seconds)
+        fields = await run_in_threadpool(body_fields, endpoint, body)
     except InvalidJob as err:
         message = str(err).removeprefix("body: ").removeprefix("body.")
         param = message.split(":", 1)[0] if ":" in message.split(" ", 1)[0] else None

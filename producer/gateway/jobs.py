@@ -47,8 +47,8 @@ def job_error(job: Job) -> APIError:
     message = job.error or f"job {job.id} ended {job.status.value}"
     if code == "model_mismatch":
         return APIError(404, message, param="model", code="model_not_found")
-    if code == "invalid_request":
-        return APIError(400, message, code="invalid_request")
+    if code in ("invalid_request", "grammar_too_costly"):  # the request's own fault: retrying will not help
+        return APIError(400, message, code=code)
     if code == "cancelled":
         return APIError(409, message, code="cancelled")
     return APIError(500, f"{message} (job {job.id}); retry the request", code=code, type="server_error")

@@ -281,7 +281,9 @@ class Server:
         for job_id, why in self.engine.rejected.items():  # e.g. a grammar the engine could not compile
             job = self.running.pop(job_id, None)
             if job is not None:
-                self._end(job, "failed", error=f"invalid job: {why}", error_code=ErrorCode.invalid_request)
+                costly = why.startswith(ErrorCode.grammar_too_costly)
+                code = ErrorCode.grammar_too_costly if costly else ErrorCode.invalid_request
+                self._end(job, "failed", error=f"invalid job: {why}", error_code=code)
 
     def _step_failed(self, err: Exception) -> None:
         culprit = self.running.get(getattr(err, "request_id", None) or "")
@@ -291,6 +293,9 @@ class Server:
             log.warning("job_broke_step", job_id=culprit.job_id, error=str(err))
             del self.running[culprit.job_id]
             self._abort_quietly(culprit.job_id)
+            if getattr(err, "code", None) == ErrorCode.grammar_too_costly:  # its constraint, not the worker
+                self._end(culprit, "failed", error_code=ErrorCode.grammar_too_costly, error=f"invalid job: {err}")
+                return
             self._end(culprit, "failed", error_code=ErrorCode.worker_error,
                       error=f"worker error: this job broke the engine step ({type(err).__name__}: {err})")
             return
