@@ -6,9 +6,15 @@ Imports no torch, so the worker's settings and CLI can use its defaults without 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
+
+
+def bulk_min_seats(fraction: float, seats: int) -> int:
+    """Seats kept for bulk requests: the fraction of the seats, rounded up (one at least when fraction > 0)."""
+    return min(seats, math.ceil(round(fraction * seats, 6))) if fraction > 0 else 0
 
 
 @dataclass
@@ -27,6 +33,8 @@ class EngineConfig:
     cpu_kernels: bool = True  # CPU float32: the C++ kernels; False = the PyTorch references
     cache_dir: str | None = None  # dequantised GGUF weights, built CPU kernels; None = TOKENBUS_CACHE_DIR or
     # ~/.cache/tokenbus
+    bulk_min_fraction: float = 0.0  # share of max_num_seqs kept for bulk (priority rank 2) requests whenever
+    # some wait: interactive traffic cannot starve a batch (the worker's default is 0.25)
     enable_prefix_caching: bool = True  # reuse cached full KV blocks of a shared prompt prefix
     cuda_graphs: bool = True  # CUDA: replay captured graphs for pure decode steps (prefill/mixed stay eager)
     static_decode: bool | None = None  # the fixed-shape padded decode path graphs replay; None = on with graphs
@@ -53,5 +61,7 @@ class EngineConfig:
             problems.append(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.max_model_len is not None and self.max_model_len < 2:
             problems.append(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0 <= self.bulk_min_fraction <= 1:
+            problems.append(f"bulk_min_fraction must be in [0, 1], got {self.bulk_min_fraction}")
         if problems:
             raise ValueError("invalid engine config: " + "; ".join(problems))

@@ -13,7 +13,7 @@ import time
 import structlog
 
 from producer.errors import InvalidJob
-from producer.protocol import ErrorCode, JobRequest, is_valid_id, parse_request, priority_rank
+from producer.protocol import ErrorCode, JobRequest, Priority, is_valid_id, parse_request, priority_rank
 from worker.engine.sampling_params import SamplingParams
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter
@@ -91,6 +91,7 @@ class Intake(threading.Thread):
         lease_ms: int,
         max_attempts: int,
         stream_tokens: bool,
+        bulk_min_seats: int = 0,
     ) -> None:
         super().__init__(name="tokenbus-intake", daemon=True)
         self.jobs = jobs
@@ -102,6 +103,7 @@ class Intake(threading.Thread):
         self.lease_ms = lease_ms
         self.max_attempts = max_attempts
         self.stream_tokens = stream_tokens
+        self.bulk_min_seats = bulk_min_seats  # seats kept for bulk jobs: read them first while short of these
         # Look for lapsed leases a few times per lease: a dead worker's jobs wait at most ~1.25 leases.
         self.claim_every_s = min(max(lease_ms / 4000, 0.2), 10.0)
         self.stop_event = threading.Event()
@@ -141,8 +143,15 @@ class Intake(threading.Thread):
         if len(entries) < allowance:
             # Blocking here holds up only this thread; the engine keeps stepping.
             block = BLOCK_MS if not entries else None
-            entries += self.jobs.read_new(allowance - len(entries), block)
+            entries += self.jobs.read_new(allowance - len(entries), block, self._bulk_short())
         return entries
+
+    def _bulk_short(self) -> int:
+        """How many more bulk jobs this worker should hold to fill the seats kept for them (0 without)."""
+        if not self.bulk_min_seats:
+            return 0
+        held = sum(1 for q in self.leases.queues() if self.jobs.keys.priority_of(q) == Priority.bulk)
+        return max(0, self.bulk_min_seats - held)
 
     # ---- one entry ----------------------------------------------------------------------------------
 
@@ -218,7 +227,7 @@ class Intake(threading.Thread):
         job = StartedJob(job_id, entry.entry_id, request, params, attempts, time.time(),
                          stream=request.stream and self.stream_tokens, queue=entry.queue,
                          rank=priority_rank(self.jobs.keys.priority_of(entry.queue)))
-        self.budget.sent()
+        self.budget.sent(request.n)  # each of its n choices takes a seat
         self.engine_inbox.put(job)
         log.info("job_started", job_id=job_id, entry_id=entry.entry_id, attempt=attempts)
 

@@ -19,6 +19,7 @@ from typing import Any
 import structlog
 
 from producer.protocol import ErrorCode
+from worker.engine.config import bulk_min_seats
 from worker.engine.sampling_params import SamplingParams
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter, FirstToken
@@ -59,6 +60,7 @@ class Server:
             self.jobs, self.leases, self.budget, self.inbox, self.writer,
             model_names={settings.model, engine.model_name}, lease_ms=settings.lease_ms,
             max_attempts=settings.max_attempts, stream_tokens=settings.stream_tokens,
+            bulk_min_seats=bulk_min_seats(settings.bulk_min_fraction, seats),
         )
         self.housekeeper = Housekeeper(
             self.jobs, self.leases, self.inbox, settings.lease_ms, settings.heartbeat_s, self._status, metrics
@@ -109,7 +111,9 @@ class Server:
                 self._step()
             stats = self.engine.stats()
             set_aside = len(self.suspects) + len(self.held)
-            self.budget.set_room(self.capacity - stats.running - stats.waiting - set_aside)
+            # choices 1..n-1 of an n > 1 job wait in engine.forks for choice 0's first token: seats all the same
+            forking = sum(len(f) for f in getattr(self.engine, "forks", {}).values())
+            self.budget.set_room(self.capacity - stats.running - stats.waiting - forking - set_aside)
             self._publish_stats(stats)
             if self.exit_code:
                 break
@@ -186,7 +190,7 @@ class Server:
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, StartedJob):
-            self.budget.taken()
+            self.budget.taken(msg.request.n)
             self._add(msg)
         elif isinstance(msg, Revoke):
             self._revoke(msg)
