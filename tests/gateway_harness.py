@@ -122,7 +122,7 @@ def start_stack(tmp: Path) -> Stack:
                TOKENBUS_GATEWAY_WEBHOOK_RETRY_INTERVALS="2,2,2,2", TOKENBUS_GATEWAY_WEBHOOK_ALLOW_PRIVATE="true",
                TOKENBUS_GATEWAY_WATCH_INTERVAL_S="0.5", TOKENBUS_GATEWAY_COMPLETION_TIMEOUT_S="120",
                TOKENBUS_GATEWAY_KEY_PRIORITIES=f"{KEYS['dave']}=default", TOKENBUS_GATEWAY_MAX_STREAMS_PER_KEY="16",
-               TOKENBUS_GATEWAY_MAX_REQUESTS_PER_KEY="24")
+               TOKENBUS_GATEWAY_MAX_REQUESTS_PER_KEY="24", TOKENBUS_GATEWAY_MAX_QUEUED_TOKENS_PER_KEY="100000")
     try:
         stack.procs["worker"] = Proc("worker", [
             "-m", "worker", "--model", MODEL, "--worker-name", "gw-worker", "--max-num-seqs", "8",

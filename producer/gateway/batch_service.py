@@ -17,6 +17,7 @@ from producer.gateway import tasks
 from producer.gateway.batch_records import WINDOWS, GatewayBatch, batch_object, load_core
 from producer.gateway.context import GatewayContext
 from producer.gateway.errors import APIError, invalid, not_found
+from producer.gateway.quotas import check_batch_quota
 from producer.gateway.webhooks import check_url
 from producer.openai_batch import CHAT, COMPLETIONS
 from producer.protocol import describe_validation_error
@@ -77,11 +78,12 @@ def create(ctx: GatewayContext, owner: str, req: CreateBatch) -> dict[str, Any]:
     if meta.endpoint != req.endpoint:
         raise invalid(f"the lines of file {meta.id} use url {meta.endpoint}, but this batch's endpoint is "
                       f"{req.endpoint}; they must match", param="endpoint", code="mismatched_endpoint")
+    check_batch_quota(ctx, owner, meta.requests or 0, meta.tokens or 0)  # 429 when the key has too much queued
     now = time.time()
     gw = GatewayBatch(id=f"batch_{uuid.uuid4().hex}", owner=owner, input_file_id=meta.id, endpoint=req.endpoint,
                       completion_window=req.completion_window, created_at=now,
                       expires_at=now + WINDOWS[req.completion_window], metadata=req.metadata,
-                      webhook_url=req.webhook_url, total=meta.requests)
+                      webhook_url=req.webhook_url, total=meta.requests, tokens=meta.tokens)
     pipe = ctx.redis.pipeline(transaction=True)
     pipe.hset(ctx.gkeys.batch(gw.id), mapping=gw.fields())
     pipe.zadd(ctx.gkeys.batches(owner), {gw.id: now})

@@ -36,6 +36,7 @@ class FileMeta(BaseModel):
     created_at: float
     endpoint: str | None = None  # batch input files: the one endpoint of their lines
     requests: int | None = None  # batch input files: non-blank lines
+    tokens: int | None = None  # batch input files: prompt + max_tokens x n, summed (per-key quotas)
 
     def to_openai(self) -> dict[str, Any]:
         return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": int(self.created_at),
@@ -117,7 +118,7 @@ class Upload:
         os.replace(self.part, self.final)
         meta = FileMeta(id=self.id, owner=self.owner, filename=filename, purpose=purpose, bytes=self.bytes,
                         created_at=time.time(), endpoint=self.validator.endpoint,
-                        requests=self.validator.requests)
+                        requests=self.validator.requests, tokens=self.validator.tokens)
         self.store.register(meta)
         log.info("file_uploaded", file_id=self.id, owner=self.owner, bytes=self.bytes,
                  requests=meta.requests, endpoint=meta.endpoint)

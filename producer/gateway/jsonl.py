@@ -8,6 +8,7 @@ numbers them (str.splitlines), so an error's line number is the one `tokenbus ba
 from __future__ import annotations
 
 from producer.errors import MAX_ERRORS_SHOWN, InvalidJob
+from producer.gateway.quotas import request_tokens
 from producer.openai_batch import parse_line
 
 
@@ -16,6 +17,7 @@ class BatchFileValidator:
         self.max_line_bytes = max_line_bytes
         self.lines = 0  # lines seen (blank ones too): the next line's number is lines + 1
         self.requests = 0  # non-blank lines
+        self.tokens = 0  # what the valid lines may cost: prompt + max_tokens x n each (quotas.request_tokens)
         self.endpoint: str | None = None
         self.errors: list[tuple[int, str]] = []  # the first MAX_ERRORS_SHOWN
         self.error_count = 0
@@ -71,7 +73,7 @@ class BatchFileValidator:
 
     def _check(self, number: int, text: str) -> None:
         try:
-            line, _fields = parse_line(text)
+            line, fields = parse_line(text)
             if self.endpoint is None:
                 self.endpoint, self._first_line = line.url, number
             elif line.url != self.endpoint:
@@ -80,6 +82,7 @@ class BatchFileValidator:
             if line.custom_id in self._seen:
                 raise InvalidJob(f"custom_id {line.custom_id!r} already used on line {self._seen[line.custom_id]}")
             self._seen[line.custom_id] = number
+            self.tokens += request_tokens(fields)
         except InvalidJob as err:
             self._error(number, str(err))
 

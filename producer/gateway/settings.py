@@ -45,6 +45,10 @@ class GatewaySettings(BaseSettings):
     max_streams_per_key: int = Field(32, gt=0, description="open `stream: true` completions of one key; more: 429")
     max_tokens_per_key: int = Field(2_000_000, gt=0, description="tokens (prompt + max_tokens x n) one key's "
                                                                  "interactive requests in flight may ask for")
+    max_queued_requests_per_key: int = Field(200_000, gt=0, description="requests one key's unfinished "
+                                             "batches may hold; a batch past it: 429 quota_exceeded")
+    max_queued_tokens_per_key: int = Field(500_000_000, gt=0, description="tokens (prompt + max_tokens x n) "
+                                           "one key's unfinished batches may hold; a batch past it: 429")
     key_priorities: str = Field("", description="KEY=PRIORITY,...: the queue priority (interactive, default, "
                                                 "bulk) of a key's completions; KEY is the API key or its owner "
                                                 "id (key_...); unlisted keys: interactive")
