@@ -47,7 +47,7 @@ class StreamHub:
     def __init__(self, redis_url: str, keys: Keys) -> None:
         # Its own connection: never one of the shared pool's, whatever the other requests do.
         self.redis = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=30,
-                                          socket_connect_timeout=5, single_connection_client=True,
+                                          socket_connect_timeout=5, max_connections=2,
                                           encoding_errors="replace")
         self.keys = keys
         self._subs: dict[str, list[Subscription]] = {}
