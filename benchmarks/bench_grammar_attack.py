@@ -29,6 +29,7 @@ def victim_seconds(engine: Engine, attack: bool, tag: str) -> tuple[float, str]:
     """Wall time of the 10-token request from its add to its end; and how the attack ended."""
     attack_end = "none"
     if attack:
+        engine.guided._compiled.clear()  # compile the attack's grammar afresh, as a new one would be
         params = SamplingParams.model_construct(regex="a{100000}", n=4, max_tokens=40, temperature=1.0)
         engine.add_request(f"attack-{tag}", PROMPT, params)
     start = time.perf_counter()
@@ -65,7 +66,6 @@ def main() -> None:
         engine.guided.limits = dataclasses.replace(LIMITS, mask_budget_ms=1e9)
         t, ends["attack, mask budget off (before)"] = victim_seconds(engine, True, f"c{r}")
         rows["attack, mask budget off (before)"].append(t)
-        engine.guided._compiled.clear()  # each round compiles the attack's grammar again, as a new one would
     alone = statistics.median(rows["alone"])
     lines = ["# A costly grammar beside a 10-token request (issue #22, attack 6)", "",
              f"`python -m benchmarks.bench_grammar_attack` on {time.strftime('%Y-%m-%d')}: SmolLM2-135M, CPU "

@@ -109,6 +109,7 @@ class Intake(threading.Thread):
         self.stop_event = threading.Event()
         self._claim_cursors: dict[str, str] = {}  # queue -> where its next XAUTOCLAIM starts
         self._next_claim = 0.0
+        self._recent_n = 1  # the largest n of recent jobs (halves back toward 1 after each read without one)
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -121,7 +122,9 @@ class Intake(threading.Thread):
             if allowance <= 0 or self.stop_event.is_set():
                 continue
             try:
-                entries = self._read(allowance)
+                # n > 1 jobs take n seats each, known only once read: while recent jobs had n > 1, read
+                # fewer at a time, so one read does not take allowance x n seats
+                entries = self._read(max(1, allowance // self._recent_n))
                 for entry in entries:
                     self._admit_one(entry, backoff)
                 backoff.succeeded()
@@ -228,6 +231,7 @@ class Intake(threading.Thread):
                          stream=request.stream and self.stream_tokens, queue=entry.queue,
                          rank=priority_rank(self.jobs.keys.priority_of(entry.queue)))
         self.budget.sent(request.n)  # each of its n choices takes a seat
+        self._recent_n = max(request.n, (self._recent_n + 1) // 2)
         self.engine_inbox.put(job)
         log.info("job_started", job_id=job_id, entry_id=entry.entry_id, attempt=attempts)
 
