@@ -12,6 +12,7 @@ import asyncio
 import json
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -93,7 +94,11 @@ async def _complete(request: Request, who: str, endpoint: str) -> Any:
         raise
     headers = {"x-tokenbus-job-id": job_id}
     if stream:
-        events = _sse(ctx, job_id, endpoint, fields.get("model"), include_usage, lease)
+        handled: list[bool] = []  # the generator's finally ran
+        events = _sse(ctx, job_id, endpoint, fields.get("model"), include_usage, lease, handled)
+        # A client gone before the first chunk: the generator may never start, so its finally never runs;
+        # when it is dropped unstarted, the same clean-up runs from here.
+        weakref.finalize(events, _abandon, ctx, job_id, lease, handled)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers=headers | {"cache-control": "no-cache"})
     try:
@@ -118,7 +123,8 @@ def _event(data: dict[str, Any]) -> str:
 
 
 async def _sse(ctx: GatewayContext, job_id: str, endpoint: str, model: str | None,
-               include_usage: bool, lease: Lease | None = None) -> AsyncIterator[str]:
+               include_usage: bool, lease: Lease | None = None,
+               handled: list[bool] | None = None) -> AsyncIterator[str]:
     chat = endpoint == CHAT
     base = {"id": f"chatcmpl-{job_id}" if chat else f"cmpl-{job_id}",
             "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
@@ -177,9 +183,18 @@ async def _sse(ctx: GatewayContext, job_id: str, endpoint: str, model: str | Non
         yield "data: [DONE]\n\n"
     finally:
         ctx.streams.close(sub)
+        if handled is not None:
+            handled.append(True)
         ctx.quotas.release(lease)
         if not ended:  # the client went away (or the stream broke): stop generating for nobody
-            # Queued to the canceller's own connection: cannot fail on the shared pool, and needs no await
-            # (after a disconnect this task is cancelled, and an await here would not run).
-            ctx.cancels.cancel(job_id)
-            log.info("gateway_stream_abandoned", job_id=job_id)
+            _abandon(ctx, job_id, None, [])
+
+
+def _abandon(ctx: GatewayContext, job_id: str, lease: Lease | None, handled: list[bool]) -> None:
+    """Cancel a stream's job nobody reads. Queued to the canceller's own connection: cannot fail on the
+    shared pool, and needs no await (after a disconnect the task is cancelled, and an await would not run)."""
+    if handled:
+        return
+    ctx.quotas.release(lease)
+    ctx.cancels.cancel(job_id)
+    log.info("gateway_stream_abandoned", job_id=job_id)
