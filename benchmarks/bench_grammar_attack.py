@@ -16,7 +16,7 @@ import statistics
 import time
 from pathlib import Path
 
-from producer.constraints import LIMITS
+from protocol.constraints import LIMITS
 from worker import Engine, SamplingParams
 from worker.engine.guided import GrammarTooCostly
 

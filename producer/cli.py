@@ -15,10 +15,10 @@ import structlog
 
 from producer import batches
 from producer.client import Client
-from producer.errors import TokenbusError
-from producer.protocol import DEFAULT_NAMESPACE, PRIORITIES, GenerationParams, Job, JobStatus, Priority
-from producer.records import QueueInfo
-from producer.redaction import redact_url, scrub, secrets_of
+from protocol.errors import TokenbusError
+from protocol.models import DEFAULT_NAMESPACE, PRIORITIES, GenerationParams, Job, JobStatus, Priority
+from protocol.records import QueueInfo
+from protocol.redaction import redact_url, scrub, secrets_of
 
 EXIT_ERROR = 1
 EXIT_JOB_NOT_FINISHED = 3  # wait: the job ended failed or cancelled

@@ -73,9 +73,7 @@ def copy_bandwidth(ctx: Ctx) -> float:
 # ---------------------------------------------------------------- (a) kernels against their references
 
 def stage_kernels(ctx: Ctx) -> list[dict]:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_kernels
-
+    from benchmarks import bench_kernels
     rows = []
     cases = bench_kernels.correctness_cases(torch, smoke=False)
     if ctx.smoke:  # the interpreter runs every program in Python: one small case, still several partitions
@@ -89,8 +87,8 @@ def stage_kernels(ctx: Ctx) -> list[dict]:
     if ctx.smoke:  # the fused-kernel suite under the interpreter takes minutes: the GPU runs it whole
         return rows
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
-         "tests/test_kernels_fused.py", "-k", "not interpreter_suite and not sm90"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_kernels.py",
+         "tests/kernels/test_kernels_fused.py", "-k", "not interpreter_suite and not sm90"],
         cwd=ROOT, capture_output=True, text=True)
     summary = (proc.stdout.strip().splitlines() or ["no output"])[-1]
     rows.append(row("tests/test_kernels*.py on CUDA (fp32/bf16/fp16, awkward shapes)", summary[:60], "all pass",
@@ -127,9 +125,9 @@ def stage_bandwidth(ctx: Ctx) -> list[dict]:
                         f"{ms * 1e3:.1f} us"))
         del k_cache, v_cache
     if not ctx.smoke:
-        sys.path.insert(0, str(ROOT / "scripts"))
-        import bench_kernels
         from triton.testing import do_bench
+
+        from benchmarks import bench_kernels
 
         for batch, ctx_len in ((16, 1024), (16, 4096)):
             r = bench_kernels.bench_config(torch, do_bench, "0.5B", QWEN_HEADS, batch, ctx_len, bw)
@@ -150,9 +148,7 @@ def model_name(ctx: Ctx) -> str:
 
 def checkpoint(ctx: Ctx, name: str) -> str:
     """A random-weight checkpoint in `name`'s shapes, made once per gpu_check run (stages c and d share it)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_gpu
-
+    from benchmarks import bench_gpu
     directory = Path(os.environ.get("GPU_CHECK_CACHE") or tempfile.mkdtemp(prefix="gpu-check-")) / name
     if not (directory / "config.json").is_file():
         shape = bench_gpu.SHAPES[name] | (bench_gpu.SMOKE if ctx.smoke else {})
@@ -232,9 +228,7 @@ def stage_decode(ctx: Ctx) -> list[dict]:
 def stage_throughput(ctx: Ctx) -> list[dict]:
     import argparse
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_gpu
-
+    from benchmarks import bench_gpu
     # on the CPU transformers' continuous batching sizes its cache from the host's memory (the OOM killer
     # ended the smoke run): the smoke run times the engine alone
     args = argparse.Namespace(smoke=ctx.smoke, requests=2 if ctx.smoke else 64, skip_transformers=ctx.smoke)
@@ -267,9 +261,7 @@ def hf_greedy(model, prompt: list[int], n: int, device: str) -> list[int]:
 def stage_parity(ctx: Ctx) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    import tiny_models
-
+    from tests.support import tiny_models
     from worker import Engine, SamplingParams
 
     gen = torch.Generator().manual_seed(0)
@@ -314,11 +306,10 @@ SMOKE_CAPS = {"a": 240, "b": 240, "c": 240, "d": 240, "e": 240}  # a loaded 2-co
 
 def tokenizer_setup() -> None:
     """Point the tiny models' and bench_gpu's tokenizer at the carried copy where the GGUF package is absent."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    sys.path.insert(0, str(ROOT / "tests"))
     import gpu_env
-    import tiny_models
     from transformers import AutoTokenizer
+
+    from tests.support import tiny_models
 
     directory = gpu_env.tokenizer_dir()
     tiny_models._tokenizer = lambda: AutoTokenizer.from_pretrained(directory)

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from producer.protocol import DEFAULT_MAX_QUEUE_LEN, DEFAULT_RESULT_TTL
+from protocol.models import DEFAULT_MAX_QUEUE_LEN, DEFAULT_RESULT_TTL
 from worker.engine.config import EngineConfig
 
 _ENGINE = EngineConfig()  # the engine's defaults are the worker's: one definition

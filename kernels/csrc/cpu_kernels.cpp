@@ -2,7 +2,7 @@
 // write_kv and paged decode attention (same functions, layouts and results as kernels/reference.py), the
 // decoder layer's elementwise ops (worker/engine/backends/cpu.py), the greedy sampler's argmax
 // (worker/engine/backends/cpu.py) and the small-batch panel linear (worker/engine/backends/cpu_linear.py).
-// tests/test_cpu_kernels.py compares each with its PyTorch version.
+// tests/kernels/test_cpu_kernels.py compares each with its PyTorch version.
 //
 // Layout (as everywhere in kernels/):
 //   k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim], contiguous

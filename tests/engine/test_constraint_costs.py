@@ -1,5 +1,5 @@
 """Constraint costs (#22, attacks 5-7): the submit check refuses what the engine would choke on, with the same
-limits (producer/constraints.py LIMITS), and a grammar whose mask costs too much fails alone in the engine."""
+limits (protocol/constraints.py LIMITS), and a grammar whose mask costs too much fails alone in the engine."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from producer.constraints import LIMITS, ConstraintLimits, grammar_for, regex_repeat
-from producer.errors import InvalidJob
 from producer.openai_batch import CHAT, body_fields
-from producer.protocol import ErrorCode
+from protocol.constraints import LIMITS, ConstraintLimits, grammar_for, regex_repeat
+from protocol.errors import InvalidJob
+from protocol.models import ErrorCode
 from worker.engine import loader
 from worker.engine.guided import GrammarTooCostly, GuidedDecoding
 from worker.engine.sampling_params import SamplingParams

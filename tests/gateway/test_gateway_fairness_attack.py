@@ -9,7 +9,8 @@ import threading
 import time
 
 import httpx
-from gateway_harness import KEYS, MODEL, chat_line, write_jsonl
+
+from tests.support.gateway_harness import KEYS, MODEL, chat_line, write_jsonl
 
 HI = [{"role": "user", "content": "Say hello."}]
 

@@ -9,7 +9,8 @@ import asyncio
 import time
 
 import httpx
-from gateway_harness import KEYS, MODEL, wait_until
+
+from tests.support.gateway_harness import KEYS, MODEL, wait_until
 
 FLOOD = 120
 CAP = 16  # TOKENBUS_GATEWAY_MAX_STREAMS_PER_KEY in the harness

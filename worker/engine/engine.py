@@ -315,11 +315,6 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.forks)
 
-    def free_seats(self) -> int:
-        s = self.scheduler
-        forked = sum(len(f) for f in self.forks.values())
-        return max(0, s.max_num_seqs - len(s.running) - len(s.waiting) - forked)
-
     def step(self) -> list[RequestOutput]:
         """One forward pass. Returns the requests that ended in it; `deltas` holds what every request that
         sampled a token gained (streaming, time to first token)."""

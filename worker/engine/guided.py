@@ -10,7 +10,7 @@ per grammar hash; each sequence takes a deep copy (microseconds). Compiling runs
 waits in the queue meanwhile. EOS is in the mask only where the grammar accepts, so a constrained output
 that ends with "stop" is complete; one cut by max_tokens ("length") may not be.
 
-Cost: the parser limits and the per-mask CPU budget are producer/constraints.py's LIMITS, the same the
+Cost: the parser limits and the per-mask CPU budget are protocol/constraints.py's LIMITS, the same the
 submit check uses. A grammar whose mask takes more than mask_budget_ms of CPU (thread time, so a loaded
 machine does not trip it) fails alone with code grammar_too_costly: at compile (its first mask) or at the
 step where one of its masks goes over, before any sequence changed.
@@ -31,8 +31,8 @@ import numpy as np
 import structlog
 import torch
 
-from producer.constraints import LIMITS, ConstraintLimits
-from producer.protocol import ErrorCode
+from protocol.constraints import LIMITS, ConstraintLimits
+from protocol.models import ErrorCode
 from worker.engine.sampler import RequestError
 from worker.engine.sequence import Sequence
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from producer.protocol import ErrorCode
+from protocol.models import ErrorCode
 from worker.engine.config import bulk_min_seats
 from worker.engine.sampling_params import SamplingParams
 from worker.serve.backoff import REDIS_DOWN, Backoff
@@ -396,7 +396,7 @@ class Server:
 
 
 def _snapshot(model: str, stats: Any) -> dict[str, Any]:
-    """The heartbeat's engine numbers (producer.records.Heartbeat)."""
+    """The heartbeat's engine numbers (protocol.records.Heartbeat)."""
     return {"model": model, "running": stats.running, "waiting": stats.waiting, "free_blocks": stats.free_blocks,
             "prefix_queried_tokens": stats.prefix_queried_tokens, "prefix_hit_tokens": stats.prefix_hit_tokens,
             "prefix_queried_blocks": stats.prefix_queried_blocks, "prefix_hit_blocks": stats.prefix_hit_blocks}

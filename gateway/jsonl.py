@@ -1,0 +1,102 @@
+"""Validate an OpenAI Batch input file while it streams in, line by line, in constant memory per line.
+
+The checks are those of producer.batches.parse_batch (each line through producer.openai_batch.parse_line,
+one endpoint per file, unique custom_ids), and lines are numbered the way producer.batches.read_lines
+numbers them (str.splitlines), so an error's line number is the one `tokenbus batch submit` would give.
+"""
+
+from __future__ import annotations
+
+from gateway.quotas import request_tokens
+from producer.openai_batch import parse_line
+from protocol.errors import MAX_ERRORS_SHOWN, InvalidJob
+
+
+class BatchFileValidator:
+    def __init__(self, max_line_bytes: int) -> None:
+        self.max_line_bytes = max_line_bytes
+        self.lines = 0  # lines seen (blank ones too): the next line's number is lines + 1
+        self.requests = 0  # non-blank lines
+        self.tokens = 0  # what the valid lines may cost: prompt + max_tokens x n each (quotas.request_tokens)
+        self.endpoint: str | None = None
+        self.errors: list[tuple[int, str]] = []  # the first MAX_ERRORS_SHOWN
+        self.error_count = 0
+        self._buf = bytearray()
+        self._skipping = False  # inside a line already reported as too long
+        self._first_line: int | None = None
+        self._seen: dict[str, int] = {}
+
+    def feed(self, chunk: bytes) -> None:
+        start = 0
+        while True:
+            nl = chunk.find(b"\n", start)
+            if nl < 0:
+                self._append(chunk[start:])
+                return
+            self._append(chunk[start:nl])
+            self._end_segment()
+            start = nl + 1
+
+    def close(self) -> None:
+        if self._buf or self._skipping:
+            self._end_segment()
+
+    def _append(self, data: bytes) -> None:
+        if self._skipping or not data:
+            return
+        if len(self._buf) + len(data) > self.max_line_bytes:
+            self.lines += 1
+            self._error(self.lines, f"longer than {self.max_line_bytes} bytes (the gateway's max_line_bytes)")
+            self.requests += 1
+            self._buf.clear()
+            self._skipping = True
+            return
+        self._buf.extend(data)
+
+    def _end_segment(self) -> None:
+        if self._skipping:  # the too-long line was counted when it overflowed
+            self._skipping = False
+            return
+        raw, self._buf = bytes(self._buf), bytearray()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            self.lines += 1
+            self._error(self.lines, f"not UTF-8 text (byte {err.start + 1} of the line); save the file as UTF-8")
+            return
+        # One segment between two newlines may hold several lines for str.splitlines (\r, \u2028 ...).
+        for text_line in text.splitlines() or [""]:
+            self.lines += 1
+            if text_line.strip():
+                self.requests += 1
+                self._check(self.lines, text_line)
+
+    def _check(self, number: int, text: str) -> None:
+        try:
+            line, fields = parse_line(text)
+            if self.endpoint is None:
+                self.endpoint, self._first_line = line.url, number
+            elif line.url != self.endpoint:
+                raise InvalidJob(f"url {line.url} differs from the batch's endpoint {self.endpoint} (line "
+                                 f"{self._first_line}); one batch has one endpoint")
+            if line.custom_id in self._seen:
+                raise InvalidJob(f"custom_id {line.custom_id!r} already used on line {self._seen[line.custom_id]}")
+            self._seen[line.custom_id] = number
+            self.tokens += request_tokens(fields)
+        except InvalidJob as err:
+            self._error(number, str(err))
+
+    def _error(self, number: int, message: str) -> None:
+        self.error_count += 1
+        if len(self.errors) < MAX_ERRORS_SHOWN:
+            self.errors.append((number, message))
+
+    def problem(self) -> str | None:
+        """None for a valid file; else a message naming each bad line (the first MAX_ERRORS_SHOWN)."""
+        if not self.error_count:
+            return None if self.requests else "the file has no requests (no non-blank lines)"
+        shown = "\n  ".join(f"line {n}: {msg}" for n, msg in self.errors)
+        more = self.error_count - len(self.errors)
+        tail = f"\n  ... and {more} more" if more else ""
+        return (f"{self.error_count} of {self.requests} lines are invalid; the file was not stored:\n  "
+                f"{shown}{tail}")

@@ -1,0 +1,111 @@
+"""Gateway settings: one pydantic-settings model read from TOKENBUS_* / TOKENBUS_GATEWAY_* variables."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from protocol.models import DEFAULT_NAMESPACE, PRIORITIES, Priority
+
+MiB = 1024 * 1024
+
+
+def _env(name: str) -> AliasChoices:
+    """Shared settings keep the worker's variable names, so one .env serves the worker and the gateway."""
+    return AliasChoices(f"TOKENBUS_{name.upper()}", f"TOKENBUS_GATEWAY_{name.upper()}")
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOKENBUS_GATEWAY_", extra="ignore", populate_by_name=True)
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias=_env("redis_url"),
+                           description="Redis holding the job stream (TOKENBUS_REDIS_URL, as the worker's)")
+    namespace: str = Field(DEFAULT_NAMESPACE, validation_alias=_env("namespace"),
+                           description="prefix of every Redis key (TOKENBUS_NAMESPACE, as the worker's)")
+    # A plain comma-separated list: pydantic-settings would otherwise want JSON for a list.
+    api_keys: str = Field("", description="comma-separated bearer API keys; each key sees only its own objects")
+    host: str = Field("127.0.0.1", description="address uvicorn listens on (0.0.0.0 in a container)")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port")
+    files_dir: Path = Field(Path("tokenbus-files"), description="volume holding uploaded and output files")
+    max_upload_bytes: int = Field(512 * MiB, gt=0, description="largest file upload (bigger: 413)")
+    max_body_bytes: int = Field(4 * MiB, gt=0, description="largest JSON request body (bigger: 413)")
+    max_line_bytes: int = Field(4 * MiB, gt=0, description="longest line of an uploaded batch file")
+    completion_timeout_s: float = Field(600.0, gt=0,
+                                         description="longest wait of /v1/chat/completions and /v1/completions")
+    stream_threads: int = Field(256, gt=0, description="threads for short blocking calls (Redis reads, files)")
+    redis_pool_size: int = Field(64, gt=1, description="connections of the shared Redis pool; a request "
+                                                       "waits up to redis_pool_timeout_s for one")
+    redis_pool_timeout_s: float = Field(5.0, gt=0, description="longest wait for a pooled Redis connection")
+    max_requests_per_key: int = Field(64, gt=0, description="interactive completions one key may have in "
+                                                            "flight (streams included); more: 429")
+    max_streams_per_key: int = Field(32, gt=0, description="open `stream: true` completions of one key; more: 429")
+    max_tokens_per_key: int = Field(2_000_000, gt=0, description="tokens (prompt + max_tokens x n) one key's "
+                                                                 "interactive requests in flight may ask for")
+    max_queued_requests_per_key: int = Field(200_000, gt=0, description="requests one key's unfinished "
+                                             "batches may hold; a batch past it: 429 quota_exceeded")
+    max_queued_tokens_per_key: int = Field(500_000_000, gt=0, description="tokens (prompt + max_tokens x n) "
+                                           "one key's unfinished batches may hold; a batch past it: 429")
+    key_priorities: str = Field("", description="KEY=PRIORITY,...: the queue priority (interactive, default, "
+                                                "bulk) of a key's completions; KEY is the API key or its owner "
+                                                "id (key_...); unlisted keys: interactive")
+    webhook_secret: str = Field("", description="Standard Webhooks signing secret (whsec_<base64>); "
+                                                "unset = webhooks are refused")
+    webhook_retry_intervals: str = Field("5,30,120,600,1800,3600",
+                                         description="seconds between webhook attempts (comma-separated)")
+    webhook_timeout_s: float = Field(10.0, gt=0, description="one webhook POST's timeout")
+    webhook_allow_private: bool = Field(False, description="allow webhook URLs that resolve to loopback, private "
+                                                           "or link-local addresses (off: no SSRF into your network)")
+    rq_queue: str = Field("", description="RQ queue of batch submission, finalisation and webhooks; "
+                                          "unset = {namespace}-gateway")
+    watch_interval_s: float = Field(2.0, gt=0, description="tasks: seconds between scans of open batches")
+    log_level: str = Field("info", validation_alias=_env("log_level"), description="debug, info, warning, error")
+    log_json: bool | None = Field(None, validation_alias=_env("log_json"),
+                                  description="JSON logs; unset = JSON when stderr is not a TTY")
+
+    @field_validator("key_priorities")
+    @classmethod
+    def _priorities(cls, v: str) -> str:
+        for item in (x.strip() for x in v.split(",")):
+            key, sep, priority = item.rpartition("=")
+            if item and (not sep or not key.strip() or priority.strip() not in PRIORITIES):
+                raise ValueError(f"give KEY=PRIORITY pairs separated by commas, PRIORITY one of "
+                                 f"{', '.join(PRIORITIES)} (got {item!r})")
+        return v
+
+    @field_validator("webhook_retry_intervals")
+    @classmethod
+    def _intervals(cls, v: str) -> str:
+        if not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*", v):
+            raise ValueError(f"give whole seconds separated by commas, e.g. 5,30,120 (got {v!r})")
+        return v
+
+    @property
+    def keys_by_owner(self) -> dict[str, str]:
+        """owner id -> API key. The owner id (a hash) is what Redis records hold: never the key itself."""
+        return {owner_id(k): k for k in (k.strip() for k in self.api_keys.split(",")) if k}
+
+    @property
+    def priority_by_owner(self) -> dict[str, str]:
+        """owner id -> the priority of that key's completions (key_priorities)."""
+        out = {}
+        for item in (x.strip() for x in self.key_priorities.split(",")):
+            if item:
+                key, _, priority = item.rpartition("=")
+                out[key if key.startswith("key_") else owner_id(key)] = Priority(priority.strip()).value
+        return out
+
+    @property
+    def retry_intervals(self) -> list[int]:
+        return [int(x) for x in self.webhook_retry_intervals.split(",")]
+
+    @property
+    def queue_name(self) -> str:
+        return self.rq_queue or f"{self.namespace}-gateway"
+
+
+def owner_id(api_key: str) -> str:
+    return "key_" + hashlib.sha256(api_key.encode()).hexdigest()[:24]
