@@ -13,10 +13,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from gateway import tasks
+from gateway.batch_quota import check_batch_quota
 from gateway.batch_records import WINDOWS, GatewayBatch, batch_object, load_core
 from gateway.context import GatewayContext
 from gateway.errors import APIError, invalid, not_found
-from gateway.quotas import check_batch_quota
 from gateway.webhooks import check_url
 from producer import batches
 from producer.openai_batch import CHAT, COMPLETIONS
