@@ -21,18 +21,20 @@ from worker import Engine, SamplingParams
 from worker.engine.guided import GrammarTooCostly
 
 PROMPT = [{"role": "user", "content": "Say hello to the new colleague."}]
-ROUNDS = 3
+ROUNDS = 2
 OUT = Path(__file__).resolve().parent.parent / "docs" / "bench_grammar_attack.md"
 
 
-def victim_seconds(engine: Engine, attack: bool, tag: str) -> tuple[float, str]:
-    """Wall time of the 10-token request from its add to its end; and how the attack ended."""
+def victim_seconds(engine: Engine, attack: bool, tag: str) -> tuple[tuple[float, float], str]:
+    """(wall s, process CPU s) of the 10-token request from its add to its end; and how the attack ended.
+    CPU time (every thread of the process: the model's, the masks', the grammar pool's) is what the attack
+    adds whatever else loads the machine; wall time is what the tenant sees on a quiet one."""
     attack_end = "none"
     if attack:
         engine.guided._compiled.clear()  # compile the attack's grammar afresh, as a new one would be
         params = SamplingParams.model_construct(regex="a{100000}", n=4, max_tokens=40, temperature=1.0)
         engine.add_request(f"attack-{tag}", PROMPT, params)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     engine.add_request(f"victim-{tag}", PROMPT, SamplingParams(max_tokens=10, ignore_eos=True, temperature=0))
     took = None
     while took is None and engine.has_unfinished_requests():
@@ -44,7 +46,7 @@ def victim_seconds(engine: Engine, attack: bool, tag: str) -> tuple[float, str]:
             continue
         for out in finished:
             if out.request_id == f"victim-{tag}":
-                took = time.perf_counter() - start
+                took = (time.perf_counter() - start, time.process_time() - cpu)
             elif out.request_id == f"attack-{tag}":
                 attack_end = out.finish_reason
         if f"attack-{tag}" in engine.rejected:
@@ -66,16 +68,18 @@ def main() -> None:
         engine.guided.limits = dataclasses.replace(LIMITS, mask_budget_ms=1e9)
         t, ends["attack, mask budget off (before)"] = victim_seconds(engine, True, f"c{r}")
         rows["attack, mask budget off (before)"].append(t)
-    alone = statistics.median(rows["alone"])
+    alone = [statistics.median(t[k] for t in rows["alone"]) for k in (0, 1)]
     lines = ["# A costly grammar beside a 10-token request (issue #22, attack 6)", "",
              f"`python -m benchmarks.bench_grammar_attack` on {time.strftime('%Y-%m-%d')}: SmolLM2-135M, CPU "
-             f"float32, {ROUNDS} rounds side by side (medians); the machine is shared (2 cores), so read the "
-             "ratios, not the seconds. The attack (`regex: \"a{100000}\"`, n = 4) skips the submit check, "
-             "which refuses it now (max_repeat).", "",
-             "| run | 10-token request (s) | x alone | the attack ended |", "|---|---:|---:|---|"]
+             f"float32, {ROUNDS} rounds side by side (medians). The attack (`regex: \"a{{100000}}\"`, n = 4) "
+             "skips the submit check, which refuses it now (max_repeat). The machine is shared (2 cores, load "
+             "average well above 2), so wall seconds are long and noisy; the CPU seconds of the process (all "
+             "its threads) are what the attack adds to the other request's life.", "",
+             "| run | wall (s) | x alone | CPU (s) | x alone | the attack ended |", "|---|---:|---:|---:|---:|---|"]
     for name, times in rows.items():
-        med = statistics.median(times)
-        lines.append(f"| {name} | {med:.2f} | {med / alone:.1f} | {ends.get(name, '-')} |")
+        wall, cpu = (statistics.median(t[k] for t in times) for k in (0, 1))
+        lines.append(f"| {name} | {wall:.2f} | {wall / alone[0]:.1f} | {cpu:.2f} | {cpu / alone[1]:.1f} | "
+                     f"{ends.get(name, '-')} |")
     text = "\n".join(lines) + "\n"
     print(text)
     OUT.write_text(text)
