@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio.to_thread
+import redis.asyncio as aioredis
 import structlog
 from fastapi import Depends, FastAPI, Request
-from starlette.concurrency import run_in_threadpool
 
 from gateway import completions, errors, jobs, routes
 from gateway.auth import owner
@@ -37,15 +38,18 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        # Streams wait in threads (Client.stream blocks): allow as many as configured, not AnyIO's 40.
+        # Short blocking calls (Redis reads, file writes) run in threads; streams wait in none (streams.py).
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.stream_threads
         ctx.files.root.mkdir(parents=True, exist_ok=True)
         ctx.waiter.start()
+        ctx.streams.start()
+        ctx.cancels.start()
         log.info("gateway_started", namespace=settings.namespace, keys=len(ctx.api_keys),
                  files_dir=str(settings.files_dir), webhooks=bool(settings.webhook_secret))
         yield
         ctx.waiter.stop()
         ctx.close()
+        await health.aclose()
 
     # openapi_url=None: the schema is served below, behind the API key like every other route.
     app = FastAPI(title="tokenbus-gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -60,13 +64,19 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
         ui.mount(app)
 
+    # /healthz pings on its own connection, on the event loop: no pool, no thread, so a flood of other
+    # requests cannot make it fail (compose's healthcheck allows 4 s).
+    health = aioredis.Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    health_lock = asyncio.Lock()
+
     @app.get("/healthz", include_in_schema=False)
     async def healthz(request: Request) -> dict[str, Any]:
         """No key needed: 200 while Redis answers (compose's healthcheck), 503 otherwise."""
         try:
-            await run_in_threadpool(ctx.redis.ping)
-        except Exception as err:  # the reason (host, port, auth) goes to the log, not to anonymous callers
-            log.warning("healthz_redis_error", error=str(err))
+            async with health_lock:
+                await asyncio.wait_for(health.ping(), 3.0)
+        except Exception as err:
+            log.warning("healthz_redis_error", error=str(err))  # the log has why; the public answer does not
             raise APIError(503, "Redis does not answer", code="redis_unavailable") from None
         return {"status": "ok"}
 

@@ -8,25 +8,29 @@ in the `x-tokenbus-job-id` header: after a timeout (504) the job goes on and GET
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
 import structlog
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+from starlette.concurrency import run_in_threadpool
 
 from gateway.auth import owner
 from gateway.context import GatewayContext
 from gateway.errors import APIError, invalid
 from gateway.http import get_ctx, json_body
 from gateway.jobs import job_error, record_ownership
+from gateway.quotas import Lease, request_tokens
+from gateway.streams import END
 from gateway.waiter import ClientGone
 from producer.openai_batch import CHAT, COMPLETIONS, body_fields, response_body
-from protocol.errors import InvalidJob, WaitTimeout
+from protocol.errors import InvalidJob
 from protocol.models import JobStatus
 
 log = structlog.get_logger("tokenbus.gateway")
@@ -60,7 +64,8 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
 
 def submit(ctx: GatewayContext, who: str, endpoint: str, fields: dict[str, Any]) -> str:
     job_id = uuid.uuid4().hex
-    fields = fields | {"priority": INTERACTIVE}
+    # the key's priority comes from the gateway's configuration (key_priorities), never from the request
+    fields = fields | {"priority": ctx.priorities.get(who, INTERACTIVE)}
     record_ownership(ctx, job_id, who, endpoint)
     ctx.client.submit_many([fields], job_ids=[job_id])
     log.info("gateway_job_submitted", job_id=job_id, endpoint=endpoint, owner=who, stream=fields["stream"])
@@ -72,7 +77,8 @@ async def _complete(request: Request, who: str, endpoint: str) -> Any:
     body = await json_body(request)
     stream, include_usage = _stream_options(body)
     try:
-        fields = body_fields(endpoint, body)
+        # off the event loop: a big constraint takes a while to check (a 60,000-entry choice took seconds)
+        fields = await run_in_threadpool(body_fields, endpoint, body)
     except InvalidJob as err:
         message = str(err).removeprefix("body: ").removeprefix("body.")
         param = message.split(":", 1)[0] if ":" in message.split(" ", 1)[0] else None
@@ -81,19 +87,30 @@ async def _complete(request: Request, who: str, endpoint: str) -> Any:
         raise invalid(f"max_tokens {asked} is above this gateway's limit of {ctx.settings.max_tokens_limit}",
                       param="max_tokens", code="max_tokens_too_large")
     fields["stream"] = stream
-    job_id = await run_in_threadpool(submit, ctx, who, endpoint, fields)
-    headers = {"x-tokenbus-job-id": job_id}
     timeout = ctx.settings.completion_timeout_s
+    # 429 before anything is queued when this key has too much in flight (quotas.py)
+    lease = ctx.quotas.acquire(who, stream, request_tokens(fields), hold_s=timeout + 60)
+    try:
+        job_id = await run_in_threadpool(submit, ctx, who, endpoint, fields)
+    except BaseException:
+        ctx.quotas.release(lease)
+        raise
+    headers = {"x-tokenbus-job-id": job_id}
     if stream:
-        events = _sse(ctx, job_id, endpoint, fields.get("model"), include_usage)
+        handled: list[bool] = []  # the generator's finally ran
+        events = _sse(ctx, job_id, endpoint, fields.get("model"), include_usage, lease, handled)
+        # A client gone before the first chunk: the generator may never start, so its finally never runs;
+        # when it is dropped unstarted, the same clean-up runs from here.
+        weakref.finalize(events, _abandon, ctx, job_id, lease, handled)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers=headers | {"cache-control": "no-cache"})
     try:
         job = await ctx.waiter.wait(job_id, timeout, request.is_disconnected)
     except ClientGone:
-        await run_in_threadpool(ctx.client.cancel, job_id)  # nobody will read the answer: free the seat
-        log.info("gateway_job_abandoned", job_id=job_id)
+        ctx.cancels.cancel(job_id)  # nobody will read the answer: free the seat (never fails here)
         return JSONResponse({}, status_code=499)
+    finally:
+        ctx.quotas.release(lease)
     if job is None:
         raise APIError(504, f"job {job_id} did not finish within {timeout:g} s; it is still running: poll "
                             f"GET /v1/jobs/{job_id}", code="timeout", headers=headers)
@@ -109,7 +126,8 @@ def _event(data: dict[str, Any]) -> str:
 
 
 async def _sse(ctx: GatewayContext, job_id: str, endpoint: str, model: str | None,
-               include_usage: bool) -> AsyncIterator[str]:
+               include_usage: bool, lease: Lease | None = None,
+               handled: list[bool] | None = None) -> AsyncIterator[str]:
     chat = endpoint == CHAT
     base = {"id": f"chatcmpl-{job_id}" if chat else f"cmpl-{job_id}",
             "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
@@ -125,22 +143,29 @@ async def _sse(ctx: GatewayContext, job_id: str, endpoint: str, model: str | Non
         return base | {"choices": [choice]}
 
     ended = False
+    # The hub's thread reads the job's token stream: waiting here holds no thread and no Redis connection.
+    sub = ctx.streams.open(job_id)
     try:
         if chat:
             yield _event(chunk("", None, role=True))
-        tokens = ctx.client.stream(job_id, timeout=ctx.settings.completion_timeout_s)
+        limit = ctx.settings.completion_timeout_s
+        deadline = time.monotonic() + limit
         streamed = ""
-        try:
-            async for part in iterate_in_threadpool(tokens):
-                if part.text:
-                    streamed += part.text
-                    yield _event(chunk(part.text, None))
-        except WaitTimeout:
-            # Headers are sent: the error goes in the stream, where the SDKs look for it.
-            limit = ctx.settings.completion_timeout_s
-            yield _event(APIError(504, f"job {job_id} did not finish within {limit:g} s, so it was cancelled; "
-                                       "ask for fewer tokens or use a batch", code="timeout").body())
-            return  # `ended` stays False: the finally below cancels the job
+        while True:
+            try:
+                part = await asyncio.wait_for(sub.queue.get(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                # Headers are sent: the error goes in the stream, where the SDKs look for it.
+                yield _event(APIError(504, f"job {job_id} did not finish within {limit:g} s, so it was cancelled; "
+                                           "ask for fewer tokens or use a batch", code="timeout").body())
+                return  # `ended` stays False: the finally below cancels the job
+            if part is END:
+                break
+            if part.text:
+                streamed += part.text
+                yield _event(chunk(part.text, None))
+            if part.done:
+                break
         # The done chunk and the record's end are written together by the worker; wait for the record.
         job = await ctx.waiter.wait(job_id, 30.0)
         ended = job is not None
@@ -160,10 +185,19 @@ async def _sse(ctx: GatewayContext, job_id: str, endpoint: str, model: str | Non
                 yield _event(base | {"choices": [], "usage": job.result.usage.model_dump()})
         yield "data: [DONE]\n\n"
     finally:
+        ctx.streams.close(sub)
+        if handled is not None:
+            handled.append(True)
+        ctx.quotas.release(lease)
         if not ended:  # the client went away (or the stream broke): stop generating for nobody
-            # Synchronous: after a disconnect this task is cancelled, and an await here would not run.
-            try:
-                ctx.client.cancel(job_id)
-                log.info("gateway_stream_abandoned", job_id=job_id)
-            except Exception as err:  # the answer is gone either way; only log
-                log.warning("gateway_stream_cancel_failed", job_id=job_id, error=str(err))
+            _abandon(ctx, job_id, None, [])
+
+
+def _abandon(ctx: GatewayContext, job_id: str, lease: Lease | None, handled: list[bool]) -> None:
+    """Cancel a stream's job nobody reads. Queued to the canceller's own connection: cannot fail on the
+    shared pool, and needs no await (after a disconnect the task is cancelled, and an await would not run)."""
+    if handled:
+        return
+    ctx.quotas.release(lease)
+    ctx.cancels.cancel(job_id)
+    log.info("gateway_stream_abandoned", job_id=job_id)

@@ -7,9 +7,12 @@ from functools import cached_property
 import redis
 from rq import Queue
 
+from gateway.cancels import Canceller
 from gateway.files import FileStore
 from gateway.keys import GatewayKeys
+from gateway.quotas import KeyQuotas
 from gateway.settings import GatewaySettings
+from gateway.streams import StreamHub
 from gateway.waiter import JobWaiter
 from producer.client import Client
 from protocol.models import Keys
@@ -21,13 +24,23 @@ class GatewayContext:
         self.keys = Keys(settings.namespace)
         self.gkeys = GatewayKeys(settings.namespace)
         # Blocking reads (XREAD BLOCK) stay under the socket timeout: Client.max_block_s reads it.
-        self.redis = redis.Redis.from_url(settings.redis_url, decode_responses=True, socket_timeout=30,
-                                          socket_connect_timeout=5, health_check_interval=30)
+        # A bounded pool that makes a request wait (redis_pool_timeout_s) for a connection when all are busy,
+        # instead of failing it; no request holds one while it waits on a job (waiter.py, streams.py).
+        pool = redis.BlockingConnectionPool.from_url(
+            settings.redis_url, max_connections=settings.redis_pool_size, timeout=settings.redis_pool_timeout_s,
+            decode_responses=True, socket_timeout=30, socket_connect_timeout=5, health_check_interval=30)
+        self.redis = redis.Redis(connection_pool=pool)
         self.client = Client(redis_client=self.redis, namespace=settings.namespace)
         self.files = FileStore(self.redis, self.gkeys, settings.files_dir, settings.max_line_bytes,
                                settings.max_tokens_limit, settings.max_requests_per_file)
         self.api_keys = settings.keys_by_owner
         self.waiter = JobWaiter(self.client)  # its thread starts with the HTTP app, never in tasks
+        # Streams, cancels and /healthz each have their own connection: none depends on the shared pool.
+        self.streams = StreamHub(settings.redis_url, self.keys)
+        self.cancels = Canceller(settings.redis_url, self.keys)
+        self.quotas = KeyQuotas(settings.max_requests_per_key, settings.max_streams_per_key,
+                                settings.max_tokens_per_key)
+        self.priorities = settings.priority_by_owner
 
     @cached_property
     def rq_redis(self) -> redis.Redis:
@@ -45,6 +58,8 @@ class GatewayContext:
         return Queue(self.settings.webhook_queue_name, connection=self.rq_redis)
 
     def close(self) -> None:
+        self.streams.stop()
+        self.cancels.stop()
         self.redis.close()
         if "rq_redis" in self.__dict__:
             self.rq_redis.close()

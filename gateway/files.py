@@ -38,6 +38,7 @@ class FileMeta(BaseModel):
     endpoint: str | None = None  # batch input files: the one endpoint of their lines
     requests: int | None = None  # batch input files: non-blank lines
     line_errors: list[dict[str, Any]] | None = None  # batch input files: invalid lines (a batch of it fails)
+    tokens: int | None = None  # batch input files: prompt + max_tokens x n, summed (per-key quotas)
 
     def to_openai(self) -> dict[str, Any]:
         return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": int(self.created_at),
@@ -125,7 +126,8 @@ class Upload:
         os.replace(self.part, self.final)
         meta = FileMeta(id=self.id, owner=self.owner, filename=filename, purpose=purpose, bytes=self.bytes,
                         created_at=time.time(), endpoint=self.validator.endpoint,
-                        requests=self.validator.requests, line_errors=self.validator.line_errors())
+                        requests=self.validator.requests, line_errors=self.validator.line_errors(),
+                        tokens=self.validator.tokens)
         self.store.register(meta)
         log.info("file_uploaded", file_id=self.id, owner=self.owner, bytes=self.bytes,
                  requests=meta.requests, endpoint=meta.endpoint, invalid_lines=self.validator.error_count)

@@ -52,8 +52,8 @@ def error_for(code: str | None, message: str, job_id: str | None = None) -> APIE
     """The HTTP error for a job's error code (also the status_code of a batch error-file line)."""
     if code == "model_mismatch":
         return APIError(404, message, param="model", code="model_not_found")
-    if code == "invalid_request":
-        return APIError(400, message, code="invalid_request")
+    if code in ("invalid_request", "grammar_too_costly"):  # the request's own fault: retrying will not help
+        return APIError(400, message, code=code)
     if code == "cancelled":
         return APIError(409, message, code="cancelled")
     where = f" (job {job_id})" if job_id else ""

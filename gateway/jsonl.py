@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from gateway.quotas import request_tokens
 from producer.openai_batch import parse_line
 from protocol.errors import MAX_ERRORS_SHOWN, InvalidJob
 
@@ -34,6 +35,7 @@ class BatchFileValidator:
         self.error_codes: list[str] = []  # beside self.errors
         self.lines = 0  # lines seen (blank ones too): the next line's number is lines + 1
         self.requests = 0  # non-blank lines
+        self.tokens = 0  # what the valid lines may cost: prompt + max_tokens x n each (quotas.request_tokens)
         self.endpoint: str | None = None
         self.errors: list[tuple[int, str]] = []  # the first MAX_ERRORS_SHOWN
         self.error_count = 0
@@ -112,6 +114,7 @@ class BatchFileValidator:
             self._seen[line.custom_id] = number
             if (asked := fields.get("max_tokens")) is not None and asked > self.max_tokens:
                 self._limit(number, f"max_tokens {asked} is above this gateway's limit of {self.max_tokens}")
+            self.tokens += request_tokens(fields)
         except InvalidJob as err:
             self._error(number, str(err), getattr(err, "code", "invalid_request"))
 

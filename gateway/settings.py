@@ -9,7 +9,7 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from protocol.models import DEFAULT_NAMESPACE
+from protocol.models import DEFAULT_NAMESPACE, PRIORITIES, Priority
 
 MiB = 1024 * 1024
 
@@ -36,7 +36,22 @@ class GatewaySettings(BaseSettings):
     max_line_bytes: int = Field(4 * MiB, gt=0, description="longest line of an uploaded batch file")
     completion_timeout_s: float = Field(600.0, gt=0,
                                          description="longest wait of /v1/chat/completions and /v1/completions")
-    stream_threads: int = Field(256, gt=0, description="concurrent blocking waits (streams) of one gateway")
+    stream_threads: int = Field(256, gt=0, description="threads for short blocking calls (Redis reads, files)")
+    redis_pool_size: int = Field(64, gt=1, description="connections of the shared Redis pool; a request "
+                                                       "waits up to redis_pool_timeout_s for one")
+    redis_pool_timeout_s: float = Field(5.0, gt=0, description="longest wait for a pooled Redis connection")
+    max_requests_per_key: int = Field(64, gt=0, description="interactive completions one key may have in "
+                                                            "flight (streams included); more: 429")
+    max_streams_per_key: int = Field(32, gt=0, description="open `stream: true` completions of one key; more: 429")
+    max_tokens_per_key: int = Field(2_000_000, gt=0, description="tokens (prompt + max_tokens x n) one key's "
+                                                                 "interactive requests in flight may ask for")
+    max_queued_requests_per_key: int = Field(200_000, gt=0, description="requests one key's unfinished "
+                                             "batches may hold; a batch past it: 429 quota_exceeded")
+    max_queued_tokens_per_key: int = Field(500_000_000, gt=0, description="tokens (prompt + max_tokens x n) "
+                                           "one key's unfinished batches may hold; a batch past it: 429")
+    key_priorities: str = Field("", description="KEY=PRIORITY,...: the queue priority (interactive, default, "
+                                                "bulk) of a key's completions; KEY is the API key or its owner "
+                                                "id (key_...); unlisted keys: interactive")
     webhook_secret: str = Field("", description="master Standard Webhooks secret (whsec_<base64>); each API key "
                                                 "signs with its own secret derived from it; unset = webhooks refused")
     webhook_previous_secret: str = Field("", description="the master secret before a rotation: deliveries are "
@@ -79,6 +94,16 @@ class GatewaySettings(BaseSettings):
     log_json: bool | None = Field(None, validation_alias=_env("log_json"),
                                   description="JSON logs; unset = JSON when stderr is not a TTY")
 
+    @field_validator("key_priorities")
+    @classmethod
+    def _priorities(cls, v: str) -> str:
+        for item in (x.strip() for x in v.split(",")):
+            key, sep, priority = item.rpartition("=")
+            if item and (not sep or not key.strip() or priority.strip() not in PRIORITIES):
+                raise ValueError(f"give KEY=PRIORITY pairs separated by commas, PRIORITY one of "
+                                 f"{', '.join(PRIORITIES)} (got {item!r})")
+        return v
+
     @field_validator("webhook_retry_intervals")
     @classmethod
     def _intervals(cls, v: str) -> str:
@@ -117,6 +142,16 @@ class GatewaySettings(BaseSettings):
     @property
     def ui_readonly_owners(self) -> set[str]:
         return {owner_id(k) for k in (k.strip() for k in self.ui_readonly_keys.split(",")) if k}
+
+    @property
+    def priority_by_owner(self) -> dict[str, str]:
+        """owner id -> the priority of that key's completions (key_priorities)."""
+        out = {}
+        for item in (x.strip() for x in self.key_priorities.split(",")):
+            if item:
+                key, _, priority = item.rpartition("=")
+                out[key if key.startswith("key_") else owner_id(key)] = Priority(priority.strip()).value
+        return out
 
     @property
     def retry_intervals(self) -> list[int]:

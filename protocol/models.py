@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticSerializationError
 
-from protocol.constraints import check_choice, check_response_format, grammar_error, grammar_for
+from protocol.constraints import check_choice, check_regex, check_response_format, grammar_error, grammar_for
 from protocol.errors import InvalidJob
 from protocol.keys import DEFAULT_NAMESPACE, PRIORITIES, Keys, Priority, priority_rank  # noqa: F401  (part of the protocol)
 
@@ -67,6 +67,7 @@ class ErrorCode(StrEnum):
     worker_error = "worker_error"  # an exception while generating
     max_attempts = "max_attempts"  # reclaimed too often (worker crashes); also dead-lettered
     cancelled = "cancelled"
+    grammar_too_costly = "grammar_too_costly"  # one mask of its constraint took over mask_budget_ms of CPU
 
 
 # Wire models are strict: "64" is not an int and 1 is not a bool, so a typo fails at submit, not on a GPU.
@@ -106,6 +107,11 @@ class GenerationParams(BaseModel):
     @classmethod
     def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         return check_response_format(v)
+
+    @field_validator("regex")
+    @classmethod
+    def _regex(cls, v: str | None) -> str | None:
+        return check_regex(v)
 
     @field_validator("choice")
     @classmethod

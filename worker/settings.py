@@ -76,6 +76,8 @@ class WorkerSettings(BaseSettings):
         description="queue depth at which submits are refused (when set, published to {ns}:config for clients)",
     )
     intake_lookahead: int = Field(4, ge=0, description="jobs read beyond the free seats, so none sit idle")
+    bulk_min_fraction: float = Field(0.25, ge=0, le=1, description="share of the seats kept for bulk jobs "
+                                     "(batches) while some are queued, so interactive traffic cannot starve them")
     drain_grace_s: float = Field(
         30.0, ge=0, description="on SIGTERM: seconds to finish in-flight jobs before handing them back"
     )

@@ -25,7 +25,8 @@ from tests.support.local_redis import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m"
-KEYS = {"alice": "sk-alice-" + "a" * 24, "bob": "sk-bob-" + "b" * 24, "carol": "sk-carol-" + "c" * 24}
+KEYS = {"alice": "sk-alice-" + "a" * 24, "bob": "sk-bob-" + "b" * 24, "carol": "sk-carol-" + "c" * 24,
+        "dave": "sk-dave-" + "d" * 24}  # dave's completions queue as default (key_priorities)
 WEBHOOK_SECRET = "whsec_" + base64.b64encode(b"tokenbus-gateway-test-secret-32b").decode()
 MAX_UPLOAD = 256 * 1024  # small limits, so the 413 tests send little
 MAX_BODY = 64 * 1024
@@ -121,7 +122,9 @@ def start_stack(tmp: Path) -> Stack:
                TOKENBUS_GATEWAY_MAX_BODY_BYTES=str(MAX_BODY), TOKENBUS_GATEWAY_WEBHOOK_SECRET=WEBHOOK_SECRET,
                TOKENBUS_GATEWAY_WEBHOOK_RETRY_INTERVALS="2,2,2,2",
                TOKENBUS_GATEWAY_WEBHOOK_ALLOW_NETWORKS="127.0.0.0/8",
-               TOKENBUS_GATEWAY_WATCH_INTERVAL_S="0.5", TOKENBUS_GATEWAY_COMPLETION_TIMEOUT_S="120")
+               TOKENBUS_GATEWAY_WATCH_INTERVAL_S="0.5", TOKENBUS_GATEWAY_COMPLETION_TIMEOUT_S="120",
+               TOKENBUS_GATEWAY_KEY_PRIORITIES=f"{KEYS['dave']}=default", TOKENBUS_GATEWAY_MAX_STREAMS_PER_KEY="16",
+               TOKENBUS_GATEWAY_MAX_REQUESTS_PER_KEY="24", TOKENBUS_GATEWAY_MAX_QUEUED_TOKENS_PER_KEY="100000")
     try:
         stack.procs["worker"] = Proc("worker", [
             "-m", "worker", "--model", MODEL, "--worker-name", "gw-worker", "--max-num-seqs", "8",

@@ -6,9 +6,15 @@ Imports no torch, so the worker's settings and CLI can use its defaults without 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
+
+
+def bulk_min_seats(fraction: float, seats: int) -> int:
+    """Seats kept for bulk requests: the fraction of the seats, rounded up (one at least when fraction > 0)."""
+    return min(seats, math.ceil(round(fraction * seats, 6))) if fraction > 0 else 0
 
 
 @dataclass
@@ -29,6 +35,8 @@ class EngineConfig:
     # ~/.cache/tokenbus
     model_impl: str = "auto"  # "auto" = tokenbus's own code where it has the family, else transformers';
     # "transformers" forces transformers' modeling code (the fallback) on any model; "native" refuses the fallback
+    bulk_min_fraction: float = 0.0  # share of max_num_seqs kept for bulk (priority rank 2) requests whenever
+    # some wait: interactive traffic cannot starve a batch (the worker's default is 0.25)
     enable_prefix_caching: bool = True  # reuse cached full KV blocks of a shared prompt prefix
     cuda_graphs: bool = True  # CUDA: replay captured graphs for pure decode steps (prefill/mixed stay eager)
     static_decode: bool | None = None  # the fixed-shape padded decode path graphs replay; None = on with graphs
@@ -57,5 +65,7 @@ class EngineConfig:
             problems.append(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.model_impl not in ("auto", "native", "transformers"):
             problems.append(f"model_impl must be 'auto', 'native' or 'transformers', got {self.model_impl!r}")
+        if not 0 <= self.bulk_min_fraction <= 1:
+            problems.append(f"bulk_min_fraction must be in [0, 1], got {self.bulk_min_fraction}")
         if problems:
             raise ValueError("invalid engine config: " + "; ".join(problems))

@@ -18,7 +18,7 @@ import torch
 from worker.engine import loader, warmup
 from worker.engine.backends import select_backend
 from worker.engine.block_manager import BlockManager
-from worker.engine.config import EngineConfig
+from worker.engine.config import EngineConfig, bulk_min_seats
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.guided import GrammarError, GuidedDecoding
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -137,7 +137,8 @@ class Engine:
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
         self.guided = GuidedDecoding(self.tokenizer, arch.vocab_size, self.eos_token_ids, self.device)
         self.scheduler = Scheduler(self.block_manager, self.stop_checker, self.max_num_seqs,
-                                   cfg.max_num_batched_tokens, self.guided)
+                                   cfg.max_num_batched_tokens, self.guided,
+                                   bulk_min_seats=bulk_min_seats(cfg.bulk_min_fraction, self.max_num_seqs))
         self.sampler = Sampler(arch.vocab_size, self.device, self.eos_token_ids, self.backend)
         self.runner = ModelRunner(self.model, self.sampler, num_blocks, cfg.block_size, self.device, self.dtype,
                                   self.max_num_seqs, self.max_model_len, static_decode, guided=self.guided)

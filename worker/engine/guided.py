@@ -9,6 +9,11 @@ per grammar hash; each sequence takes a deep copy (microseconds). Compiling runs
 (llguidance releases the GIL while it builds) so a slow schema never stalls the running batch: its sequence
 waits in the queue meanwhile. EOS is in the mask only where the grammar accepts, so a constrained output
 that ends with "stop" is complete; one cut by max_tokens ("length") may not be.
+
+Cost: the parser limits and the per-mask CPU budget are protocol/constraints.py's LIMITS, the same the
+submit check uses. A grammar whose mask takes more than mask_budget_ms of CPU (thread time, so a loaded
+machine does not trip it) fails alone with code grammar_too_costly: at compile (its first mask) or at the
+step where one of its masks goes over, before any sequence changed.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
@@ -25,22 +31,39 @@ import numpy as np
 import structlog
 import torch
 
+from protocol.constraints import LIMITS, ConstraintLimits
+from protocol.models import ErrorCode
 from worker.engine.sampler import RequestError
 from worker.engine.sequence import Sequence
 
 log = structlog.get_logger("tokenbus.guided")
 
 CACHE_SIZE = 256  # compiled grammars kept (least recently used go first)
+TOO_COSTLY = ErrorCode.grammar_too_costly.value  # the error code, and the first word of the reason
 
 
 class GrammarError(ValueError):
     """The engine could not compile a request's grammar against its tokenizer."""
 
 
+class GrammarTooCostly(RequestError):
+    """One sequence's mask took more CPU than the budget: that request fails alone (code grammar_too_costly)."""
+
+    code = TOO_COSTLY
+
+
+def too_costly(what: str, ms: float, limits: ConstraintLimits) -> str:
+    return (f"{TOO_COSTLY}: {what} took {ms:.1f} ms of CPU, over the limit mask_budget_ms = "
+            f"{limits.mask_budget_ms:g}; simplify the constraint (fewer or smaller repeats, a shorter choice list)")
+
+
 class GuidedDecoding:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], device: torch.device,
-                 threads: int = 2) -> None:
+                 threads: int = 2, limits: ConstraintLimits = LIMITS) -> None:
         self.hf_tokenizer = tokenizer
+        self.limits = limits
+        self._parser_limits = limits.parser_limits()
+        self._time_rows = False  # the parallel masks went over budget: time each row on the next step
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.device = device
@@ -123,12 +146,22 @@ class GuidedDecoding:
             self._bitmask = torch.empty(max(n, 2 * self._bitmask.shape[0]), words, dtype=torch.int32)
         bitmask = self._bitmask[:n]
         # llguidance.torch's fill_next_token_bitmask(_par) without that module (it imports torch.compile)
-        if self._executor is not None and n > 1:
+        budget_ms = self.limits.mask_budget_ms
+        if self._executor is not None and n > 1 and not self._time_rows:
+            start = time.perf_counter()
             self._executor.unsafe_compute_mask_ptr(
                 [(m, k) for k, (_, m, _) in enumerate(rows)], bitmask.data_ptr(), words * 4, n)
+            # rows in parallel cannot be timed one by one: over budget as a whole, the next step finds who
+            self._time_rows = (time.perf_counter() - start) * 1000 > budget_ms
         else:
-            for k, (_, m, _) in enumerate(rows):
+            self._time_rows = False
+            for k, (_, m, seq) in enumerate(rows):
+                start = time.thread_time()
                 m.unsafe_compute_mask_ptr(bitmask[k].data_ptr(), words * 4)
+                ms = (time.thread_time() - start) * 1000
+                if ms > budget_ms:  # raised before any sequence changed, as is_error above
+                    raise GrammarTooCostly(seq.request_id, too_costly(
+                        f"the grammar mask of request {seq.request_id!r}", ms, self.limits))
         if logits.device.type == "cpu":
             forbidden = forbidden_numpy(bitmask, vocab)
         else:  # the packed mask travels (4 KiB a row at 32k tokens), the device unpacks it
@@ -159,12 +192,16 @@ class GuidedDecoding:
 
     def _compile(self, grammar: str) -> llguidance.LLMatcher:
         try:
-            matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+            matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0, limits=self._parser_limits)
         except Exception as err:  # llguidance raises for some grammar errors, flags others (below)
             raise GrammarError(f"the grammar cannot be compiled: {' '.join(str(err).split())[:400]}") from None
         if matcher.is_error():
             raise GrammarError(f"the grammar cannot be compiled: {' '.join(matcher.get_error().split())[:400]}")
+        start = time.thread_time()
         matcher.compute_bitmask()  # the first mask builds the lexer's start state; every copy then shares it
+        ms = (time.thread_time() - start) * 1000
+        if ms > self.limits.mask_budget_ms:
+            raise GrammarError(too_costly("the grammar's first mask", ms, self.limits))
         return matcher
 
     def _tokenizer(self) -> llguidance.LLTokenizer:

@@ -32,9 +32,13 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
 
+BULK = 2  # the priority rank of bulk requests (protocol.keys.priority_rank)
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, stop_checker: StopChecker, max_num_seqs: int,
-                 max_num_batched_tokens: int, guided: GuidedDecoding | None = None) -> None:
+                 max_num_batched_tokens: int, guided: GuidedDecoding | None = None,
+                 bulk_min_seats: int = 0) -> None:
         self.block_manager = block_manager
         self.stop_checker = stop_checker
         self.max_num_seqs = max_num_seqs
@@ -43,6 +47,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.guided = guided  # structured output: admits a constrained sequence once its grammar is compiled
+        # While fewer bulk sequences run than this, a waiting bulk one is admitted before more urgent ones:
+        # a batch keeps a guaranteed share of the seats however much interactive traffic waits.
+        self.bulk_min_seats = bulk_min_seats
 
     def add(self, seq: Sequence, first_of_its_priority: bool = False) -> None:
         """Queue seq behind every waiting sequence of a more urgent priority and, unless
@@ -82,7 +89,7 @@ class Scheduler:
             budget -= n
             i += 1
         # Admitting while we just preempted would only thrash the same blocks.
-        for seq in list(self.waiting):
+        for seq in self._admission_order():
             if budget <= 0 or preempted or len(self.running) >= self.max_num_seqs:
                 break
             if self.guided is not None and not self.guided.is_ready(seq):
@@ -100,6 +107,16 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
+
+    def _admission_order(self) -> list[Sequence]:
+        """The waiting queue in priority order, except that bulk sequences short of their reserved seats
+        (bulk_min_seats) come first."""
+        short = self.bulk_min_seats - sum(1 for s in self.running if s.priority >= BULK)
+        if short <= 0:
+            return list(self.waiting)
+        bulk = [s for s in self.waiting if s.priority >= BULK][:short]
+        first = {id(s) for s in bulk}
+        return bulk + [s for s in self.waiting if id(s) not in first]
 
     def postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], tokens: list[int],
                     logprob_rows: list | None, now: float) -> list[Sequence]:

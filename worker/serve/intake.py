@@ -13,7 +13,7 @@ import time
 import structlog
 
 from protocol.errors import InvalidJob
-from protocol.models import ErrorCode, JobRequest, is_valid_id, parse_request, priority_rank
+from protocol.models import ErrorCode, JobRequest, Priority, is_valid_id, parse_request, priority_rank
 from worker.engine.sampling_params import SamplingParams
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter
@@ -91,6 +91,7 @@ class Intake(threading.Thread):
         lease_ms: int,
         max_attempts: int,
         stream_tokens: bool,
+        bulk_min_seats: int = 0,
     ) -> None:
         super().__init__(name="tokenbus-intake", daemon=True)
         self.jobs = jobs
@@ -102,11 +103,13 @@ class Intake(threading.Thread):
         self.lease_ms = lease_ms
         self.max_attempts = max_attempts
         self.stream_tokens = stream_tokens
+        self.bulk_min_seats = bulk_min_seats  # seats kept for bulk jobs: read them first while short of these
         # Look for lapsed leases a few times per lease: a dead worker's jobs wait at most ~1.25 leases.
         self.claim_every_s = min(max(lease_ms / 4000, 0.2), 10.0)
         self.stop_event = threading.Event()
         self._claim_cursors: dict[str, str] = {}  # queue -> where its next XAUTOCLAIM starts
         self._next_claim = 0.0
+        self._recent_n = 1  # the largest n of recent jobs (halves back toward 1 after each read without one)
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -119,7 +122,9 @@ class Intake(threading.Thread):
             if allowance <= 0 or self.stop_event.is_set():
                 continue
             try:
-                entries = self._read(allowance)
+                # n > 1 jobs take n seats each, known only once read: while recent jobs had n > 1, read
+                # fewer at a time, so one read does not take allowance x n seats
+                entries = self._read(max(1, allowance // self._recent_n))
                 for entry in entries:
                     self._admit_one(entry, backoff)
                 backoff.succeeded()
@@ -141,8 +146,15 @@ class Intake(threading.Thread):
         if len(entries) < allowance:
             # Blocking here holds up only this thread; the engine keeps stepping.
             block = BLOCK_MS if not entries else None
-            entries += self.jobs.read_new(allowance - len(entries), block)
+            entries += self.jobs.read_new(allowance - len(entries), block, self._bulk_short())
         return entries
+
+    def _bulk_short(self) -> int:
+        """How many more bulk jobs this worker should hold to fill the seats kept for them (0 without)."""
+        if not self.bulk_min_seats:
+            return 0
+        held = sum(1 for q in self.leases.queues() if self.jobs.keys.priority_of(q) == Priority.bulk)
+        return max(0, self.bulk_min_seats - held)
 
     # ---- one entry ----------------------------------------------------------------------------------
 
@@ -218,7 +230,8 @@ class Intake(threading.Thread):
         job = StartedJob(job_id, entry.entry_id, request, params, attempts, time.time(),
                          stream=request.stream and self.stream_tokens, queue=entry.queue,
                          rank=priority_rank(self.jobs.keys.priority_of(entry.queue)))
-        self.budget.sent()
+        self.budget.sent(request.n)  # each of its n choices takes a seat
+        self._recent_n = max(request.n, (self._recent_n + 1) // 2)
         self.engine_inbox.put(job)
         log.info("job_started", job_id=job_id, entry_id=entry.entry_id, attempt=attempts)
 

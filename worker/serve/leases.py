@@ -12,6 +12,7 @@ import os
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,11 @@ class Leases:
                 self._queue.pop(job_id, None)
         if released and self.on_release is not None:
             self.on_release()
+
+    def queues(self) -> list[str]:
+        """The queue of every job held (one per job)."""
+        with self._lock:
+            return list(self._queue.values())
 
     def entry_of(self, job_id: str) -> str | None:
         with self._lock:
@@ -151,3 +157,5 @@ class Housekeeper(threading.Thread):
         self.jobs.heartbeat(payload, ttl_s=max(3 * int(self.heartbeat_s + 0.999), 10))
         if self.metrics is not None:
             self.metrics.observe_queue(*self.jobs.depth())
+            held = Counter(self.jobs.keys.priority_of(q).value for q in self.leases.queues())
+            self.metrics.observe_priorities(dict(held))

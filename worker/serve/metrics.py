@@ -11,6 +11,7 @@ The serve loop owns one `WorkerMetrics` and calls, from any thread:
     metrics.observe_step(step_s, running, waiting, used_blocks, free_blocks, preemptions_total)
     metrics.observe_engine(running, waiting, used_blocks, free_blocks)   # the gauges alone, between steps
     metrics.observe_queue(depth, pending)   # stream length; the group's delivered-but-unacked count
+    metrics.observe_priorities({"interactive": 3, "bulk": 2})   # jobs this worker holds, per priority
     metrics.observe_prefix_cache(queried_tokens, hit_tokens, queried_blocks, hit_blocks, cached_blocks)
                                        # the engine's cumulative prefix-cache counts (EngineStats)
     metrics.heartbeat()                # "the loop is alive" while idle (observe_step beats too)
@@ -34,6 +35,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import generate_latest
+
+from protocol.keys import PRIORITIES
 
 # Prefill of a 1k-token prompt behind a full batch can take seconds on a small GPU; a CPU worker, minutes.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -113,6 +116,11 @@ class WorkerMetrics:
         self.queue_pending = Gauge(
             "tokenbus_queue_pending", "Entries delivered to a worker and not yet acknowledged.", registry=r
         )
+        # one series per priority, each present from the start: is interactive traffic crowding out batches?
+        self.jobs_by_priority = Gauge("tokenbus_jobs_held", "Jobs this worker holds (leased: in the engine or "
+                                      "in transit), by priority.", ["priority"], registry=r)
+        for priority in PRIORITIES:
+            self.jobs_by_priority.labels(priority=priority.value)
         self.last_beat = Gauge(
             "tokenbus_last_heartbeat_timestamp_seconds", "Unix time of the loop's last beat.", registry=r
         )
@@ -216,6 +224,10 @@ class WorkerMetrics:
     def observe_queue(self, depth: int, pending: int) -> None:
         self.queue_depth.set(depth)
         self.queue_pending.set(pending)
+
+    def observe_priorities(self, held: dict[str, int]) -> None:
+        for priority in PRIORITIES:
+            self.jobs_by_priority.labels(priority=priority.value).set(held.get(priority.value, 0))
 
     def heartbeat(self) -> None:
         with self._lock:

@@ -75,11 +75,12 @@ class JobQueue:
         for p in PRIORITIES:
             shared.ensure_group(self.r, self.keys.queue(p))
 
-    def read_new(self, count: int, block_ms: int | None) -> list[Entry]:
+    def read_new(self, count: int, block_ms: int | None, bulk_first: int = 0) -> list[Entry]:
         """Up to `count` new entries, interactive queues first, then default, then bulk, and turn by turn over
         the queues of one priority (queue_scripts.READ). With nothing to read and block_ms, wait up to that
-        long for any queue to get an entry (XREAD, which takes nothing) and read once more."""
-        entries, wake = self._read_once(count)
+        long for any queue to get an entry (XREAD, which takes nothing) and read once more. `bulk_first`
+        of the count are read from the bulk queues first (the seats kept for bulk jobs)."""
+        entries, wake = self._read_once(count, bulk_first)
         if entries or not block_ms or not wake:
             return entries
         streams = {_str(wake[i]): _str(wake[i + 1]) for i in range(0, len(wake), 2)}
@@ -88,10 +89,10 @@ class JobQueue:
         except redis.ResponseError as err:  # a queue deleted while we waited (its batch ended), or worse:
             log.debug("intake_wait_interrupted", error=str(err))  # wait anyway, never spin on an error
             time.sleep(block_ms / 1000)
-        return self._read_once(count)[0]
+        return self._read_once(count, bulk_first)[0]
 
-    def _read_once(self, count: int) -> tuple[list[Entry], list[Any]]:
-        out, wake = self._read(keys=[], args=[self.keys.ns, GROUP, self.consumer, count], client=self.r)
+    def _read_once(self, count: int, bulk_first: int = 0) -> tuple[list[Entry], list[Any]]:
+        out, wake = self._read(keys=[], args=[self.keys.ns, GROUP, self.consumer, count, bulk_first], client=self.r)
         return [_entry(eid, fields, _str(queue)) for queue, eid, fields in out], wake
 
     def queues(self) -> list[str]:

@@ -13,13 +13,23 @@ between two calls."""
 # nothing): a queue that does not exist yet waits from 0-0, so its first entry wakes the reader too.
 READ = """
 -- KEYS: none: the queues are found from ARGV 1 (the registries can change between a client's reads)
--- ARGV: 1 namespace, 2 group, 3 consumer, 4 count (at most this many entries)
+-- ARGV: 1 namespace, 2 group, 3 consumer, 4 count (at most this many entries), 5 (optional) how many of
+--       them to read from the bulk queues before the interactive ones (bulk seats kept, intake.py)
 -- returns {entries, wake}: entries = {{queue, entry id, {field, value, ...}}, ...} in admission order;
 --         wake = {queue, last id, queue, last id, ...} when entries is empty, else {}
 local ns, group, consumer = ARGV[1], ARGV[2], ARGV[3]
 local want = tonumber(ARGV[4])
+local bulk_first = math.min(tonumber(ARGV[5] or '0'), want)
 local out, present_all = {}, {}
-for _, p in ipairs({'interactive', 'default', 'bulk'}) do
+local rest = 0
+local order_of_priorities = {'interactive', 'default', 'bulk'}
+if bulk_first > 0 then
+  -- bulk jobs short of their reserved seats are read first, up to bulk_first; then the usual order
+  order_of_priorities = {'bulk', 'interactive', 'default', 'bulk'}
+  rest, want = want - bulk_first, bulk_first
+end
+for pi, p in ipairs(order_of_priorities) do
+  if bulk_first > 0 and pi == 2 then want = want + rest end
   local qs = {ns .. ':q:' .. p}
   if p == 'default' then table.insert(qs, ns .. ':jobs') end
   for _, q in ipairs(redis.call('ZRANGE', ns .. ':queues:' .. p, 0, -1)) do table.insert(qs, q) end

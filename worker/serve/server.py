@@ -19,6 +19,7 @@ from typing import Any
 import structlog
 
 from protocol.models import ErrorCode
+from worker.engine.config import bulk_min_seats
 from worker.engine.sampling_params import SamplingParams
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter, FirstToken
@@ -60,6 +61,7 @@ class Server:
             self.jobs, self.leases, self.budget, self.inbox, self.writer,
             model_names={settings.model, engine.model_name}, lease_ms=settings.lease_ms,
             max_attempts=settings.max_attempts, stream_tokens=settings.stream_tokens,
+            bulk_min_seats=bulk_min_seats(settings.bulk_min_fraction, seats),
         )
         self.housekeeper = Housekeeper(
             self.jobs, self.leases, self.inbox, settings.lease_ms, settings.heartbeat_s, self._status, metrics
@@ -112,7 +114,9 @@ class Server:
                 self._step()
             stats = self.engine.stats()
             set_aside = len(self.suspects) + len(self.held)
-            self.budget.set_room(self.capacity - stats.running - stats.waiting - set_aside)
+            # choices 1..n-1 of an n > 1 job wait in engine.forks for choice 0's first token: seats all the same
+            forking = sum(len(f) for f in getattr(self.engine, "forks", {}).values())
+            self.budget.set_room(self.capacity - stats.running - stats.waiting - forking - set_aside)
             self._publish_stats(stats)
             if self.exit_code:
                 break
@@ -190,7 +194,7 @@ class Server:
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, StartedJob):
-            self.budget.taken()
+            self.budget.taken(msg.request.n)
             self._add(msg)
         elif isinstance(msg, Revoke):
             self._revoke(msg)
@@ -286,7 +290,9 @@ class Server:
         for job_id, why in self.engine.rejected.items():  # e.g. a grammar the engine could not compile
             job = self.running.pop(job_id, None)
             if job is not None:
-                self._end(job, "failed", error=f"invalid job: {why}", error_code=ErrorCode.invalid_request)
+                costly = why.startswith(ErrorCode.grammar_too_costly)
+                code = ErrorCode.grammar_too_costly if costly else ErrorCode.invalid_request
+                self._end(job, "failed", error=f"invalid job: {why}", error_code=code)
 
     def _step_failed(self, err: Exception) -> None:
         culprit = self.running.get(getattr(err, "request_id", None) or "")
@@ -296,6 +302,9 @@ class Server:
             log.warning("job_broke_step", job_id=culprit.job_id, error=str(err))
             del self.running[culprit.job_id]
             self._abort_quietly(culprit.job_id)
+            if getattr(err, "code", None) == ErrorCode.grammar_too_costly:  # its constraint, not the worker
+                self._end(culprit, "failed", error_code=ErrorCode.grammar_too_costly, error=f"invalid job: {err}")
+                return
             self._end(culprit, "failed", error_code=ErrorCode.worker_error,
                       error=f"worker error: this job broke the engine step ({type(err).__name__}: {err})")
             return

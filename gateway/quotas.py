@@ -1,0 +1,87 @@
+"""Per-key admission: concurrent interactive requests and streams, and queued jobs and tokens, answered 429.
+
+One tenant holding 24 completions in flight starved another's batch, and 120 streams from one key took the
+gateway down (issue #22): nothing bounded one key's share. Each /v1/chat/completions or /v1/completions call
+takes a lease here before its job is queued and gives it back when the answer is sent (or the client goes);
+a lease also lapses after its deadline, so a lost release cannot lock a key out. The counts are per gateway
+process: with R replicas a key may hold up to R times the limits (docs/gateway.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+
+from gateway.errors import APIError
+
+
+@dataclass(frozen=True)
+class Lease:
+    owner: str
+    lease_id: int
+    stream: bool
+    tokens: int
+    deadline: float
+
+
+class KeyQuotas:
+    def __init__(self, max_requests: int, max_streams: int, max_tokens: int, retry_after_s: int = 2) -> None:
+        self.max_requests, self.max_streams, self.max_tokens = max_requests, max_streams, max_tokens
+        self.retry_after_s = retry_after_s
+        self._leases: dict[str, dict[int, Lease]] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    def acquire(self, owner: str, stream: bool, tokens: int, hold_s: float) -> Lease:
+        """A lease for one interactive request, or a 429 APIError naming the limit it would pass."""
+        now = time.monotonic()
+        with self._lock:
+            held = self._leases.setdefault(owner, {})
+            for lid in [lid for lid, lease in held.items() if lease.deadline < now]:
+                del held[lid]
+            streams = sum(1 for lease in held.values() if lease.stream)
+            queued_tokens = sum(lease.tokens for lease in held.values())
+            if len(held) >= self.max_requests:
+                raise self._refuse(f"{len(held)} requests of this key are in flight, the limit "
+                                   f"max_requests_per_key = {self.max_requests}")
+            if stream and streams >= self.max_streams:
+                raise self._refuse(f"{streams} streams of this key are open, the limit max_streams_per_key = "
+                                   f"{self.max_streams}")
+            if held and queued_tokens + tokens > self.max_tokens:
+                raise self._refuse(f"this key's requests in flight may generate {queued_tokens} tokens; "
+                                   f"{tokens} more would pass the limit max_tokens_per_key = {self.max_tokens}")
+            lease = Lease(owner, next(self._ids), stream, tokens, now + hold_s)
+            held[lease.lease_id] = lease
+            return lease
+
+    def release(self, lease: Lease | None) -> None:
+        """Give a lease back (idempotent)."""
+        if lease is None:
+            return
+        with self._lock:
+            held = self._leases.get(lease.owner)
+            if held is not None:
+                held.pop(lease.lease_id, None)
+                if not held:
+                    del self._leases[lease.owner]
+
+    def held(self, owner: str) -> int:
+        with self._lock:
+            return len(self._leases.get(owner, {}))
+
+    def _refuse(self, why: str) -> APIError:
+        return APIError(429, f"too many requests for this API key: {why}; wait for some to finish, or send "
+                             "bulk work as a batch (/v1/batches)", code="rate_limit_exceeded",
+                        headers={"retry-after": str(self.retry_after_s)})
+
+
+def request_tokens(fields: dict) -> int:
+    """What a job may cost in tokens: its prompt (about 4 bytes a token) plus max_tokens for each of n."""
+    prompt = fields.get("prompt") or ""
+    if fields.get("messages"):
+        prompt = "".join(str(m.get("content") or "") for m in fields["messages"] if isinstance(m, dict))
+    prompt_tokens = len(fields.get("prompt_token_ids") or ()) or len(str(prompt).encode()) // 4
+    return prompt_tokens + int(fields.get("max_tokens") or 256) * int(fields.get("n") or 1)
+
