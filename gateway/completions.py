@@ -27,14 +27,10 @@ from gateway.jobs import job_error, record_ownership
 from gateway.waiter import ClientGone
 from producer.openai_batch import CHAT, COMPLETIONS, body_fields, response_body
 from protocol.errors import InvalidJob, WaitTimeout
-from protocol.models import JobStatus
+from protocol.models import JobStatus, Priority
 
 log = structlog.get_logger("tokenbus.gateway")
 router = APIRouter()
-
-# Someone waits on the answer: interactive, ahead of every default and bulk job in each worker's intake
-# (a gateway batch's jobs are bulk: producer.batches.submit_batch).
-INTERACTIVE = "interactive"
 
 
 @router.post("/v1/chat/completions")
@@ -60,7 +56,7 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
 
 def submit(ctx: GatewayContext, who: str, endpoint: str, fields: dict[str, Any]) -> str:
     job_id = uuid.uuid4().hex
-    fields = fields | {"priority": INTERACTIVE}
+    fields = fields | {"priority": Priority.interactive}  # someone waits on the answer
     record_ownership(ctx, job_id, who, endpoint)
     ctx.client.submit_many([fields], job_ids=[job_id])
     log.info("gateway_job_submitted", job_id=job_id, endpoint=endpoint, owner=who, stream=fields["stream"])

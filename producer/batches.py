@@ -17,7 +17,7 @@ from producer import openai_batch
 from protocol import scripts
 from protocol.errors import BatchNotFound, InvalidBatch, InvalidJob, TokenbusError, WaitTimeout, listing
 from protocol.keys import Keys
-from protocol.models import GROUP, BatchStatus, Job, Priority, batch_job_id, check_batch_id
+from protocol.models import BatchStatus, Job, Priority, batch_job_id, check_batch_id
 from protocol.records import BatchRecord
 from protocol.scripts import CHUNK, PendingJob
 
@@ -179,18 +179,15 @@ def cancel_batch(client: Client, batch_id: str) -> BatchRecord:
     if status != BatchStatus.cancelling:
         return get_batch(client, batch_id)
     ids = batch_job_ids(client, batch_id)
-    cancel = scripts.script(scripts.CANCEL_JOB)
-    bump = scripts.script(scripts.BUMP_BATCH)
     for start in range(0, len(ids), CHUNK):
         chunk = ids[start:start + CHUNK]
         pipe = client.redis.pipeline(transaction=False)
         for jid in chunk:
-            cancel(keys=[k.job(jid), k.jobs, k.events, k.cancel],
-                   args=[GROUP, jid, now, client.result_ttl, k.ns, scripts.EVENTS_MAXLEN], client=pipe)
+            scripts.cancel_job(pipe, k, jid, now, client.result_ttl)
         never_submitted = [jid for jid, out in zip(chunk, pipe.execute(), strict=True) if out == ""]
         # A job never written (an interrupted submit) will never end on its own: count it as cancelled.
         for _ in never_submitted:
-            bump(args=[k.ns, batch_id, "cancelled", now, client.result_ttl], client=client.redis)
+            scripts.bump_batch(client.redis, k, batch_id, "cancelled", now, client.result_ttl)
     log.info("batch_cancel_requested", batch_id=batch_id, jobs=len(ids))
     return get_batch(client, batch_id)
 

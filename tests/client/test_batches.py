@@ -255,7 +255,7 @@ def test_cancel_batch_counts_jobs_that_were_never_submitted(client):
     rec = client.submit_batch([chat_line(f"c{i}") for i in range(3)])
     # As if the submit was interrupted before job 2 was written.
     lost = f"{rec.id}-2"
-    client.redis.xdel(client.keys.jobs, client.get(lost).entry_id)
+    client.redis.xdel(client.get(lost).queue, client.get(lost).entry_id)
     client.redis.delete(client.keys.job(lost))
     rec = cancel_batch(client, rec.id)
     assert (rec.status, rec.cancelled, rec.done) == (BatchStatus.cancelled, 3, 3)

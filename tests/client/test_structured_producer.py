@@ -14,6 +14,7 @@ import pytest
 from producer import Client, InvalidJob
 from producer.cli import build_parser
 from producer.openai_batch import CHAT, body_fields
+from protocol import scripts
 from protocol.models import parse_request, validate_request
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +66,7 @@ def test_bad_constraints_are_refused_at_submit_and_nothing_is_written(client, fi
     with pytest.raises(InvalidJob, match="invalid job") as err:
         client.submit("hello", **fields)
     assert expect in str(err.value)
-    assert client.redis.xlen(client.keys.jobs) == 0
+    assert scripts.queue_depth(client.redis, client.keys) == 0
     assert not client.redis.keys(f"{client.keys.ns}:job:*")
 
 

@@ -91,9 +91,8 @@ def test_poison_entries_fail_alone(serve_engine, serve, make_client, redis_serve
     r = redis_server.client()
     client = make_client()
     client.submit("warm up", max_tokens=1)  # creates the group
-    # in the pre-priority stream {ns}:jobs (no group yet), which workers still drain as a default queue
-    r.xadd(K.jobs, {"garbage": "no job id here"})
-    r.xadd(K.jobs, {"job_id": "no-record", "request": json.dumps({"prompt": "hi"})})
+    r.xadd(K.queue(), {"garbage": "no job id here"})
+    r.xadd(K.queue(), {"job_id": "no-record", "request": json.dumps({"prompt": "hi"})})
     bad = {
         "bad-json": ("{not json", "not valid JSON"),
         "unknown-field": (json.dumps({"prompt": "hi", "temperatur": 0.5}), "temperatur: unknown field"),

@@ -13,7 +13,7 @@ import time
 import structlog
 
 from protocol.errors import InvalidJob
-from protocol.models import ErrorCode, JobRequest, is_valid_id, parse_request, priority_rank
+from protocol.models import ErrorCode, JobRequest, is_valid_id, parse_request
 from worker.engine.sampling_params import SamplingParams
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter
@@ -217,7 +217,7 @@ class Intake(threading.Thread):
         self.leases.add(job_id, entry.entry_id, entry.queue)
         job = StartedJob(job_id, entry.entry_id, request, params, attempts, time.time(),
                          stream=request.stream and self.stream_tokens, queue=entry.queue,
-                         rank=priority_rank(self.jobs.keys.priority_of(entry.queue)))
+                         priority=request.priority)
         self.budget.sent()
         self.engine_inbox.put(job)
         log.info("job_started", job_id=job_id, entry_id=entry.entry_id, attempt=attempts)

@@ -16,7 +16,6 @@ import structlog
 
 from protocol import scripts as shared
 from protocol.models import EVENTS_MAXLEN, GROUP, PRIORITIES, Keys
-from worker.serve import queue_scripts
 from worker.serve.backoff import REDIS_DOWN
 
 log = structlog.get_logger("tokenbus.worker")
@@ -32,7 +31,7 @@ class Entry:
 
     entry_id: str
     fields: dict[str, str]
-    queue: str = ""  # the stream it was read from ({ns}:q:{priority}[:{batch_id}], or {ns}:jobs)
+    queue: str = ""  # the stream it was read from ({ns}:q:{priority}[:{batch_id}])
     reclaimed: bool = False  # taken over from a worker whose lease lapsed
     not_utf8: tuple[str, ...] = ()  # fields whose bytes are not valid UTF-8 (decoded with U+FFFD here)
 
@@ -63,10 +62,11 @@ class JobQueue:
         self.keys = Keys(namespace)
         self.consumer = consumer
         self.result_ttl_s = result_ttl_s
-        self._renew = shared.script(queue_scripts.RENEW)
-        self._hand_back = shared.script(queue_scripts.HAND_BACK)
-        self._read = shared.script(queue_scripts.READ)
-        self._publish_tokens = shared.script(queue_scripts.PUBLISH_TOKENS)
+        # Lua only the worker runs (protocol/lua/: read.lua, renew.lua, hand_back.lua, publish_tokens.lua)
+        self._renew = shared.script(shared.lua("renew"))
+        self._hand_back = shared.script(shared.lua("hand_back"))
+        self._read = shared.script(shared.lua("read"))
+        self._publish_tokens = shared.script(shared.lua("publish_tokens"))
 
     # ---- intake -------------------------------------------------------------------------------------
 
@@ -77,7 +77,7 @@ class JobQueue:
 
     def read_new(self, count: int, block_ms: int | None) -> list[Entry]:
         """Up to `count` new entries, interactive queues first, then default, then bulk, and turn by turn over
-        the queues of one priority (queue_scripts.READ). With nothing to read and block_ms, wait up to that
+        the queues of one priority (protocol/lua/read.lua). With nothing to read and block_ms, wait up to that
         long for any queue to get an entry (XREAD, which takes nothing) and read once more."""
         entries, wake = self._read_once(count)
         if entries or not block_ms or not wake:
@@ -91,7 +91,7 @@ class JobQueue:
         return self._read_once(count)[0]
 
     def _read_once(self, count: int) -> tuple[list[Entry], list[Any]]:
-        out, wake = self._read(keys=[], args=[self.keys.ns, GROUP, self.consumer, count], client=self.r)
+        out, wake = self._read(keys=[], args=[self.keys.layout, GROUP, self.consumer, count], client=self.r)
         return [_entry(eid, fields, _str(queue)) for queue, eid, fields in out], wake
 
     def queues(self) -> list[str]:

@@ -206,7 +206,7 @@ class Server:
 
     def _seat(self, job: StartedJob) -> None:
         try:
-            self.engine.add_request(job.job_id, job.request.engine_prompt(), job.params, priority=job.rank)
+            self.engine.add_request(job.job_id, job.request.engine_prompt(), job.params, priority=job.priority.rank)
         except ValueError as err:  # the engine's own checks: prompt too long, can never fit the cache, ...
             self._end(job, "failed", error=f"invalid job: {err}", error_code=ErrorCode.invalid_request)
             return
