@@ -21,6 +21,8 @@ from protocol.errors import InvalidJob
 from protocol.keys import DEFAULT_NAMESPACE, PRIORITIES, Keys, Priority  # noqa: F401  (part of the protocol)
 
 GROUP = "workers"  # the one consumer group, on every job queue
+# 127.0.0.1, not localhost: localhost may resolve to ::1 first, where a default Redis does not listen
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_MAX_QUEUE_LEN = 1_000_000
 DEFAULT_RESULT_TTL = 7 * 24 * 3600  # seconds a finished job's record (and a batch) is kept
 EVENTS_MAXLEN = 100_000  # approximate cap of {ns}:events

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from protocol.models import DEFAULT_MAX_QUEUE_LEN, DEFAULT_RESULT_TTL
+from protocol.models import DEFAULT_MAX_QUEUE_LEN, DEFAULT_REDIS_URL, DEFAULT_RESULT_TTL
 from worker.engine.config import EngineConfig
 
 _ENGINE = EngineConfig()  # the engine's defaults are the worker's: one definition
@@ -24,7 +24,7 @@ def _default_worker_name() -> str:
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENBUS_", extra="forbid")
 
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server holding the job stream")
+    redis_url: str = Field(DEFAULT_REDIS_URL, description="Redis server holding the job stream")
     namespace: str = Field("tokenbus", description="prefix of every Redis key")
     model: str = Field(_ENGINE.model, description="model name, local HF dir, hub id or GGUF file")
     device: str = Field(_ENGINE.device, description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'")
