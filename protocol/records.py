@@ -14,6 +14,7 @@ class Heartbeat(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     name: str
+    pid: int | None = None
     model: str | None = None
     started_at: float | None = None
     last_seen: float | None = None
@@ -21,6 +22,7 @@ class Heartbeat(BaseModel):
     waiting: int = 0
     free_blocks: int | None = None
     jobs_done: int = 0
+    draining: bool = False  # stopping: takes no new jobs, hands back what it has not started
     # the prefix cache since the worker's engine started: prompt tokens / full blocks looked up and found
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0

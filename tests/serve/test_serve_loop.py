@@ -4,6 +4,7 @@ results as each job ends, poison entries, cancel, streaming, attempts, idempoten
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 
@@ -12,6 +13,7 @@ import pytest
 from protocol import scripts
 from protocol.errors import JobNotFound, QueueFull
 from protocol.models import Keys
+from protocol.records import Heartbeat
 from worker import SamplingParams
 from worker.serve.queue import tokens_key
 
@@ -67,6 +69,9 @@ def test_round_trip_matches_offline_engine(serve_engine, serve, make_client, red
         assert time.monotonic() < deadline, heartbeat
         time.sleep(0.1)
     assert heartbeat["name"] == "test-worker-0" and heartbeat["running"] == 0
+    # what the worker writes is the protocol's Heartbeat, field for field (a client drops nothing)
+    assert set(heartbeat) == set(Heartbeat.model_fields) and heartbeat["pid"] == os.getpid()
+    assert heartbeat["draining"] is False
     assert handle.stop() == 0
     assert r.get(K.worker("test-worker-0")) is None, "a stopped worker signs off"
     assert serve_engine.stats().used_blocks == 0

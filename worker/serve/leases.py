@@ -17,6 +17,7 @@ from typing import Any
 
 import structlog
 
+from protocol.records import Heartbeat
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.messages import Revoke
 from worker.serve.queue import JobQueue
@@ -141,13 +142,8 @@ class Housekeeper(threading.Thread):
 
     def beat(self) -> None:
         status = self.status()
-        payload = {
-            "name": self.jobs.consumer,
-            "pid": os.getpid(),
-            "started_at": self.started_at,
-            "last_seen": time.time(),
-            **status,
-        }
-        self.jobs.heartbeat(payload, ttl_s=max(3 * int(self.heartbeat_s + 0.999), 10))
+        beat = Heartbeat(name=self.jobs.consumer, pid=os.getpid(), started_at=self.started_at,
+                         last_seen=time.time(), **status)
+        self.jobs.heartbeat(beat, ttl_s=max(3 * int(self.heartbeat_s + 0.999), 10))
         if self.metrics is not None:
             self.metrics.observe_queue(*self.jobs.depth())

@@ -15,7 +15,8 @@ import redis
 import structlog
 
 from protocol import scripts as shared
-from protocol.models import EVENTS_MAXLEN, GROUP, PRIORITIES, Keys
+from protocol.models import EVENTS_MAXLEN, GROUP, PRIORITIES, JobResult, Keys
+from protocol.records import Heartbeat
 from worker.serve.backoff import REDIS_DOWN
 
 log = structlog.get_logger("tokenbus.worker")
@@ -43,7 +44,7 @@ class Ending:
     job_id: str
     entry_id: str  # "" = the record's own entry_id (in the record's queue)
     status: str  # "finished" | "failed" | "cancelled"
-    result: dict[str, Any] | None = None
+    result: JobResult | None = None
     error: str | None = None
     error_code: str | None = None
     finished_at: float | None = None
@@ -197,9 +198,9 @@ class JobQueue:
 
     # ---- presence -----------------------------------------------------------------------------------
 
-    def heartbeat(self, payload: dict[str, Any], ttl_s: int) -> None:
+    def heartbeat(self, beat: Heartbeat, ttl_s: int) -> None:
         pipe = self.r.pipeline(transaction=False)
-        pipe.set(self.keys.worker(self.consumer), json.dumps(payload), ex=ttl_s)
+        pipe.set(self.keys.worker(self.consumer), beat.model_dump_json(), ex=ttl_s)
         pipe.sadd(self.keys.workers, self.consumer)
         pipe.execute()
 
