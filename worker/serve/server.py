@@ -49,7 +49,7 @@ class Server:
         self.inbox: queue.Queue = queue.Queue()
         # the engine's max_num_seqs (the setting, or the device's default when unset); a smaller setting than
         # the engine was built with caps the seats this worker takes
-        seats = min(engine.max_num_seqs, settings.max_num_seqs or engine.max_num_seqs)
+        seats = min(engine.max_num_seqs, settings.engine.max_num_seqs or engine.max_num_seqs)
         self.capacity = seats + settings.intake_lookahead
         # never more than `capacity` jobs leased here, however far behind the writer is
         self.budget = IntakeBudget(self.capacity, leases=self.leases, limit=self.capacity)
@@ -58,7 +58,7 @@ class Server:
         self.writer = CompletionWriter(self.jobs, self.leases, metrics=metrics)
         self.intake = Intake(
             self.jobs, self.leases, self.budget, self.inbox, self.writer,
-            model_names={settings.model, engine.model_name}, lease_ms=settings.lease_ms,
+            model_names={settings.engine.model, engine.model_name}, lease_ms=settings.lease_ms,
             max_attempts=settings.max_attempts, stream_tokens=settings.stream_tokens,
         )
         self.housekeeper = Housekeeper(
