@@ -19,8 +19,8 @@ import structlog
 from pydantic import BaseModel
 
 from gateway.errors import invalid, not_found
-from gateway.jsonl import BatchFileValidator
 from gateway.keys import GatewayKeys
+from producer.batch_file import BatchFileReader
 
 log = structlog.get_logger("tokenbus.gateway")
 
@@ -97,7 +97,7 @@ class Upload:
         self.part = self.final.with_name(f".{file_id}.part")
         self._f: BinaryIO | None = self.part.open("wb")
         self.bytes = 0
-        self.validator = BatchFileValidator(store.max_line_bytes)
+        self.validator = BatchFileReader(store.max_line_bytes)
 
     def write(self, data: bytes) -> None:
         """Blocking (file I/O, validation): the caller runs it in a thread."""
@@ -110,7 +110,7 @@ class Upload:
         """Validate, move into place, record. Raises a 400 naming the bad lines (and keeps nothing)."""
         self._close()
         self.validator.close()
-        problem = self.validator.problem()
+        problem = self.validator.problem("the file was not stored")
         if problem:
             self.abort()
             raise invalid(problem, param="file", code="invalid_batch_file")

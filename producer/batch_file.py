@@ -1,23 +1,35 @@
-"""Validate an OpenAI Batch input file while it streams in, line by line, in constant memory per line.
+"""An OpenAI Batch input file read line by line as it streams in, in constant memory per line: the one set of
+batch-file rules, for `tokenbus batch submit` (producer.batches) and the gateway's upload (gateway/files.py).
 
-The checks are those of producer.batches.parse_batch (each line through producer.openai_batch.parse_line,
-one endpoint per file, unique custom_ids), and lines are numbered the way producer.batches.read_lines
-numbers them (str.splitlines), so an error's line number is the one `tokenbus batch submit` would give.
+The rules: lines are numbered as str.splitlines numbers them (blank lines count and are skipped); each line is
+UTF-8 and, when max_line_bytes is given, at most that long; each non-blank line is an OpenAI Batch request
+(producer.openai_batch.parse_line); one endpoint per file; custom_ids unique.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from producer.openai_batch import parse_line
 from protocol.errors import MAX_ERRORS_SHOWN, InvalidJob
 
 
-class BatchFileValidator:
-    def __init__(self, max_line_bytes: int) -> None:
+class BatchFileReader:
+    """feed() the file's bytes in chunks of any size, then close(); problem() says what is wrong, if anything.
+
+    keep: hold each valid line's (custom_id, request fields) in `parsed` (the CLI submits them; the gateway's
+    upload only checks). max_errors: bad lines remembered (error_count counts them all; None = every one)."""
+
+    def __init__(self, max_line_bytes: int | None = None, keep: bool = False,
+                 max_errors: int | None = MAX_ERRORS_SHOWN) -> None:
         self.max_line_bytes = max_line_bytes
+        self.keep = keep
+        self.max_errors = max_errors
         self.lines = 0  # lines seen (blank ones too): the next line's number is lines + 1
         self.requests = 0  # non-blank lines
         self.endpoint: str | None = None
-        self.errors: list[tuple[int, str]] = []  # the first MAX_ERRORS_SHOWN
+        self.parsed: list[tuple[str, dict[str, Any]]] = []
+        self.errors: list[tuple[int, str]] = []  # (line number, message), the first max_errors
         self.error_count = 0
         self._buf = bytearray()
         self._skipping = False  # inside a line already reported as too long
@@ -42,7 +54,7 @@ class BatchFileValidator:
     def _append(self, data: bytes) -> None:
         if self._skipping or not data:
             return
-        if len(self._buf) + len(data) > self.max_line_bytes:
+        if self.max_line_bytes is not None and len(self._buf) + len(data) > self.max_line_bytes:
             self.lines += 1
             self._error(self.lines, f"longer than {self.max_line_bytes} bytes (the gateway's max_line_bytes)")
             self.requests += 1
@@ -71,7 +83,7 @@ class BatchFileValidator:
 
     def _check(self, number: int, text: str) -> None:
         try:
-            line, _fields = parse_line(text)
+            line, fields = parse_line(text)
             if self.endpoint is None:
                 self.endpoint, self._first_line = line.url, number
             elif line.url != self.endpoint:
@@ -80,20 +92,22 @@ class BatchFileValidator:
             if line.custom_id in self._seen:
                 raise InvalidJob(f"custom_id {line.custom_id!r} already used on line {self._seen[line.custom_id]}")
             self._seen[line.custom_id] = number
+            if self.keep:
+                self.parsed.append((line.custom_id, fields))
         except InvalidJob as err:
             self._error(number, str(err))
 
     def _error(self, number: int, message: str) -> None:
         self.error_count += 1
-        if len(self.errors) < MAX_ERRORS_SHOWN:
+        if self.max_errors is None or len(self.errors) < self.max_errors:
             self.errors.append((number, message))
 
-    def problem(self) -> str | None:
-        """None for a valid file; else a message naming each bad line (the first MAX_ERRORS_SHOWN)."""
+    def problem(self, outcome: str) -> str | None:
+        """None for a valid file; else a message naming each bad line (the first MAX_ERRORS_SHOWN) and, after
+        `outcome` (what did not happen: "the file was not stored"), how many more there are."""
         if not self.error_count:
-            return None if self.requests else "the file has no requests (no non-blank lines)"
-        shown = "\n  ".join(f"line {n}: {msg}" for n, msg in self.errors)
-        more = self.error_count - len(self.errors)
+            return None if self.requests else "the batch file has no requests (no non-blank lines)"
+        shown = "\n  ".join(f"line {n}: {msg}" for n, msg in self.errors[:MAX_ERRORS_SHOWN])
+        more = self.error_count - min(len(self.errors), MAX_ERRORS_SHOWN)
         tail = f"\n  ... and {more} more" if more else ""
-        return (f"{self.error_count} of {self.requests} lines are invalid; the file was not stored:\n  "
-                f"{shown}{tail}")
+        return f"{self.error_count} of {self.requests} lines are invalid; {outcome}:\n  {shown}{tail}"
