@@ -1,6 +1,6 @@
 """POST /v1/chat/completions and /v1/completions: enqueue one job, wait for it, answer as OpenAI does.
 
-The body is mapped to a job exactly as a batch line's body is (producer.openai_batch.body_fields), so the
+The body is mapped to a job exactly as a batch line's body is (producer.openai_batch.body_request), so the
 same request gives the same job either way. `stream: true` answers with server-sent events made from the
 job's token stream ({ns}:job:{id}:tokens, read by producer Client.stream). Every answer carries the job id
 in the `x-tokenbus-job-id` header: after a timeout (504) the job goes on and GET /v1/jobs/{id} has it.
@@ -25,9 +25,9 @@ from gateway.errors import APIError, invalid
 from gateway.http import get_ctx, json_body
 from gateway.jobs import job_error, record_ownership
 from gateway.waiter import ClientGone
-from producer.openai_batch import CHAT, COMPLETIONS, body_fields, response_body
+from producer.openai_batch import CHAT, COMPLETIONS, body_request, response_body
 from protocol.errors import InvalidJob, WaitTimeout
-from protocol.models import JobStatus, Priority
+from protocol.models import JobRequest, JobStatus, Priority
 
 log = structlog.get_logger("tokenbus.gateway")
 router = APIRouter()
@@ -54,12 +54,12 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, bool((options or {}).get("include_usage"))
 
 
-def submit(ctx: GatewayContext, who: str, endpoint: str, fields: dict[str, Any]) -> str:
+def submit(ctx: GatewayContext, who: str, endpoint: str, request: JobRequest) -> str:
     job_id = uuid.uuid4().hex
-    fields = fields | {"priority": Priority.interactive}  # someone waits on the answer
+    request = request.model_copy(update={"priority": Priority.interactive})  # someone waits on the answer
     record_ownership(ctx, job_id, who, endpoint)
-    ctx.client.submit_many([fields], job_ids=[job_id])
-    log.info("gateway_job_submitted", job_id=job_id, endpoint=endpoint, owner=who, stream=fields["stream"])
+    ctx.client.submit_many([request], job_ids=[job_id])  # validated already (body_request): not again
+    log.info("gateway_job_submitted", job_id=job_id, endpoint=endpoint, owner=who, stream=request.stream)
     return job_id
 
 
@@ -68,17 +68,17 @@ async def _complete(request: Request, who: str, endpoint: str) -> Any:
     body = await json_body(request)
     stream, include_usage = _stream_options(body)
     try:
-        fields = body_fields(endpoint, body)
+        job_request = body_request(endpoint, body)
     except InvalidJob as err:
         message = str(err).removeprefix("body: ").removeprefix("body.")
         param = message.split(":", 1)[0] if ":" in message.split(" ", 1)[0] else None
         raise invalid(message, param=param) from None
-    fields["stream"] = stream
-    job_id = await run_in_threadpool(submit, ctx, who, endpoint, fields)
+    job_request = job_request.model_copy(update={"stream": stream})
+    job_id = await run_in_threadpool(submit, ctx, who, endpoint, job_request)
     headers = {"x-tokenbus-job-id": job_id}
     timeout = ctx.settings.completion_timeout_s
     if stream:
-        events = _sse(ctx, job_id, endpoint, fields.get("model"), include_usage)
+        events = _sse(ctx, job_id, endpoint, job_request.model, include_usage)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers=headers | {"cache-control": "no-cache"})
     try:

@@ -8,16 +8,15 @@ UTF-8 and, when max_line_bytes is given, at most that long; each non-blank line 
 
 from __future__ import annotations
 
-from typing import Any
-
 from producer.openai_batch import parse_line
 from protocol.errors import MAX_ERRORS_SHOWN, InvalidJob
+from protocol.models import JobRequest
 
 
 class BatchFileReader:
     """feed() the file's bytes in chunks of any size, then close(); problem() says what is wrong, if anything.
 
-    keep: hold each valid line's (custom_id, request fields) in `parsed` (the CLI submits them; the gateway's
+    keep: hold each valid line's (custom_id, JobRequest) in `parsed` (the CLI submits them; the gateway's
     upload only checks). max_errors: bad lines remembered (error_count counts them all; None = every one)."""
 
     def __init__(self, max_line_bytes: int | None = None, keep: bool = False,
@@ -28,7 +27,7 @@ class BatchFileReader:
         self.lines = 0  # lines seen (blank ones too): the next line's number is lines + 1
         self.requests = 0  # non-blank lines
         self.endpoint: str | None = None
-        self.parsed: list[tuple[str, dict[str, Any]]] = []
+        self.parsed: list[tuple[str, JobRequest]] = []
         self.errors: list[tuple[int, str]] = []  # (line number, message), the first max_errors
         self.error_count = 0
         self._buf = bytearray()
@@ -83,7 +82,7 @@ class BatchFileReader:
 
     def _check(self, number: int, text: str) -> None:
         try:
-            line, fields = parse_line(text)
+            line, request = parse_line(text)
             if self.endpoint is None:
                 self.endpoint, self._first_line = line.url, number
             elif line.url != self.endpoint:
@@ -93,7 +92,7 @@ class BatchFileReader:
                 raise InvalidJob(f"custom_id {line.custom_id!r} already used on line {self._seen[line.custom_id]}")
             self._seen[line.custom_id] = number
             if self.keep:
-                self.parsed.append((line.custom_id, fields))
+                self.parsed.append((line.custom_id, request))
         except InvalidJob as err:
             self._error(number, str(err))
 

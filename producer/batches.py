@@ -18,7 +18,7 @@ from producer.batch_file import BatchFileReader
 from protocol import scripts
 from protocol.errors import BatchNotFound, InvalidBatch, TokenbusError, WaitTimeout
 from protocol.keys import Keys
-from protocol.models import BatchStatus, Job, Priority, batch_job_id, check_batch_id
+from protocol.models import BatchStatus, Job, JobRequest, Priority, batch_job_id, check_batch_id
 from protocol.records import BatchRecord
 from protocol.scripts import CHUNK, PendingJob
 
@@ -42,8 +42,8 @@ class Client(Protocol):
 log = structlog.get_logger("tokenbus.producer")
 
 
-def read_batch(source: str | Path | Iterable[str]) -> tuple[str, list[tuple[str, dict]], str | None]:
-    """(endpoint, [(custom_id, request fields)], the file name when source is a path), the file read as a stream
+def read_batch(source: str | Path | Iterable[str]) -> tuple[str, list[tuple[str, JobRequest]], str | None]:
+    """(endpoint, [(custom_id, request)], the file name when source is a path), the file read as a stream
     by the one batch-file reader (producer/batch_file.py); InvalidBatch naming each bad line."""
     reader = BatchFileReader(keep=True, max_errors=None)
     name: str | None = None
@@ -101,9 +101,9 @@ def submit_batch(
     if not existing:
         client.check_capacity(len(parsed))
         _check_ids_free(client, batch_id, job_ids)
-    jobs = [PendingJob(jid, openai_batch.request_json(fields | {"priority": priority}, model), batch_id,
-                       custom_id, priority)
-            for jid, (custom_id, fields) in zip(job_ids, parsed, strict=True)]
+    jobs = [PendingJob(jid, openai_batch.with_model(request, model, priority).to_json(), batch_id, custom_id,
+                       priority)
+            for jid, (custom_id, request) in zip(job_ids, parsed, strict=True)]
     if not existing:
         pipe = client.redis.pipeline(transaction=True)
         pipe.hset(k.batch(batch_id), mapping={
