@@ -47,7 +47,7 @@ class QueueInfo(BaseModel):
     pending: int  # delivered to a worker, not acked yet (XPENDING, summed)
     waiting: int  # queue_depth - pending: not picked up yet
     by_priority: dict[str, int] = Field(default_factory=dict)  # queue_depth of each priority
-    queues: int = 0  # streams that hold entries (loose queues, batch queues, the pre-priority {ns}:jobs)
+    queues: int = 0  # streams that hold entries (loose queues and batch queues)
     consumers: int
     workers: list[WorkerInfo]
     dead_letters: int
