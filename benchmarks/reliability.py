@@ -294,7 +294,7 @@ class Harness:
         def submit_raw(job_id: str | bytes, request: str | bytes) -> None:
             scripts.script(scripts.SUBMIT_JOB)(keys=[K.job(job_id), K.queue(), K.registry("default")],
                                                args=[job_id, request, time.time(), 0, 3600, "", "", "default",
-                                                     K.ns, GROUP], client=raw)
+                                                     K.layout, GROUP], client=raw)
 
         def raw_job(template: str, request: str | bytes):
             def make(i: int) -> str:

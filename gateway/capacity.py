@@ -17,31 +17,13 @@ import time
 
 from gateway.context import GatewayContext
 from gateway.errors import APIError
-from protocol.scripts import script
+from protocol.scripts import lua, script
 
 JOB_OVERHEAD_BYTES = 1200  # measured: 921 per job (fit over lines of 235-3,195 bytes), rounded up
 BODY_FACTOR = 2.5  # measured: 2.30 x the input line's bytes (the request JSON twice, as stored), rounded up
 
-_RESERVE = """
--- KEYS: 1 {ns}:gw:queued-bytes. ARGV: 1 owner, 2 bytes, 3 per-key limit, 4 global limit (0 = none)
-local mine = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
-local all = tonumber(redis.call('HGET', KEYS[1], '*') or '0')
-local b = tonumber(ARGV[2])
-if tonumber(ARGV[3]) > 0 and mine + b > tonumber(ARGV[3]) then return {-1, mine} end
-if tonumber(ARGV[4]) > 0 and all + b > tonumber(ARGV[4]) then return {-2, all} end
-redis.call('HINCRBY', KEYS[1], ARGV[1], b)
-redis.call('HINCRBY', KEYS[1], '*', b)
-return {1, mine + b}
-"""
-
-_RELEASE = """
--- KEYS: 1 gateway batch record, 2 {ns}:gw:queued-bytes. ARGV: 1 owner, 2 now. Once per batch (HSETNX).
-local b = tonumber(redis.call('HGET', KEYS[1], 'reserved_bytes') or '0')
-if b <= 0 or redis.call('HSETNX', KEYS[1], 'bytes_released_at', ARGV[2]) == 0 then return 0 end
-redis.call('HINCRBY', KEYS[2], ARGV[1], -b)
-redis.call('HINCRBY', KEYS[2], '*', -b)
-return b
-"""
+_RESERVE = lua("reserve_bytes")  # protocol/lua/reserve_bytes.lua
+_RELEASE = lua("release_bytes")  # protocol/lua/release_bytes.lua
 
 
 def estimate(requests: int, file_bytes: int) -> int:

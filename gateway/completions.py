@@ -1,6 +1,6 @@
 """POST /v1/chat/completions and /v1/completions: enqueue one job, wait for it, answer as OpenAI does.
 
-The body is mapped to a job exactly as a batch line's body is (producer.openai_batch.body_fields), so the
+The body is mapped to a job exactly as a batch line's body is (producer.openai_batch.body_request), so the
 same request gives the same job either way. `stream: true` answers with server-sent events made from the
 job's token stream ({ns}:job:{id}:tokens, read by producer Client.stream). Every answer carries the job id
 in the `x-tokenbus-job-id` header: after a timeout (504) the job goes on and GET /v1/jobs/{id} has it.
@@ -26,19 +26,16 @@ from gateway.context import GatewayContext
 from gateway.errors import APIError, invalid
 from gateway.http import get_ctx, json_body
 from gateway.jobs import job_error, record_ownership
-from gateway.quotas import Lease, request_tokens
+from gateway.quotas import Lease
 from gateway.streams import END
 from gateway.waiter import ClientGone
-from producer.openai_batch import CHAT, COMPLETIONS, body_fields, response_body
+from producer.batch_file import request_tokens
+from producer.openai_batch import CHAT, COMPLETIONS, body_request, response_body
 from protocol.errors import InvalidJob
-from protocol.models import JobStatus
+from protocol.models import JobRequest, JobStatus, Priority
 
 log = structlog.get_logger("tokenbus.gateway")
 router = APIRouter()
-
-# Someone waits on the answer: interactive, ahead of every default and bulk job in each worker's intake
-# (a gateway batch's jobs are bulk: producer.batches.submit_batch).
-INTERACTIVE = "interactive"
 
 
 @router.post("/v1/chat/completions")
@@ -62,13 +59,13 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, bool((options or {}).get("include_usage"))
 
 
-def submit(ctx: GatewayContext, who: str, endpoint: str, fields: dict[str, Any]) -> str:
+def submit(ctx: GatewayContext, who: str, endpoint: str, request: JobRequest) -> str:
     job_id = uuid.uuid4().hex
     # the key's priority comes from the gateway's configuration (key_priorities), never from the request
-    fields = fields | {"priority": ctx.priorities.get(who, INTERACTIVE)}
+    request = request.model_copy(update={"priority": Priority(ctx.priorities.get(who, Priority.interactive))})
     record_ownership(ctx, job_id, who, endpoint)
-    ctx.client.submit_many([fields], job_ids=[job_id])
-    log.info("gateway_job_submitted", job_id=job_id, endpoint=endpoint, owner=who, stream=fields["stream"])
+    ctx.client.submit_many([request], job_ids=[job_id])  # validated already (body_request): not again
+    log.info("gateway_job_submitted", job_id=job_id, endpoint=endpoint, owner=who, stream=request.stream)
     return job_id
 
 
@@ -78,27 +75,27 @@ async def _complete(request: Request, who: str, endpoint: str) -> Any:
     stream, include_usage = _stream_options(body)
     try:
         # off the event loop: a big constraint takes a while to check (a 60,000-entry choice took seconds)
-        fields = await run_in_threadpool(body_fields, endpoint, body)
+        job_request = await run_in_threadpool(body_request, endpoint, body)
     except InvalidJob as err:
         message = str(err).removeprefix("body: ").removeprefix("body.")
         param = message.split(":", 1)[0] if ":" in message.split(" ", 1)[0] else None
         raise invalid(message, param=param) from None
-    if (asked := fields.get("max_tokens")) is not None and asked > ctx.settings.max_tokens_limit:
-        raise invalid(f"max_tokens {asked} is above this gateway's limit of {ctx.settings.max_tokens_limit}",
-                      param="max_tokens", code="max_tokens_too_large")
-    fields["stream"] = stream
+    if "max_tokens" in job_request.model_fields_set and job_request.max_tokens > ctx.settings.max_tokens_limit:
+        raise invalid(f"max_tokens {job_request.max_tokens} is above this gateway's limit of "
+                      f"{ctx.settings.max_tokens_limit}", param="max_tokens", code="max_tokens_too_large")
+    job_request = job_request.model_copy(update={"stream": stream})
     timeout = ctx.settings.completion_timeout_s
     # 429 before anything is queued when this key has too much in flight (quotas.py)
-    lease = ctx.quotas.acquire(who, stream, request_tokens(fields), hold_s=timeout + 60)
+    lease = ctx.quotas.acquire(who, stream, request_tokens(job_request.model_dump()), hold_s=timeout + 60)
     try:
-        job_id = await run_in_threadpool(submit, ctx, who, endpoint, fields)
+        job_id = await run_in_threadpool(submit, ctx, who, endpoint, job_request)
     except BaseException:
         ctx.quotas.release(lease)
         raise
     headers = {"x-tokenbus-job-id": job_id}
     if stream:
         handled: list[bool] = []  # the generator's finally ran
-        events = _sse(ctx, job_id, endpoint, fields.get("model"), include_usage, lease, handled)
+        events = _sse(ctx, job_id, endpoint, job_request.model, include_usage, lease, handled)
         # A client gone before the first chunk: the generator may never start, so its finally never runs;
         # when it is dropped unstarted, the same clean-up runs from here.
         weakref.finalize(events, _abandon, ctx, job_id, lease, handled)

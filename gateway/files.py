@@ -20,8 +20,8 @@ import structlog
 from pydantic import BaseModel
 
 from gateway.errors import invalid, not_found
-from gateway.jsonl import BatchFileValidator
 from gateway.keys import GatewayKeys
+from producer.batch_file import BatchFileReader
 
 log = structlog.get_logger("tokenbus.gateway")
 
@@ -106,7 +106,8 @@ class Upload:
         self.part = self.final.with_name(f".{file_id}.part")
         self._f: BinaryIO | None = self.part.open("wb")
         self.bytes = 0
-        self.validator = BatchFileValidator(store.max_line_bytes, store.max_tokens, store.max_requests)
+        self.validator = BatchFileReader(store.max_line_bytes, max_tokens=store.max_tokens,
+                                         max_requests=store.max_requests)
 
     def write(self, data: bytes) -> None:
         """Blocking (file I/O, validation): the caller runs it in a thread."""
@@ -119,7 +120,7 @@ class Upload:
         """Validate, move into place, record. Raises a 400 naming the bad lines (and keeps nothing)."""
         self._close()
         self.validator.close()
-        problem = self.validator.problem()
+        problem = self.validator.upload_problem()
         if problem:
             self.abort()
             raise invalid(problem, param="file", code="invalid_batch_file")

@@ -24,19 +24,12 @@ from gateway.context import GatewayContext
 from gateway.enqueue import enqueue_submit, enqueue_webhook
 from producer import batches
 from protocol.errors import BatchNotFound
-from protocol.scripts import CHUNK, script
+from protocol.scripts import CHUNK, lua, script
 
 log = structlog.get_logger("tokenbus.gateway")
 
-# KEYS: job records. Deletes those still queued (never started): their memory comes back at once, and a worker
-# that reads their stream entry later finds no record and skips it. DEL is allowed when Redis is out of memory.
-_DROP_QUEUED = """
-local n = 0
-for _, k in ipairs(KEYS) do
-  if redis.call('HGET', k, 'status') == 'queued' then redis.call('DEL', k); n = n + 1 end
-end
-return n
-"""
+# Deletes the job records still queued (never started): protocol/lua/drop_queued.lua
+_DROP_QUEUED = lua("drop_queued")
 MAX_REQUEUES = 3
 OOM_RETRIES = (0.2, 0.5, 1.0, 2.0, 4.0)  # seconds between tries of writes refused while Redis is full
 

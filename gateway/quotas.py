@@ -77,11 +77,3 @@ class KeyQuotas:
                         headers={"retry-after": str(self.retry_after_s)})
 
 
-def request_tokens(fields: dict) -> int:
-    """What a job may cost in tokens: its prompt (about 4 bytes a token) plus max_tokens for each of n."""
-    prompt = fields.get("prompt") or ""
-    if fields.get("messages"):
-        prompt = "".join(str(m.get("content") or "") for m in fields["messages"] if isinstance(m, dict))
-    prompt_tokens = len(fields.get("prompt_token_ids") or ()) or len(str(prompt).encode()) // 4
-    return prompt_tokens + int(fields.get("max_tokens") or 256) * int(fields.get("n") or 1)
-

@@ -9,7 +9,7 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from protocol.models import DEFAULT_NAMESPACE, PRIORITIES, Priority
+from protocol.models import DEFAULT_NAMESPACE, DEFAULT_REDIS_URL, PRIORITIES, Priority
 
 MiB = 1024 * 1024
 
@@ -22,7 +22,7 @@ def _env(name: str) -> AliasChoices:
 class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENBUS_GATEWAY_", extra="ignore", populate_by_name=True)
 
-    redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias=_env("redis_url"),
+    redis_url: str = Field(DEFAULT_REDIS_URL, validation_alias=_env("redis_url"),
                            description="Redis holding the job stream (TOKENBUS_REDIS_URL, as the worker's)")
     namespace: str = Field(DEFAULT_NAMESPACE, validation_alias=_env("namespace"),
                            description="prefix of every Redis key (TOKENBUS_NAMESPACE, as the worker's)")

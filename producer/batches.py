@@ -14,10 +14,11 @@ import redis
 import structlog
 
 from producer import openai_batch
+from producer.batch_file import BatchFileReader
 from protocol import scripts
-from protocol.errors import BatchNotFound, InvalidBatch, InvalidJob, TokenbusError, WaitTimeout, listing
+from protocol.errors import BatchNotFound, InvalidBatch, TokenbusError, WaitTimeout
 from protocol.keys import Keys
-from protocol.models import GROUP, BatchStatus, Job, Priority, batch_job_id, check_batch_id
+from protocol.models import BatchStatus, Job, JobRequest, Priority, batch_job_id, check_batch_id
 from protocol.records import BatchRecord
 from protocol.scripts import CHUNK, PendingJob
 
@@ -41,45 +42,29 @@ class Client(Protocol):
 log = structlog.get_logger("tokenbus.producer")
 
 
-def read_lines(source: str | Path | Iterable[str]) -> tuple[list[tuple[int, str]], str | None]:
-    """(line number, text) of each non-blank line, and the file name when source is a path."""
+def read_batch(source: str | Path | Iterable[str]) -> tuple[str, list[tuple[str, JobRequest]], str | None]:
+    """(endpoint, [(custom_id, request)], the file name when source is a path), the file read as a stream
+    by the one batch-file reader (producer/batch_file.py); InvalidBatch naming each bad line."""
+    reader = BatchFileReader(keep=True, max_errors=None)
+    name: str | None = None
     if isinstance(source, str | Path):
         path = Path(source)
         if not path.is_file():
             raise InvalidBatch(f"batch input file {str(path)!r} does not exist or is not a file")
-        with path.open(encoding="utf-8") as f:
-            texts = f.read().splitlines()
-        name: str | None = str(path)
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 16), b""):
+                reader.feed(chunk)
+        name = str(path)
     else:
-        texts, name = list(source), None
-    return [(n, t) for n, t in enumerate(texts, start=1) if t.strip()], name
-
-
-def parse_batch(lines: list[tuple[int, str]]) -> tuple[str, list[tuple[str, dict]]]:
-    """Validate every line: (endpoint, [(custom_id, request fields)]) or InvalidBatch naming each bad one."""
-    parsed, errors = [], []
-    endpoint, seen = None, {}
-    for number, text in lines:
-        try:
-            line, fields = openai_batch.parse_line(text)
-            if endpoint is None:
-                endpoint = line.url
-            elif line.url != endpoint:
-                raise InvalidJob(f"url {line.url} differs from the batch's endpoint {endpoint} (line "
-                                 f"{lines[0][0]}); one batch has one endpoint")
-            if line.custom_id in seen:
-                raise InvalidJob(f"custom_id {line.custom_id!r} already used on line {seen[line.custom_id]}")
-            seen[line.custom_id] = number
-            parsed.append((line.custom_id, fields))
-        except InvalidJob as err:
-            errors.append((number, str(err)))
-    if errors:
-        problems = listing([f"line {n}: {msg}" for n, msg in errors])
-        raise InvalidBatch(f"{len(errors)} of {len(lines)} lines are invalid; nothing was submitted:{problems}",
-                           line_errors=errors)
-    if not parsed:
-        raise InvalidBatch("the batch input has no requests (no non-blank lines)")
-    return endpoint, parsed
+        for text in source:  # one line each (a line may keep its newline)
+            reader.feed(text.encode("utf-8", "surrogatepass"))
+            if not text.endswith("\n"):
+                reader.feed(b"\n")
+    reader.close()
+    problem = reader.problem("nothing was submitted")
+    if problem:
+        raise InvalidBatch(problem, line_errors=reader.errors)
+    return reader.endpoint or "", reader.parsed, name
 
 
 def submit_batch(
@@ -99,8 +84,7 @@ def submit_batch(
     submit keeps the priority the batch was created with.
     """
     priority = Priority(priority).value
-    lines, input_file = read_lines(source)
-    endpoint, parsed = parse_batch(lines)
+    endpoint, parsed, input_file = read_batch(source)
     batch_id = check_batch_id(batch_id, len(parsed)) if batch_id else f"batch_{uuid.uuid4().hex}"
     k = client.keys
     existing = client.redis.hgetall(k.batch(batch_id))
@@ -117,9 +101,9 @@ def submit_batch(
     if not existing:
         client.check_capacity(len(parsed))
         _check_ids_free(client, batch_id, job_ids)
-    jobs = [PendingJob(jid, openai_batch.request_json(fields | {"priority": priority}, model), batch_id,
-                       custom_id, priority)
-            for jid, (custom_id, fields) in zip(job_ids, parsed, strict=True)]
+    jobs = [PendingJob(jid, openai_batch.with_model(request, model, priority).to_json(), batch_id, custom_id,
+                       priority)
+            for jid, (custom_id, request) in zip(job_ids, parsed, strict=True)]
     if not existing:
         pipe = client.redis.pipeline(transaction=True)
         pipe.hset(k.batch(batch_id), mapping={
@@ -179,18 +163,15 @@ def cancel_batch(client: Client, batch_id: str) -> BatchRecord:
     if status != BatchStatus.cancelling:
         return get_batch(client, batch_id)
     ids = batch_job_ids(client, batch_id)
-    cancel = scripts.script(scripts.CANCEL_JOB)
-    bump = scripts.script(scripts.BUMP_BATCH)
     for start in range(0, len(ids), CHUNK):
         chunk = ids[start:start + CHUNK]
         pipe = client.redis.pipeline(transaction=False)
         for jid in chunk:
-            cancel(keys=[k.job(jid), k.jobs, k.events, k.cancel],
-                   args=[GROUP, jid, now, client.result_ttl, k.ns, scripts.EVENTS_MAXLEN], client=pipe)
+            scripts.cancel_job(pipe, k, jid, now, client.result_ttl)
         never_submitted = [jid for jid, out in zip(chunk, pipe.execute(), strict=True) if out == ""]
         # A job never written (an interrupted submit) will never end on its own: count it as cancelled.
         for _ in never_submitted:
-            bump(args=[k.ns, batch_id, "cancelled", now, client.result_ttl], client=client.redis)
+            scripts.bump_batch(client.redis, k, batch_id, "cancelled", now, client.result_ttl)
     log.info("batch_cancel_requested", batch_id=batch_id, jobs=len(ids))
     return get_batch(client, batch_id)
 

@@ -16,7 +16,7 @@ import structlog
 from producer import batches
 from producer.client import Client
 from protocol.errors import TokenbusError
-from protocol.models import DEFAULT_NAMESPACE, PRIORITIES, GenerationParams, Job, JobStatus, Priority
+from protocol.models import DEFAULT_NAMESPACE, DEFAULT_REDIS_URL, PRIORITIES, GenerationParams, Job, JobStatus, Priority
 from protocol.records import QueueInfo
 from protocol.redaction import redact_url, scrub, secrets_of
 
@@ -73,7 +73,7 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenbus", description="Bulk LLM generation jobs over Redis streams.",
                                 epilog=EPILOG)
-    default_url = os.environ.get("TOKENBUS_REDIS_URL") or os.environ.get("TOKENBUS_URL", "redis://localhost:6379/0")
+    default_url = os.environ.get("TOKENBUS_REDIS_URL") or os.environ.get("TOKENBUS_URL", DEFAULT_REDIS_URL)
     p.add_argument("--url", default=default_url)
     p.add_argument("--namespace", default=os.environ.get("TOKENBUS_NAMESPACE", DEFAULT_NAMESPACE))
     p.add_argument("-v", "--verbose", action="store_true", help="log at info level (stderr)")

@@ -19,6 +19,7 @@ from protocol.errors import InvalidJob, JobNotFound, QueueFull, TokenbusError, W
 from protocol.models import (
     DEFAULT_MAX_QUEUE_LEN,
     DEFAULT_NAMESPACE,
+    DEFAULT_REDIS_URL,
     DEFAULT_RESULT_TTL,
     GROUP,
     TERMINAL_STATUSES,
@@ -50,7 +51,7 @@ class Client:
 
     def __init__(
         self,
-        url: str = "redis://localhost:6379/0",
+        url: str = DEFAULT_REDIS_URL,
         *,
         namespace: str = DEFAULT_NAMESPACE,
         max_queue_len: int | None = None,

@@ -14,6 +14,7 @@ from protocol.models import (
     JobRequest,
     JobResult,
     JobStatus,
+    Priority,
     ResultChoice,
     describe_validation_error,
     validate_request,
@@ -42,8 +43,8 @@ class InputLine(BaseModel):
     body: dict[str, Any]
 
 
-def parse_line(text: str) -> tuple[InputLine, dict[str, Any]]:
-    """One input line -> (the line, a JobRequest dict). Raises InvalidJob with a readable reason."""
+def parse_line(text: str) -> tuple[InputLine, JobRequest]:
+    """One input line -> (the line, its JobRequest, validated). Raises InvalidJob with a readable reason."""
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as err:
@@ -58,21 +59,22 @@ def parse_line(text: str) -> tuple[InputLine, dict[str, Any]]:
         raise InvalidJob(describe_validation_error(err)) from None
     if not line.custom_id:
         raise InvalidJob("custom_id must not be empty")
-    return line, body_fields(line.url, line.body)
+    return line, body_request(line.url, line.body)
 
 
-def body_fields(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """A validated JobRequest dict for one request body of `url`, as a batch line's body is mapped.
-
-    For callers that are not reading a batch file (the HTTP gateway). Raises InvalidJob naming the field."""
+def body_request(url: str, body: dict[str, Any]) -> JobRequest:
+    """The JobRequest of one request body of `url`, as a batch line's body is mapped: the one validation of a
+    request in the producer's process (the gateway's too); what follows only fills in fields (with_fields).
+    Raises InvalidJob naming the field."""
     if not isinstance(body, dict):
         raise InvalidJob(f"body: a request body must be a JSON object, got {type(body).__name__}")
     fields = _chat_fields(body) if url == CHAT else _completion_fields(body)
     try:
-        validate_request(fields).to_json()  # to_json: the size limit, and text that is valid Unicode
+        request = validate_request(fields)
+        request.to_json()  # the size limit, and text that is valid Unicode
     except InvalidJob as err:
         raise InvalidJob("body: " + str(err).removeprefix("invalid job: ")) from None
-    return fields
+    return request
 
 
 def _check_known(body: dict[str, Any], allowed: set[str], url: str) -> None:
@@ -233,10 +235,10 @@ def completion_logprobs(result: JobResult, choice: ResultChoice | None = None) -
             "text_offset": text_offset}
 
 
-def request_json(fields: dict[str, Any], model: str | None) -> str:
-    """The JobRequest JSON for a parsed line; model: None keeps the line's, "" drops it, else replaces it."""
-    if model == "":
-        fields = {k: v for k, v in fields.items() if k != "model"}
-    elif model is not None:
-        fields = fields | {"model": model}
-    return JobRequest.model_validate(fields).to_json()
+def with_model(request: JobRequest, model: str | None, priority: Priority) -> JobRequest:
+    """A parsed line's request with its queue's priority; model: None keeps the line's, "" drops it (any worker
+    model), else replaces it. Not validated again: a str model and a Priority are valid values."""
+    update: dict[str, Any] = {"priority": Priority(priority)}
+    if model is not None:
+        update["model"] = model or None
+    return request.model_copy(update=update)

@@ -5,26 +5,35 @@ Part of the wire protocol (protocol/models.py re-exports these names; docs/proto
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cached_property
 
 DEFAULT_NAMESPACE = "tokenbus"
 
 
 class Priority(StrEnum):
-    """A job's priority: every worker's intake reads interactive queues first, then default, then bulk."""
+    """A job's priority, ranked by the order of its members: every worker's intake reads interactive queues
+    first, then default, then bulk, and the engine seats lower ranks first."""
 
     interactive = "interactive"
     default = "default"
     bulk = "bulk"
 
+    @property
+    def rank(self) -> int:
+        """0 for interactive, 1 default, 2 bulk."""
+        return PRIORITIES.index(self)
 
-PRIORITIES = (Priority.interactive, Priority.default, Priority.bulk)  # the order intake serves them in
+
+PRIORITIES = tuple(Priority)  # the order intake serves them in
 
 
-def priority_rank(priority: str) -> int:
-    """0 for interactive, 1 default, 2 bulk: the engine seats lower ranks first."""
-    return PRIORITIES.index(Priority(priority))
+def _template(key: str) -> list[str]:
+    """[prefix, suffix] of a key built around one id (built with the id "\0"): Lua joins prefix .. id .. suffix."""
+    prefix, suffix = key.split("\0")
+    return [prefix, suffix]
 
 
 @dataclass(frozen=True)
@@ -33,10 +42,20 @@ class Keys:
 
     ns: str = DEFAULT_NAMESPACE
 
-    @property
-    def jobs(self) -> str:
-        """The single stream of tokenbus before priorities: workers still read it as a default queue (drain)."""
-        return f"{self.ns}:jobs"
+    @cached_property
+    def layout(self) -> str:
+        """The keys the Lua scripts find for themselves, and the priorities, as one JSON table (an ARGV of the
+        scripts that walk the queues; protocol/lua/_layout.lua): the Lua spells no key name or priority."""
+        return json.dumps({
+            "priorities": [p.value for p in PRIORITIES],
+            "default_priority": Priority.default.value,
+            "queue": {p.value: self.queue(p) for p in PRIORITIES},
+            "batch_queue": {p.value: _template(self.queue(p, "\0")) for p in PRIORITIES},
+            "registry": {p.value: self.registry(p) for p in PRIORITIES},
+            "turn": {p.value: self.turn(p) for p in PRIORITIES},
+            "batch": _template(self.batch("\0")),
+            "batch_jobs": _template(self.batch_jobs("\0")),
+        }, separators=(",", ":"))
 
     def queue(self, priority: str = Priority.default, batch_id: str = "") -> str:
         """The stream a job is queued on: `{ns}:q:{priority}` for a loose job, `{ns}:q:{priority}:{batch_id}`
@@ -51,13 +70,6 @@ class Keys:
     def turn(self, priority: str) -> str:
         """The queue of this priority that intake read from last (round-robin position, shared by workers)."""
         return f"{self.ns}:turn:{Priority(priority).value}"
-
-    def priority_of(self, stream: str) -> Priority:
-        """The priority of a queue's stream key; the pre-priority stream {ns}:jobs is default."""
-        parts = stream.split(":")
-        if len(parts) >= 3 and stream.startswith(f"{self.ns}:q:"):
-            return Priority(parts[len(self.ns.split(":")) + 1])
-        return Priority.default
 
     @property
     def events(self) -> str:

@@ -18,9 +18,11 @@ from pydantic_core import PydanticSerializationError
 
 from protocol.constraints import check_choice, check_regex, check_response_format, grammar_error, grammar_for
 from protocol.errors import InvalidJob
-from protocol.keys import DEFAULT_NAMESPACE, PRIORITIES, Keys, Priority, priority_rank  # noqa: F401  (part of the protocol)
+from protocol.keys import DEFAULT_NAMESPACE, PRIORITIES, Keys, Priority  # noqa: F401  (part of the protocol)
 
 GROUP = "workers"  # the one consumer group, on every job queue
+# 127.0.0.1, not localhost: localhost may resolve to ::1 first, where a default Redis does not listen
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_MAX_QUEUE_LEN = 1_000_000
 DEFAULT_RESULT_TTL = 7 * 24 * 3600  # seconds a finished job's record (and a batch) is kept
 EVENTS_MAXLEN = 100_000  # approximate cap of {ns}:events
@@ -179,7 +181,7 @@ class JobRequest(GenerationParams):
     model: str | None = None  # checked against the worker's model when given
     stream: bool = False  # publish partial tokens (worker option)
     # the queue it waits on: every worker's intake serves interactive, then default, then bulk
-    priority: Literal["interactive", "default", "bulk"] = "default"
+    priority: Priority = Field(Priority.default, strict=False)  # strict=False: its value given as a str
     metadata: dict[str, str] | None = None  # caller's labels, returned untouched
 
     @model_validator(mode="after")
@@ -292,7 +294,7 @@ class Job(BaseModel):
     custom_id: str | None = None
     entry_id: str | None = None  # id of its entry in its queue
     queue: str | None = None  # the stream it waits on: {ns}:q:{priority}[:{batch_id}]
-    priority: str | None = None  # interactive | default | bulk (None: written before priorities)
+    priority: Priority | None = None
 
     @classmethod
     def from_record(cls, fields: dict[str, str]) -> Job:

@@ -14,6 +14,7 @@ class Heartbeat(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     name: str
+    pid: int | None = None
     model: str | None = None
     model_path: str | None = None  # "native" (tokenbus's own model code) or "transformers" (the fallback)
     started_at: float | None = None
@@ -26,6 +27,7 @@ class Heartbeat(BaseModel):
     serving_path: str | None = None  # the engine's backend and device, e.g. "cpu-cpp on cpu", "triton on cuda:0"
     generated_tokens: int = 0  # since the engine started (the dashboard's tokens/s is its rate)
     step_ms: list[float] = Field(default_factory=list)  # the latest steps' wall times, oldest first (<= 32)
+    draining: bool = False  # stopping: takes no new jobs, hands back what it has not started
     # the prefix cache since the worker's engine started: prompt tokens / full blocks looked up and found
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
@@ -50,7 +52,7 @@ class QueueInfo(BaseModel):
     pending: int  # delivered to a worker, not acked yet (XPENDING, summed)
     waiting: int  # queue_depth - pending: not picked up yet
     by_priority: dict[str, int] = Field(default_factory=dict)  # queue_depth of each priority
-    queues: int = 0  # streams that hold entries (loose queues, batch queues, the pre-priority {ns}:jobs)
+    queues: int = 0  # streams that hold entries (loose queues and batch queues)
     consumers: int
     workers: list[WorkerInfo]
     dead_letters: int

@@ -7,6 +7,7 @@ import sys
 
 import redis
 import structlog
+from pydantic import ValidationError
 
 from protocol.logs import configure_logging
 from protocol.redaction import redact_url, scrub
@@ -14,7 +15,11 @@ from worker.settings import load_settings
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings = load_settings(argv)
+    try:
+        settings = load_settings(argv)
+    except ValidationError as err:  # before logging is set up: say it plainly
+        print(f"tokenbus-worker: invalid settings: {err}", file=sys.stderr)
+        return 2
     configure_logging(settings.log_level, settings.log_json)
     log = structlog.get_logger("tokenbus.worker")
     # Until the serve loop installs its drain handler nothing is held: a SIGTERM just ends the process.
@@ -30,23 +35,18 @@ def main(argv: list[str] | None = None) -> int:
         log.error("bad_redis_url", url=redact_url(settings.redis_url), error=scrub(str(err), settings.redis_url))
         return 2
 
-    try:
-        engine_config = settings.engine_config()
-    except ValueError as err:
-        log.error("bad_settings", error=str(err))
-        return 2
     from worker.engine import Engine  # torch: imported after the cheap checks
     from worker.serve.metrics import WorkerMetrics
     from worker.serve.server import Server
 
-    metrics = WorkerMetrics(model=settings.model, worker=settings.worker_name)
+    metrics = WorkerMetrics(model=settings.engine.model, worker=settings.worker_name)
     if settings.metrics_port:
         port = metrics.start_http(settings.metrics_port)
         log.info("metrics_listening", port=port)
     try:
-        engine = Engine(engine_config)
+        engine = Engine(settings.engine)
     except (ValueError, OSError) as err:
-        log.error("engine_load_failed", model=settings.model, error=str(err))
+        log.error("engine_load_failed", model=settings.engine.model, error=str(err))
         metrics.stop_http()
         return 2
     server = Server(settings, engine, client, metrics)

@@ -1,20 +1,58 @@
 """Worker settings: one pydantic-settings model. Environment (TOKENBUS_*) first, CLI flags override. The engine's
-settings are EngineConfig's fields and defaults (worker/engine/config.py); engine_config() hands them over whole."""
+settings are one EngineConfig (worker/engine/config.py: their fields, defaults and checks), nested as `engine`
+and set flat like the others (TOKENBUS_MODEL, --model)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import socket
-from typing import Any
+from dataclasses import asdict, fields
+from typing import Any, get_type_hints
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from protocol.models import DEFAULT_MAX_QUEUE_LEN, DEFAULT_RESULT_TTL
+from protocol.models import DEFAULT_MAX_QUEUE_LEN, DEFAULT_REDIS_URL, DEFAULT_RESULT_TTL
 from worker.engine.config import EngineConfig
 
-_ENGINE = EngineConfig()  # the engine's defaults are the worker's: one definition
+ENV_PREFIX = "TOKENBUS_"
+ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig))
+WORKER_BULK_MIN_FRACTION = 0.25  # the worker's default share of seats kept for bulk jobs (EngineConfig's is 0)
+# The CLI help of the engine's settings (their types and defaults are EngineConfig's)
+ENGINE_HELP = {
+    "model": "model name, local HF dir, hub id or GGUF file",
+    "device": "'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'",
+    "dtype": "'auto' (bfloat16 on cuda, float32 on cpu), or a torch dtype name",
+    "block_size": "tokens per KV-cache block",
+    "max_num_seqs": "most sequences in one batch; unset = 256 on cuda, 64 on cpu",
+    "max_num_batched_tokens": "token budget of one engine step",
+    "max_model_len": "longest prompt + output in tokens; unset = the model's context",
+    "kv_cache_gb": "KV-cache size in GiB; unset = from gpu_memory_utilization (cuda) or 1 GiB",
+    "gpu_memory_utilization": "share of GPU memory the worker may use (weights + KV cache)",
+    "num_kv_blocks": "a fixed KV-cache block count (tests, benchmarks); overrides both sizes above",
+    "cpu_kernels": "CPU float32: run the C++ kernels (built once per machine, ~25 s); false = PyTorch references",
+    "cache_dir": "dequantised GGUF weights and built CPU kernels; unset = ~/.cache/tokenbus",
+    "model_impl": "'auto' (tokenbus's own model code where it has the family, else transformers'), "
+    "'transformers' (always transformers' modeling code), 'native' (refuse the fallback)",
+    "bulk_min_fraction": "share of the seats kept for bulk jobs (batches) while some are queued, so interactive "
+    "traffic cannot starve them (the worker's default: 0.25)",
+    "enable_prefix_caching": "reuse cached KV blocks of a shared prompt prefix across jobs",
+    "cuda_graphs": "CUDA: replay captured graphs for pure decode steps",
+    "static_decode": "the fixed-shape padded decode path; unset = on with CUDA graphs, off on the CPU",
+}
+
+
+class _FlatEngineEnv(PydanticBaseSettingsSource):
+    """TOKENBUS_<ENGINE FIELD> environment variables, into `engine` (the env source reads only top fields)."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        found = {name: os.environ[ENV_PREFIX + name.upper()] for name in ENGINE_FIELDS
+                 if ENV_PREFIX + name.upper() in os.environ}
+        return {"engine": found} if found else {}
 
 
 def _default_worker_name() -> str:
@@ -22,46 +60,14 @@ def _default_worker_name() -> str:
 
 
 class WorkerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TOKENBUS_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server holding the job stream")
+    redis_url: str = Field(DEFAULT_REDIS_URL, description="Redis server holding the job stream")
     namespace: str = Field("tokenbus", description="prefix of every Redis key")
-    model: str = Field(_ENGINE.model, description="model name, local HF dir, hub id or GGUF file")
-    device: str = Field(_ENGINE.device, description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'")
-    dtype: str = Field(_ENGINE.dtype, description="'auto' (bfloat16 on cuda, float32 on cpu), or a torch dtype name")
-    block_size: int = Field(_ENGINE.block_size, gt=0, description="tokens per KV-cache block")
-    max_num_seqs: int | None = Field(
-        _ENGINE.max_num_seqs, gt=0, description="most sequences in one batch; unset = 256 on cuda, 64 on cpu"
-    )
-    max_num_batched_tokens: int = Field(
-        _ENGINE.max_num_batched_tokens, gt=0, description="token budget of one engine step"
-    )
-    max_model_len: int | None = Field(
-        _ENGINE.max_model_len, gt=1, description="longest prompt + output in tokens; unset = the model's context"
-    )
-    kv_cache_gb: float | None = Field(
-        _ENGINE.kv_cache_gb, gt=0,
-        description="KV-cache size in GiB; unset = from gpu_memory_utilization (cuda) or 1 GiB",
-    )
-    gpu_memory_utilization: float = Field(
-        _ENGINE.gpu_memory_utilization, gt=0, le=1,
-        description="share of GPU memory the worker may use (weights + KV cache)",
-    )
-    cpu_kernels: bool = Field(
-        _ENGINE.cpu_kernels,
-        description="CPU float32: run the C++ kernels (built once per machine, ~25 s); false = PyTorch references",
-    )
-    cache_dir: str | None = Field(
-        _ENGINE.cache_dir, description="dequantised GGUF weights and built CPU kernels; unset = ~/.cache/tokenbus"
-    )
-    model_impl: str = Field(
-        _ENGINE.model_impl, description="'auto' (tokenbus's own model code where it has the family, else "
-        "transformers'), 'transformers' (always transformers' modeling code), 'native' (refuse the fallback)",
-    )
-    enable_prefix_caching: bool = Field(
-        _ENGINE.enable_prefix_caching, description="reuse cached KV blocks of a shared prompt prefix across jobs"
-    )
-    cuda_graphs: bool = Field(_ENGINE.cuda_graphs, description="CUDA: replay captured graphs for pure decode steps")
+    # The engine's settings, whole (worker/engine/config.py: their types, defaults and checks). They are given
+    # flat as ever: TOKENBUS_MODEL, --model, WorkerSettings(model=...) (see _flat_engine_settings).
+    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(bulk_min_fraction=WORKER_BULK_MIN_FRACTION),
+                                 description="the engine's settings (EngineConfig)")
     worker_name: str = Field(default_factory=_default_worker_name, description="consumer name in the group")
     lease_ms: int = Field(
         30_000, ge=100, description="an in-flight job whose lease is not renewed for this long is reclaimed"
@@ -76,8 +82,6 @@ class WorkerSettings(BaseSettings):
         description="queue depth at which submits are refused (when set, published to {ns}:config for clients)",
     )
     intake_lookahead: int = Field(4, ge=0, description="jobs read beyond the free seats, so none sit idle")
-    bulk_min_fraction: float = Field(0.25, ge=0, le=1, description="share of the seats kept for bulk jobs "
-                                     "(batches) while some are queued, so interactive traffic cannot starve them")
     drain_grace_s: float = Field(
         30.0, ge=0, description="on SIGTERM: seconds to finish in-flight jobs before handing them back"
     )
@@ -95,10 +99,25 @@ class WorkerSettings(BaseSettings):
             raise ValueError(f"unknown log level {v!r}")
         return v
 
-    def engine_config(self) -> EngineConfig:
-        """The engine's settings, handed to Engine whole (ValueError if they do not fit together)."""
-        return EngineConfig(**{name: getattr(self, name) for name in EngineConfig.__dataclass_fields__
-                               if name in type(self).model_fields})
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        return init_settings, env_settings, _FlatEngineEnv(settings_cls), dotenv_settings, file_secret_settings
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_engine_settings(cls, data: Any) -> Any:
+        """model=..., max_num_seqs=... given at the top land in `engine` (over what `engine` already holds)."""
+        if isinstance(data, dict) and any(name in data for name in ENGINE_FIELDS):
+            data = dict(data)
+            engine = data.get("engine") or {}
+            engine = asdict(engine) if isinstance(engine, EngineConfig) else dict(engine)
+            data["engine"] = engine | {name: data.pop(name) for name in ENGINE_FIELDS if name in data}
+        if isinstance(data, dict) and isinstance(data.get("engine"), dict):
+            # the worker keeps seats for bulk jobs unless told otherwise (an Engine of its own keeps none)
+            data = dict(data)
+            data["engine"] = {"bulk_min_fraction": WORKER_BULK_MIN_FRACTION} | data["engine"]
+        return data
 
     def queue_config(self) -> dict[str, int]:
         """The queue limits the operator set explicitly (env or flag): the producers' {ns}:config."""
@@ -130,13 +149,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve tokenbus jobs from a Redis stream on one GPU (or the CPU). "
         "Every flag may also be set as TOKENBUS_<NAME> in the environment.",
     )
-    for name, field in WorkerSettings.model_fields.items():
+    options = [(name, field.annotation, field.description) for name, field in WorkerSettings.model_fields.items()
+               if name != "engine"]
+    hints = get_type_hints(EngineConfig)
+    options += [(name, hints[name], ENGINE_HELP.get(name)) for name in ENGINE_FIELDS]
+    for name, annotation, help_text in options:
         flag = "--" + name.replace("_", "-")
-        if field.annotation in (bool, bool | None):
+        if annotation in (bool, bool | None):
             parser.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=None,
-                                metavar="BOOL", help=field.description)
+                                metavar="BOOL", help=help_text)
         else:
-            parser.add_argument(flag, type=_flag_type(field.annotation), default=None, help=field.description)
+            parser.add_argument(flag, type=_flag_type(annotation), default=None, help=help_text)
     return parser
 
 

@@ -73,18 +73,22 @@ def run_jobs(c: Client, outcomes: dict[str, str]) -> None:
                        error_code="invalid_request")
 
 
+def fields_of(text: str) -> dict:
+    return parse_line(text)[1].model_dump(exclude_none=True)
+
+
 def test_parse_line_maps_openai_fields():
-    _, f = parse_line(chat_line("a", max_tokens=None, max_completion_tokens=12, logprobs=True, top_logprobs=3,
+    f = fields_of(chat_line("a", max_tokens=None, max_completion_tokens=12, logprobs=True, top_logprobs=3,
                                 seed=1, n=1, user="u", stop="END"))
     assert f["max_tokens"] == 12 and f["logprobs"] == 3 and f["seed"] == 1 and f["stop"] == "END"
     assert "user" not in f and f["n"] == 1
     content = [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]
     parts = [{"role": "developer", "content": content}]
-    _, f = parse_line(chat_line("b", messages=parts))
+    f = fields_of(chat_line("b", messages=parts))
     assert f["messages"] == [{"role": "system", "content": "be brief"}]
-    _, f = parse_line(completion_line("c", [1, 2, 3], logprobs=2, echo=False))
+    f = fields_of(completion_line("c", [1, 2, 3], logprobs=2, echo=False))
     assert f["prompt_token_ids"] == [1, 2, 3] and f["logprobs"] == 2
-    _, f = parse_line(completion_line("d", ["one prompt"]))
+    f = fields_of(completion_line("d", ["one prompt"]))
     assert f["prompt"] == "one prompt"
 
 
@@ -255,7 +259,7 @@ def test_cancel_batch_counts_jobs_that_were_never_submitted(client):
     rec = client.submit_batch([chat_line(f"c{i}") for i in range(3)])
     # As if the submit was interrupted before job 2 was written.
     lost = f"{rec.id}-2"
-    client.redis.xdel(client.keys.jobs, client.get(lost).entry_id)
+    client.redis.xdel(client.get(lost).queue, client.get(lost).entry_id)
     client.redis.delete(client.keys.job(lost))
     rec = cancel_batch(client, rec.id)
     assert (rec.status, rec.cancelled, rec.done) == (BatchStatus.cancelled, 3, 3)

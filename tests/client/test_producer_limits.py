@@ -80,22 +80,24 @@ def test_submit_script_refuses_a_taken_id_and_never_resets_a_key(client):
     k = client.keys
     # a batch job whose id is a plain job's: refused with the owner's batch ('' = none)
     assert submit(keys=[k.job("x-0"), k.queue("default", "x"), k.registry("default")],
-                  args=["x-0", '{"prompt": "b"}', time.time(), 0, 60, "x", "c", "default", k.ns, GROUP],
+                  args=["x-0", '{"prompt": "b"}', time.time(), 0, 60, "x", "c", "default", k.layout, GROUP],
                   client=client.redis) == [-2, ""]
     # a key without a status field (a half-written record, or someone else's hash) is never overwritten
     client.redis.hset(client.keys.job("odd"), "note", "not a job")
     assert submit(keys=[k.job("odd"), k.queue(), k.registry("default")],
-                  args=["odd", '{"prompt": "o"}', time.time(), 0, 60, "", "", "default", k.ns, GROUP],
+                  args=["odd", '{"prompt": "o"}', time.time(), 0, 60, "", "", "default", k.layout, GROUP],
                   client=client.redis) == [0, ""]
     assert client.redis.hgetall(client.keys.job("odd")) == {"note": "not a job"}
     assert scripts.queue_totals(client.redis, k) == (1, 0)
     # a priority the protocol does not have, or keys that are not its queue and registry: refused, nothing written
-    with pytest.raises(redis.ResponseError, match="priority must be interactive, default or bulk"):
+    with pytest.raises(redis.ResponseError, match="priority must be one of interactive, default, bulk"):
         submit(keys=[k.job("p"), k.queue(), k.registry("default")],
-               args=["p", '{"prompt": "p"}', time.time(), 0, 60, "", "", "urgent", k.ns, GROUP], client=client.redis)
+               args=["p", '{"prompt": "p"}', time.time(), 0, 60, "", "", "urgent", k.layout, GROUP],
+               client=client.redis)
     with pytest.raises(redis.ResponseError, match="KEYS"):
         submit(keys=[k.job("p"), k.queue(), k.registry("default")],
-               args=["p", '{"prompt": "p"}', time.time(), 0, 60, "", "", "bulk", k.ns, GROUP], client=client.redis)
+               args=["p", '{"prompt": "p"}', time.time(), 0, 60, "", "", "bulk", k.layout, GROUP],
+               client=client.redis)
     assert not client.redis.exists(k.job("p")) and scripts.queue_totals(client.redis, k) == (1, 0)
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from producer import Client, InvalidJob
 from producer.cli import build_parser
-from producer.openai_batch import CHAT, body_fields
+from producer.openai_batch import CHAT, body_request
+from protocol import scripts
 from protocol.models import parse_request, validate_request
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,15 +66,15 @@ def test_bad_constraints_are_refused_at_submit_and_nothing_is_written(client, fi
     with pytest.raises(InvalidJob, match="invalid job") as err:
         client.submit("hello", **fields)
     assert expect in str(err.value)
-    assert client.redis.xlen(client.keys.jobs) == 0
+    assert scripts.queue_depth(client.redis, client.keys) == 0
     assert not client.redis.keys(f"{client.keys.ns}:job:*")
 
 
 def test_openai_batch_line_and_gateway_body_carry_response_format():
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": JSON_SCHEMA}
-    assert body_fields(CHAT, body)["response_format"] == JSON_SCHEMA
+    assert body_request(CHAT, body).response_format == JSON_SCHEMA
     with pytest.raises(InvalidJob, match=r"body: .*regex cannot be compiled"):
-        body_fields(CHAT, {"messages": [{"role": "user", "content": "hi"}], "regex": "("})
+        body_request(CHAT, {"messages": [{"role": "user", "content": "hi"}], "regex": "("})
 
 
 def test_cli_flags_build_the_constraint():

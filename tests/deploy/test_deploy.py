@@ -159,7 +159,7 @@ def test_redis_service_persists_and_never_evicts(compose):
 
 
 def test_worker_service_gets_one_gpu_drains_and_configures_the_worker(compose, monkeypatch):
-    from worker.settings import WorkerSettings
+    from worker.settings import ENGINE_FIELDS, WorkerSettings
 
     w = compose["services"]["worker"]
     assert w["build"]["dockerfile"] == "Dockerfile"
@@ -171,14 +171,14 @@ def test_worker_service_gets_one_gpu_drains_and_configures_the_worker(compose, m
     assert f"hf-cache:{env['HF_HOME']}" in w["volumes"] and "hf-cache" in compose["volumes"]
     # Every TOKENBUS_ variable is a real setting (pydantic-settings would silently ignore a typo) ...
     unknown = {k for k in env if k.startswith("TOKENBUS_")} - {
-        f"TOKENBUS_{f.upper()}" for f in WorkerSettings.model_fields}
+        f"TOKENBUS_{f.upper()}" for f in (*WorkerSettings.model_fields, *ENGINE_FIELDS)}
     assert not unknown, f"not WorkerSettings fields: {unknown}"
     # ... and the worker parses them as meant.
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     s = WorkerSettings()
     assert s.redis_url == f"redis://tokenbus:{ENV['TOKENBUS_REDIS_PASSWORD']}@redis:6379/0"
-    assert (s.device, s.dtype, s.model) == ("cuda", "bfloat16", "smollm2-135m")
+    assert (s.engine.device, s.engine.dtype, s.engine.model) == ("cuda", "bfloat16", "smollm2-135m")
     # The metrics port is the one exposed, the one the image exposes and its HEALTHCHECK probes.
     assert w["expose"] == [str(s.metrics_port)]
     assert re.search(rf"(?m)^EXPOSE {s.metrics_port}$", DOCKERFILE)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from producer.openai_batch import CHAT, body_fields
+from producer.openai_batch import CHAT, body_request
 from protocol.constraints import LIMITS, ConstraintLimits, grammar_for, regex_repeat
 from protocol.errors import InvalidJob
 from protocol.models import ErrorCode
@@ -40,7 +40,7 @@ def guided_for(tokenizer, lltokenizer, **kwargs) -> GuidedDecoding:
 
 
 def chat(**body):
-    return body_fields(CHAT, {"model": "m", "messages": [{"role": "user", "content": "hi"}]} | body)
+    return body_request(CHAT, {"model": "m", "messages": [{"role": "user", "content": "hi"}]} | body)
 
 
 @pytest.mark.parametrize(("body", "limit"), [

@@ -6,6 +6,7 @@ import pytest
 
 from tests.support.hf_reference import hf_greedy, load_hf
 from worker import Engine, SamplingParams
+from worker.engine.errors import InvalidRequest
 from worker.engine.loader import resolve
 
 PROMPTS = [
@@ -243,20 +244,21 @@ def test_ignore_eos_runs_to_max_tokens(engine):
     ],
 )
 def test_bad_input_is_refused_with_a_clear_error(engine, prompt, params, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InvalidRequest, match=message):  # the client's to fix (the serve loop: invalid_request)
         engine.add_request("bad", prompt, params)
     assert "bad" not in engine.requests
 
 
 def test_request_that_can_never_fit_the_cache_is_refused(small_engine):
-    with pytest.raises(ValueError, match="never fit the KV cache"):
+    with pytest.raises(InvalidRequest, match="never fit the KV cache"):
         small_engine.add_request("huge", "hello", SamplingParams(max_tokens=400))
 
 
 def test_duplicate_request_id_is_refused(engine):
     engine.add_request("dup", "hello", SamplingParams(max_tokens=2))
-    with pytest.raises(ValueError, match="already"):
+    with pytest.raises(ValueError, match="already") as err:
         engine.add_request("dup", "hello", SamplingParams(max_tokens=2))
+    assert not isinstance(err.value, InvalidRequest), "a caller's bug, not the request's: a worker_error"
     engine.abort("dup")
 
 

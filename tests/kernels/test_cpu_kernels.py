@@ -199,7 +199,7 @@ def test_panel_kernel_every_tile_height(ext):
 def test_the_kernel_switch_reaches_the_engine_in_its_config():
     """`--cpu-kernels false` travels in the EngineConfig the settings build (no environment variable read at
     import), and parsing the worker's settings imports neither torch nor the kernels."""
-    code = ("import sys, worker.__main__ as m; c = m.load_settings(['--cpu-kernels', 'false']).engine_config(); "
+    code = ("import sys, worker.__main__ as m; c = m.load_settings(['--cpu-kernels', 'false']).engine; "
             "print('CONFIG', c.cpu_kernels, 'IMPORTED', 'torch' in sys.modules or 'kernels' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parents[2])

@@ -19,7 +19,7 @@ def submit_raw(r, job_id: str | bytes, request: str | bytes, ttl: int = 600) -> 
     """A record + entry as a client in another language might write them: no validation at all."""
     code, _ = scripts.script(scripts.SUBMIT_JOB)(keys=[K.job(job_id), K.queue(), K.registry("default")],
                                                  args=[job_id, request, time.time(), 0, ttl, "", "", "default",
-                                                       K.ns, GROUP], client=r)
+                                                       K.layout, GROUP], client=r)
     assert int(code) == 1
 
 

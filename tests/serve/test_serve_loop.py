@@ -4,6 +4,7 @@ results as each job ends, poison entries, cancel, streaming, attempts, idempoten
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 
@@ -12,6 +13,7 @@ import pytest
 from protocol import scripts
 from protocol.errors import JobNotFound, QueueFull
 from protocol.models import Keys
+from protocol.records import Heartbeat
 from worker import SamplingParams
 from worker.serve.queue import tokens_key
 
@@ -68,6 +70,9 @@ def test_round_trip_matches_offline_engine(serve_engine, serve, make_client, red
         time.sleep(0.1)
     assert heartbeat["name"] == "test-worker-0" and heartbeat["running"] == 0
     assert heartbeat["model_path"] == "native"  # the tiny Llama runs on tokenbus's own model code
+    # what the worker writes is the protocol's Heartbeat, field for field (a client drops nothing)
+    assert set(heartbeat) == set(Heartbeat.model_fields) and heartbeat["pid"] == os.getpid()
+    assert heartbeat["draining"] is False
     assert handle.stop() == 0
     assert r.get(K.worker("test-worker-0")) is None, "a stopped worker signs off"
     assert serve_engine.stats().used_blocks == 0
@@ -92,9 +97,8 @@ def test_poison_entries_fail_alone(serve_engine, serve, make_client, redis_serve
     r = redis_server.client()
     client = make_client()
     client.submit("warm up", max_tokens=1)  # creates the group
-    # in the pre-priority stream {ns}:jobs (no group yet), which workers still drain as a default queue
-    r.xadd(K.jobs, {"garbage": "no job id here"})
-    r.xadd(K.jobs, {"job_id": "no-record", "request": json.dumps({"prompt": "hi"})})
+    r.xadd(K.queue(), {"garbage": "no job id here"})
+    r.xadd(K.queue(), {"job_id": "no-record", "request": json.dumps({"prompt": "hi"})})
     bad = {
         "bad-json": ("{not json", "not valid JSON"),
         "unknown-field": (json.dumps({"prompt": "hi", "temperatur": 0.5}), "temperatur: unknown field"),

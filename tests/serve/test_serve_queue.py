@@ -13,7 +13,7 @@ from protocol import scripts
 from protocol.models import GROUP, Keys
 from worker.serve.intake import IntakeBudget
 from worker.serve.queue import JobQueue
-from worker.settings import WorkerSettings, load_settings
+from worker.settings import WorkerSettings, build_parser, load_settings
 
 NS = "tokenbus"
 Q = Keys(NS).queue()  # the default loose queue, where submit() puts every job
@@ -152,7 +152,14 @@ def test_settings_env_then_cli(monkeypatch):
     monkeypatch.setenv("TOKENBUS_LEASE_MS", "5000")
     monkeypatch.setenv("TOKENBUS_MODEL", "from-env")
     s = load_settings(["--model", "from-cli", "--max-num-seqs", "8", "--stream-tokens", "false"])
-    assert (s.lease_ms, s.model, s.max_num_seqs, s.stream_tokens) == (5000, "from-cli", 8, False)
+    assert (s.lease_ms, s.engine.model, s.engine.max_num_seqs, s.stream_tokens) == (5000, "from-cli", 8, False)
+    monkeypatch.setenv("TOKENBUS_BLOCK_SIZE", "32")  # the engine's settings, flat in the environment too
+    monkeypatch.setenv("TOKENBUS_CPU_KERNELS", "false")
+    s = load_settings([])
+    assert (s.engine.model, s.engine.block_size, s.engine.cpu_kernels) == ("from-env", 32, False)
+    assert load_settings(["--block-size", "64"]).engine.block_size == 64
+    with pytest.raises(ValidationError, match="block_size must be one of"):  # EngineConfig's own check
+        load_settings(["--block-size", "7"])
     assert s.redis_url == "redis://127.0.0.1:6379/0"
     with pytest.raises(ValidationError, match="lease_ms"):
         WorkerSettings(lease_ms=1)
@@ -160,6 +167,7 @@ def test_settings_env_then_cli(monkeypatch):
         load_settings(["--no-such-flag"])
     # every setting documents itself
     assert all(f.description for f in WorkerSettings.model_fields.values())
+    assert all(a.help for a in build_parser()._actions if a.dest != "help")
 
 
 def test_intake_never_restarts_a_job_it_is_running(r):

@@ -1,5 +1,6 @@
-"""EngineConfig: every engine setting in one object, checked once. The worker's settings build it whole
-(worker/settings.py `WorkerSettings.engine_config()`); the offline Engine takes the same fields as keywords.
+"""EngineConfig: every engine setting in one object, checked once. The worker's settings hold it whole
+(worker/settings.py: `WorkerSettings.engine`, set as TOKENBUS_<FIELD> / --<field>); the offline Engine takes the
+same fields as keywords.
 
 Imports no torch, so the worker's settings and CLI can use its defaults without paying for torch.
 """

@@ -20,6 +20,7 @@ from worker.engine.backends import select_backend
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig, bulk_min_seats
 from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.errors import InvalidRequest
 from worker.engine.guided import GrammarError, GuidedDecoding
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_block
 from worker.engine.models import registry
@@ -210,25 +211,25 @@ class Engine:
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("the prompt is empty")
+                raise InvalidRequest("the prompt is empty")
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             for m in prompt:
                 if "role" not in m or "content" not in m:
-                    raise ValueError(f"each chat message needs 'role' and 'content', got {m!r}")
+                    raise InvalidRequest(f"each chat message needs 'role' and 'content', got {m!r}")
             ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             return list(ids)
         if isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if not prompt:
-                raise ValueError("the prompt is empty")
+                raise InvalidRequest("the prompt is empty")
             vocab = self.model.arch.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+                raise InvalidRequest(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
             return list(prompt)
-        raise ValueError("a prompt is a non-empty string, a list of token ids, or a list of chat messages")
+        raise InvalidRequest("a prompt is a non-empty string, a list of token ids, or a list of chat messages")
 
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams | dict[str, Any] | None = None,
@@ -246,16 +247,16 @@ class Engine:
         self._check_stop_token_ids(params)
         total = len(prompt_ids) + params.max_tokens
         if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
+            raise InvalidRequest(
                 f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_model_len} tokens"
             )
         if total > self.max_model_len:
-            raise ValueError(
+            raise InvalidRequest(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
                 f"model context of {self.max_model_len} tokens; lower max_tokens or shorten the prompt"
             )
         if self.block_manager.blocks_for(total) > self.block_manager.num_blocks:
-            raise ValueError(
+            raise InvalidRequest(
                 f"prompt + max_tokens = {total} tokens can never fit the KV cache "
                 f"({self.block_manager.num_blocks * self.config.block_size} tokens); raise kv_cache_gb"
             )
@@ -273,7 +274,7 @@ class Engine:
             for seq in seqs:  # compiles response_format / regex / choice off this thread
                 self.guided.add(seq)
         except GrammarError as err:
-            raise ValueError(str(err)) from None
+            raise InvalidRequest(str(err)) from None
         self.requests[request_id] = seqs[0]
         self.choices[request_id] = seqs
         self.scheduler.add(seqs[0])
@@ -289,7 +290,7 @@ class Engine:
         vocab = self.model.arch.vocab_size
         bad = [t for t in params.stop_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"stop_token_ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+            raise InvalidRequest(f"stop_token_ids out of the vocabulary [0, {vocab}): {bad[:5]}")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seqs = self.choices.pop(request_id, None)
@@ -385,7 +386,7 @@ class Engine:
         prompts: Seq[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Offline: run every prompt to the end and return the outputs in input order. ValueError, once every
+        """Offline: run every prompt to the end and return the outputs in input order. InvalidRequest, once every
         other request ended, when the engine could not compile a prompt's grammar (structured output)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt given bare
@@ -400,7 +401,7 @@ class Engine:
                 results[out.request_id] = out
             rejected.update(self.rejected)
         if rejected:
-            raise ValueError("; ".join(f"prompt {ids.index(rid)}: {why}" for rid, why in rejected.items()))
+            raise InvalidRequest("; ".join(f"prompt {ids.index(rid)}: {why}" for rid, why in rejected.items()))
         return [results[rid] for rid in ids]
 
 

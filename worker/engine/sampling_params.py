@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from protocol.models import GenerationParams, describe_validation_error
+from worker.engine.errors import InvalidRequest
 
 
 class SamplingParams(GenerationParams):
@@ -43,14 +44,14 @@ class SamplingParams(GenerationParams):
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
-        """SamplingParams from plain values, or ValueError naming every bad or unknown field."""
+        """SamplingParams from plain values, or InvalidRequest naming every bad or unknown field."""
         unknown = sorted(set(values) - set(cls.model_fields))
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {unknown}; known ones are {cls.field_names()}")
+            raise InvalidRequest(f"unknown sampling parameter(s) {unknown}; known ones are {cls.field_names()}")
         try:
             return cls.model_validate(values)
         except ValidationError as err:
-            raise ValueError(f"invalid sampling parameters: {describe_validation_error(err)}") from None
+            raise InvalidRequest(f"invalid sampling parameters: {describe_validation_error(err)}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()

@@ -32,7 +32,7 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
 
-BULK = 2  # the priority rank of bulk requests (protocol.keys.priority_rank)
+BULK = 2  # the priority rank of bulk requests (protocol.keys.Priority.bulk.rank)
 
 
 class Scheduler:

@@ -13,7 +13,7 @@ import time
 import structlog
 
 from protocol.errors import InvalidJob
-from protocol.models import ErrorCode, JobRequest, Priority, is_valid_id, parse_request, priority_rank
+from protocol.models import ErrorCode, JobRequest, Priority, is_valid_id, parse_request
 from worker.engine.sampling_params import SamplingParams
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter
@@ -153,7 +153,7 @@ class Intake(threading.Thread):
         """How many more bulk jobs this worker should hold to fill the seats kept for them (0 without)."""
         if not self.bulk_min_seats:
             return 0
-        held = sum(1 for q in self.leases.queues() if self.jobs.keys.priority_of(q) == Priority.bulk)
+        held = sum(1 for p in self.leases.priorities() if p == Priority.bulk)
         return max(0, self.bulk_min_seats - held)
 
     # ---- one entry ----------------------------------------------------------------------------------
@@ -226,10 +226,10 @@ class Intake(threading.Thread):
                 dead=DeadLetter(reason, attempts - 1, raw),
             )
             return
-        self.leases.add(job_id, entry.entry_id, entry.queue)
+        self.leases.add(job_id, entry.entry_id, entry.queue, request.priority)
         job = StartedJob(job_id, entry.entry_id, request, params, attempts, time.time(),
                          stream=request.stream and self.stream_tokens, queue=entry.queue,
-                         rank=priority_rank(self.jobs.keys.priority_of(entry.queue)))
+                         priority=request.priority)
         self.budget.sent(request.n)  # each of its n choices takes a seat
         self._recent_n = max(request.n, (self._recent_n + 1) // 2)
         self.engine_inbox.put(job)

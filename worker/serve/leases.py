@@ -18,6 +18,8 @@ from typing import Any
 
 import structlog
 
+from protocol.models import Priority
+from protocol.records import Heartbeat
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.messages import Revoke
 from worker.serve.queue import JobQueue
@@ -35,12 +37,14 @@ class Leases:
         self._lock = threading.Lock()
         self._held: dict[str, str] = {}
         self._queue: dict[str, str] = {}  # job id -> the stream its entry is in
+        self._priority: dict[str, Priority] = {}  # job id -> its request's priority
         self.on_release: Callable[[], None] | None = None  # e.g. wake intake: room for one more job
 
-    def add(self, job_id: str, entry_id: str, queue: str) -> None:
+    def add(self, job_id: str, entry_id: str, queue: str, priority: Priority = Priority.default) -> None:
         with self._lock:
             self._held[job_id] = entry_id
             self._queue[job_id] = queue
+            self._priority[job_id] = Priority(priority)
 
     def release(self, job_id: str, entry_id: str | None = None) -> None:
         with self._lock:
@@ -48,6 +52,7 @@ class Leases:
             if released:
                 self._held.pop(job_id, None)
                 self._queue.pop(job_id, None)
+                self._priority.pop(job_id, None)
         if released and self.on_release is not None:
             self.on_release()
 
@@ -55,6 +60,11 @@ class Leases:
         """The queue of every job held (one per job)."""
         with self._lock:
             return list(self._queue.values())
+
+    def priorities(self) -> list[Priority]:
+        """The request priority of every job held (one per job)."""
+        with self._lock:
+            return list(self._priority.values())
 
     def entry_of(self, job_id: str) -> str | None:
         with self._lock:
@@ -147,15 +157,10 @@ class Housekeeper(threading.Thread):
 
     def beat(self) -> None:
         status = self.status()
-        payload = {
-            "name": self.jobs.consumer,
-            "pid": os.getpid(),
-            "started_at": self.started_at,
-            "last_seen": time.time(),
-            **status,
-        }
-        self.jobs.heartbeat(payload, ttl_s=max(3 * int(self.heartbeat_s + 0.999), 10))
+        beat = Heartbeat(name=self.jobs.consumer, pid=os.getpid(), started_at=self.started_at,
+                         last_seen=time.time(), **status)
+        self.jobs.heartbeat(beat, ttl_s=max(3 * int(self.heartbeat_s + 0.999), 10))
         if self.metrics is not None:
             self.metrics.observe_queue(*self.jobs.depth())
-            held = Counter(self.jobs.keys.priority_of(q).value for q in self.leases.queues())
+            held = Counter(p.value for p in self.leases.priorities())
             self.metrics.observe_priorities(dict(held))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from protocol.models import JobRequest
+from protocol.models import JobRequest, Priority
 
 if TYPE_CHECKING:
     from worker.engine.sampling_params import SamplingParams
@@ -27,7 +27,7 @@ class StartedJob:
     started_at: float  # unix time the start script ran
     stream: bool = False  # publish partial tokens
     queue: str = ""  # the stream its entry is in
-    rank: int = 1  # its queue's priority: 0 interactive, 1 default, 2 bulk (the engine seats lower first)
+    priority: Priority = Priority.default  # the request's (the engine seats lower ranks first)
     # owned by the engine thread once the job is in the engine
     first_token_at: float | None = None
     published: int = 0  # tokens already sent as Partials

@@ -15,8 +15,8 @@ import redis
 import structlog
 
 from protocol import scripts as shared
-from protocol.models import EVENTS_MAXLEN, GROUP, PRIORITIES, Keys
-from worker.serve import queue_scripts
+from protocol.models import EVENTS_MAXLEN, GROUP, PRIORITIES, JobResult, Keys
+from protocol.records import Heartbeat
 from worker.serve.backoff import REDIS_DOWN
 
 log = structlog.get_logger("tokenbus.worker")
@@ -32,7 +32,7 @@ class Entry:
 
     entry_id: str
     fields: dict[str, str]
-    queue: str = ""  # the stream it was read from ({ns}:q:{priority}[:{batch_id}], or {ns}:jobs)
+    queue: str = ""  # the stream it was read from ({ns}:q:{priority}[:{batch_id}])
     reclaimed: bool = False  # taken over from a worker whose lease lapsed
     not_utf8: tuple[str, ...] = ()  # fields whose bytes are not valid UTF-8 (decoded with U+FFFD here)
 
@@ -44,7 +44,7 @@ class Ending:
     job_id: str
     entry_id: str  # "" = the record's own entry_id (in the record's queue)
     status: str  # "finished" | "failed" | "cancelled"
-    result: dict[str, Any] | None = None
+    result: JobResult | None = None
     error: str | None = None
     error_code: str | None = None
     finished_at: float | None = None
@@ -63,10 +63,11 @@ class JobQueue:
         self.keys = Keys(namespace)
         self.consumer = consumer
         self.result_ttl_s = result_ttl_s
-        self._renew = shared.script(queue_scripts.RENEW)
-        self._hand_back = shared.script(queue_scripts.HAND_BACK)
-        self._read = shared.script(queue_scripts.READ)
-        self._publish_tokens = shared.script(queue_scripts.PUBLISH_TOKENS)
+        # Lua only the worker runs (protocol/lua/: read.lua, renew.lua, hand_back.lua, publish_tokens.lua)
+        self._renew = shared.script(shared.lua("renew"))
+        self._hand_back = shared.script(shared.lua("hand_back"))
+        self._read = shared.script(shared.lua("read"))
+        self._publish_tokens = shared.script(shared.lua("publish_tokens"))
 
     # ---- intake -------------------------------------------------------------------------------------
 
@@ -77,7 +78,7 @@ class JobQueue:
 
     def read_new(self, count: int, block_ms: int | None, bulk_first: int = 0) -> list[Entry]:
         """Up to `count` new entries, interactive queues first, then default, then bulk, and turn by turn over
-        the queues of one priority (queue_scripts.READ). With nothing to read and block_ms, wait up to that
+        the queues of one priority (protocol/lua/read.lua). With nothing to read and block_ms, wait up to that
         long for any queue to get an entry (XREAD, which takes nothing) and read once more. `bulk_first`
         of the count are read from the bulk queues first (the seats kept for bulk jobs)."""
         entries, wake = self._read_once(count, bulk_first)
@@ -92,7 +93,8 @@ class JobQueue:
         return self._read_once(count, bulk_first)[0]
 
     def _read_once(self, count: int, bulk_first: int = 0) -> tuple[list[Entry], list[Any]]:
-        out, wake = self._read(keys=[], args=[self.keys.ns, GROUP, self.consumer, count, bulk_first], client=self.r)
+        out, wake = self._read(keys=[], args=[self.keys.layout, GROUP, self.consumer, count, bulk_first],
+                               client=self.r)
         return [_entry(eid, fields, _str(queue)) for queue, eid, fields in out], wake
 
     def queues(self) -> list[str]:
@@ -198,9 +200,9 @@ class JobQueue:
 
     # ---- presence -----------------------------------------------------------------------------------
 
-    def heartbeat(self, payload: dict[str, Any], ttl_s: int) -> None:
+    def heartbeat(self, beat: Heartbeat, ttl_s: int) -> None:
         pipe = self.r.pipeline(transaction=False)
-        pipe.set(self.keys.worker(self.consumer), json.dumps(payload), ex=ttl_s)
+        pipe.set(self.keys.worker(self.consumer), beat.model_dump_json(), ex=ttl_s)
         pipe.sadd(self.keys.workers, self.consumer)
         pipe.execute()
 

@@ -18,8 +18,9 @@ from typing import Any
 
 import structlog
 
-from protocol.models import ErrorCode
+from protocol.models import ErrorCode, JobResult
 from worker.engine.config import bulk_min_seats
+from worker.engine.errors import InvalidRequest
 from worker.engine.sampling_params import SamplingParams
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter, FirstToken
@@ -50,7 +51,7 @@ class Server:
         self.inbox: queue.Queue = queue.Queue()
         # the engine's max_num_seqs (the setting, or the device's default when unset); a smaller setting than
         # the engine was built with caps the seats this worker takes
-        seats = min(engine.max_num_seqs, settings.max_num_seqs or engine.max_num_seqs)
+        seats = min(engine.max_num_seqs, settings.engine.max_num_seqs or engine.max_num_seqs)
         self.capacity = seats + settings.intake_lookahead
         # never more than `capacity` jobs leased here, however far behind the writer is
         self.budget = IntakeBudget(self.capacity, leases=self.leases, limit=self.capacity)
@@ -59,9 +60,9 @@ class Server:
         self.writer = CompletionWriter(self.jobs, self.leases, metrics=metrics)
         self.intake = Intake(
             self.jobs, self.leases, self.budget, self.inbox, self.writer,
-            model_names={settings.model, engine.model_name}, lease_ms=settings.lease_ms,
+            model_names={settings.engine.model, engine.model_name}, lease_ms=settings.lease_ms,
             max_attempts=settings.max_attempts, stream_tokens=settings.stream_tokens,
-            bulk_min_seats=bulk_min_seats(settings.bulk_min_fraction, seats),
+            bulk_min_seats=bulk_min_seats(settings.engine.bulk_min_fraction, seats),
         )
         self.housekeeper = Housekeeper(
             self.jobs, self.leases, self.inbox, settings.lease_ms, settings.heartbeat_s, self._status, metrics
@@ -214,11 +215,11 @@ class Server:
 
     def _seat(self, job: StartedJob) -> None:
         try:
-            self.engine.add_request(job.job_id, job.request.engine_prompt(), job.params, priority=job.rank)
-        except ValueError as err:  # the engine's own checks: prompt too long, can never fit the cache, ...
+            self.engine.add_request(job.job_id, job.request.engine_prompt(), job.params, priority=job.priority.rank)
+        except InvalidRequest as err:  # the client's to fix: prompt too long, can never fit the cache, ...
             self._end(job, "failed", error=f"invalid job: {err}", error_code=ErrorCode.invalid_request)
             return
-        except Exception as err:
+        except Exception as err:  # any other error is the worker's, not the request's
             log.exception("add_request_error", job_id=job.job_id)
             self._end(job, "failed", error=f"worker error: {type(err).__name__}: {err}",
                       error_code=ErrorCode.worker_error)
@@ -385,14 +386,14 @@ class Server:
             self.writer.put(Partial(job.job_id, [], job.published, done=True))
         cancelled = out.finish_reason == "abort"
         result = job_result(out, self.engine.model_name, self.engine.tokenizer)
-        completion_tokens = result["usage"]["completion_tokens"]
+        completion_tokens = result.usage.completion_tokens
         self._end(job, "cancelled" if cancelled else "finished", result=result,
                   error="cancelled while running" if cancelled else None,
                   error_code=ErrorCode.cancelled if cancelled else None,
                   finished_at=out.finish_time, finish_reason=out.finish_reason,
                   first_token_at=out.first_token_time, completion_tokens=completion_tokens)
 
-    def _end(self, job: StartedJob, status: str, result: dict[str, Any] | None = None,
+    def _end(self, job: StartedJob, status: str, result: JobResult | None = None,
              error: str | None = None, error_code: str | None = None, finished_at: float | None = None,
              **stats: Any) -> None:
         ending = Ending(job.job_id, job.entry_id, status, result=result, error=error, error_code=error_code,

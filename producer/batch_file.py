@@ -1,13 +1,16 @@
-"""Validate an OpenAI Batch input file while it streams in, line by line, in constant memory per line.
+"""An OpenAI Batch input file read line by line as it streams in, in constant memory per line: the one set of
+batch-file rules, for `tokenbus batch submit` (producer.batches) and the gateway's upload (gateway/files.py).
 
-The checks are those of producer.batches.parse_batch (each line through producer.openai_batch.parse_line,
-one endpoint per file, unique custom_ids), and lines are numbered the way producer.batches.read_lines
-numbers them (str.splitlines), so an error's line number is the one `tokenbus batch submit` would give.
+The rules: lines are numbered as str.splitlines numbers them (blank lines count and are skipped); each line is
+UTF-8 and, when max_line_bytes is given, at most that long; each non-blank line is JSON and an OpenAI Batch
+request (producer.openai_batch.parse_line); one endpoint per file; custom_ids unique; and, when given, no
+line asks for more than max_tokens and the file holds at most max_requests requests.
 
-Two kinds of problem, as OpenAI has them: a line whose content is wrong (bad JSON, a missing field, a
-repeated custom_id) leaves the upload accepted, and a batch made from the file fails in `validating` with
-`errors.data` naming each line. This gateway's limits (line length, max_tokens, lines per file) and a file
-that is not UTF-8 text refuse the upload itself (400), since no batch of it could ever run.
+The CLI refuses a file with any bad line (problem()). The gateway has OpenAI's two kinds of problem: a line
+whose content is wrong (bad JSON, a missing field, a repeated custom_id) leaves the upload accepted, and a
+batch made from the file fails in `validating` with `errors.data` naming each line (line_errors()); the
+gateway's limits (line length, max_tokens, lines per file) and a file that is not UTF-8 text refuse the upload
+itself (upload_problem(), 400), since no batch of it could ever run.
 """
 
 from __future__ import annotations
@@ -15,9 +18,18 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.quotas import request_tokens
 from producer.openai_batch import parse_line
 from protocol.errors import MAX_ERRORS_SHOWN, InvalidJob
+from protocol.models import JobRequest
+
+
+def request_tokens(fields: dict) -> int:
+    """What a job may cost in tokens: its prompt (about 4 bytes a token) plus max_tokens for each of n."""
+    prompt = fields.get("prompt") or ""
+    if fields.get("messages"):
+        prompt = "".join(str(m.get("content") or "") for m in fields["messages"] if isinstance(m, dict))
+    prompt_tokens = len(fields.get("prompt_token_ids") or ()) or len(str(prompt).encode()) // 4
+    return prompt_tokens + int(fields.get("max_tokens") or 256) * int(fields.get("n") or 1)
 
 
 class _LineError(InvalidJob):
@@ -26,19 +38,31 @@ class _LineError(InvalidJob):
         self.code = code
 
 
-class BatchFileValidator:
-    def __init__(self, max_line_bytes: int, max_tokens: int = 2**31 - 1, max_requests: int = 2**31 - 1) -> None:
-        self.max_line_bytes, self.max_tokens, self.max_requests = max_line_bytes, max_tokens, max_requests
-        self.limit_errors: list[tuple[int, str]] = []  # the first MAX_ERRORS_SHOWN: these refuse the upload
-        self.limit_count = 0
-        self.encoding_error: str | None = None
-        self.error_codes: list[str] = []  # beside self.errors
+class BatchFileReader:
+    """feed() the file's bytes in chunks of any size, then close(); problem() says what is wrong, if anything.
+
+    keep: hold each valid line's (custom_id, JobRequest) in `parsed` (the CLI submits them; the gateway's
+    upload only checks). max_errors: bad lines remembered (error_count counts them all; None = every one).
+    max_line_bytes, max_tokens, max_requests: the gateway's limits (None = none)."""
+
+    def __init__(self, max_line_bytes: int | None = None, keep: bool = False,
+                 max_errors: int | None = MAX_ERRORS_SHOWN, max_tokens: int | None = None,
+                 max_requests: int | None = None) -> None:
+        self.max_line_bytes = max_line_bytes
+        self.keep = keep
+        self.max_errors = max_errors
+        self.max_tokens, self.max_requests = max_tokens, max_requests
         self.lines = 0  # lines seen (blank ones too): the next line's number is lines + 1
         self.requests = 0  # non-blank lines
-        self.tokens = 0  # what the valid lines may cost: prompt + max_tokens x n each (quotas.request_tokens)
+        self.tokens = 0  # what the valid lines may cost: prompt + max_tokens x n each (request_tokens)
         self.endpoint: str | None = None
-        self.errors: list[tuple[int, str]] = []  # the first MAX_ERRORS_SHOWN
+        self.parsed: list[tuple[str, JobRequest]] = []
+        self.errors: list[tuple[int, str]] = []  # (line number, message), the first max_errors
+        self.error_codes: list[str] = []  # beside self.errors
         self.error_count = 0
+        self.limit_errors: list[tuple[int, str]] = []  # the first MAX_ERRORS_SHOWN: these refuse an upload
+        self.limit_count = 0
+        self.encoding_error: str | None = None  # the first line that is not UTF-8: refuses an upload
         self._buf = bytearray()
         self._skipping = False  # inside a line already reported as too long
         self._first_line: int | None = None
@@ -62,7 +86,7 @@ class BatchFileValidator:
     def _append(self, data: bytes) -> None:
         if self._skipping or not data:
             return
-        if len(self._buf) + len(data) > self.max_line_bytes:
+        if self.max_line_bytes is not None and len(self._buf) + len(data) > self.max_line_bytes:
             self.lines += 1
             self._limit(self.lines, f"longer than {self.max_line_bytes} bytes (the gateway's max_line_bytes)")
             self.requests += 1
@@ -80,6 +104,8 @@ class BatchFileValidator:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as err:
             self.lines += 1
+            self._error(self.lines, f"not UTF-8 text (byte {err.start + 1} of the line); save the file as UTF-8",
+                        "invalid_encoding")
             if self.encoding_error is None:
                 self.encoding_error = (f"the file is not UTF-8 text: line {self.lines}, byte {err.start + 1} of the "
                                        "line is not valid UTF-8; save the file as UTF-8 (JSONL is UTF-8)")
@@ -89,7 +115,7 @@ class BatchFileValidator:
             self.lines += 1
             if text_line.strip():
                 self.requests += 1
-                if self.requests == self.max_requests + 1:
+                if self.max_requests is not None and self.requests == self.max_requests + 1:
                     self._limit(self.lines, f"the file has more than {self.max_requests} requests (the gateway's "
                                             "max_requests_per_file); split it into several batches")
                 self._check(self.lines, text_line)
@@ -102,7 +128,7 @@ class BatchFileValidator:
                 raise _LineError(f"not valid JSON ({err})", "invalid_json_line") from None
             except RecursionError:
                 raise _LineError("not a batch line: its JSON is nested too deeply", "invalid_json_line") from None
-            line, fields = parse_line(text)
+            line, request = parse_line(text)
             if self.endpoint is None:
                 self.endpoint, self._first_line = line.url, number
             elif line.url != self.endpoint:
@@ -112,25 +138,42 @@ class BatchFileValidator:
                 raise _LineError(f"custom_id {line.custom_id!r} already used on line "
                                  f"{self._seen[line.custom_id]}", "duplicate_custom_id")
             self._seen[line.custom_id] = number
-            if (asked := fields.get("max_tokens")) is not None and asked > self.max_tokens:
-                self._limit(number, f"max_tokens {asked} is above this gateway's limit of {self.max_tokens}")
-            self.tokens += request_tokens(fields)
+            if (self.max_tokens is not None and "max_tokens" in request.model_fields_set
+                    and request.max_tokens > self.max_tokens):
+                self._limit(number, f"max_tokens {request.max_tokens} is above this gateway's limit of "
+                                    f"{self.max_tokens}")
+            self.tokens += request_tokens(request.model_dump())
+            if self.keep:
+                self.parsed.append((line.custom_id, request))
         except InvalidJob as err:
             self._error(number, str(err), getattr(err, "code", "invalid_request"))
 
     def _error(self, number: int, message: str, code: str = "invalid_request") -> None:
         self.error_count += 1
-        if len(self.errors) < MAX_ERRORS_SHOWN:
+        if self.max_errors is None or len(self.errors) < self.max_errors:
             self.errors.append((number, message))
             self.error_codes.append(code)
 
     def _limit(self, number: int, message: str) -> None:
+        """A line past one of the gateway's limits: refuses an upload, and is a bad line for problem()."""
+        self._error(number, message, "limit_exceeded")
         self.limit_count += 1
         if len(self.limit_errors) < MAX_ERRORS_SHOWN:
             self.limit_errors.append((number, message))
 
-    def problem(self) -> str | None:
-        """Why the upload is refused (not UTF-8, no requests, a limit passed), or None."""
+    def problem(self, outcome: str) -> str | None:
+        """None for a valid file; else a message naming each bad line (the first MAX_ERRORS_SHOWN) and, after
+        `outcome` (what did not happen: "nothing was submitted"), how many more there are."""
+        if not self.error_count:
+            return None if self.requests else "the batch file has no requests (no non-blank lines)"
+        shown = "\n  ".join(f"line {n}: {msg}" for n, msg in self.errors[:MAX_ERRORS_SHOWN])
+        more = self.error_count - min(len(self.errors), MAX_ERRORS_SHOWN)
+        tail = f"\n  ... and {more} more" if more else ""
+        return f"{self.error_count} of {self.requests} lines are invalid; {outcome}:\n  {shown}{tail}"
+
+    def upload_problem(self) -> str | None:
+        """Why the gateway refuses the upload (not UTF-8, no requests, a limit passed), or None: bad lines
+        otherwise leave it stored (line_errors)."""
         if self.encoding_error:
             return self.encoding_error
         if self.limit_count:
@@ -142,7 +185,7 @@ class BatchFileValidator:
         return None if self.requests else "the file has no requests (no non-blank lines)"
 
     def line_errors(self) -> list[dict[str, Any]] | None:
-        """OpenAI's errors.data for a batch of this file: the invalid lines (first MAX_ERRORS_SHOWN), or None."""
+        """OpenAI's errors.data for a batch of this file: the invalid lines (the first max_errors), or None."""
         if not self.error_count:
             return None
         out = [{"code": code, "message": msg, "param": None, "line": n}

@@ -1,0 +1,6 @@
+-- BUMP_BATCH (client)
+-- KEYS: none. ARGV: 1 the namespace's layout (JSON, _layout.lua), 2 batch_id, 3 status, 4 now, 5 ttl.
+-- Counts a job that will never run.
+-- #include _bump_batch.lua
+bump_batch(cjson.decode(ARGV[1]), ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]))
+return 1
