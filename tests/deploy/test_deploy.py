@@ -20,6 +20,7 @@ import pytest
 import redis
 import yaml
 
+from protocol.records import Heartbeat
 from tests.support.local_redis import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -282,7 +283,7 @@ def test_the_tokenbus_acl_user_runs_the_real_producer_and_worker_operations(comp
     for job_id, entry_id in entries.items():
         assert q.start(job_id, entry_id, q.keys.queue())[0] == "running"
     assert q.renew([(q.keys.queue(), e) for e in entries.values()]) == []
-    q.heartbeat({"name": "box-1", "model": "m", "running": 2}, ttl_s=30)
+    q.heartbeat(Heartbeat(name="box-1", model="m", running=2), ttl_s=30)
     assert q.depth() == (2, 2)
     assert q.cancel_requests() == set()
 
