@@ -21,7 +21,7 @@ import torch
 
 from worker.engine.attention_metadata import AttentionMetadata
 from worker.engine.scheduler import ScheduledBatch
-from worker.engine.step_inputs import PreparedStep, StepInputs
+from worker.engine.step_inputs import Ahead, PreparedStep, StepInputs
 
 log = structlog.get_logger("tokenbus.engine")
 
@@ -55,11 +55,18 @@ class StaticDecode:
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, PreparedStep]:
         """The padded step's final hidden states [bucket, hidden] (rows past the batch are padding)."""
-        b = self.bucket(len(batch.seqs))
-        step = self.inputs.prepare(batch, pad_to=b)
+        step = self.prepare(batch)
+        return self.execute(step), step
+
+    def prepare(self, batch: ScheduledBatch, ahead: Ahead | None = None) -> PreparedStep:
+        return self.inputs.prepare(batch, pad_to=self.bucket(len(batch.seqs)), ahead=ahead)
+
+    def execute(self, step: PreparedStep) -> torch.Tensor:
+        b = step.bucket
+        assert b is not None
         graph = self.graphs.get(b)
         if graph is None:
-            return self.model(step.input_ids, step.positions, self.kv_caches, step.meta), step
+            return self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         s, meta = self.static, step.meta
         s["ids"][:b].copy_(step.input_ids)
         s["positions"][:b].copy_(step.positions)
@@ -67,7 +74,7 @@ class StaticDecode:
         s["seq_lens"][:b].copy_(meta.decode_seq_lens)
         s["tables"][:b].copy_(meta.decode_block_tables)
         graph[0].replay()
-        return graph[1], step
+        return graph[1]
 
     # ---- CUDA graphs ----------------------------------------------------------------------------------------
 

@@ -21,6 +21,9 @@ from worker.engine.stop_checker import StopChecker
 if TYPE_CHECKING:
     from worker.engine.guided import GuidedDecoding
 
+# overlap: per sequence of the step in flight, (tokens it feeds, index among its sampled rows or -1)
+Ahead = dict[Sequence, tuple[int, int]]
+
 
 @dataclass
 class ScheduledBatch:
@@ -59,7 +62,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, ahead: Ahead | None = None) -> ScheduledBatch | None:
+        """The next step's batch. ahead (overlap): the step still in flight, whose tokens count as fed and
+        whose sampled tokens as pending; a sequence that ends in it for sure (length) is left out. With ahead,
+        None instead of a preemption: the caller finishes the step in flight first (blocks taken so far stay
+        with their sequences, which need them next)."""
         batch = ScheduledBatch([], [])
         budget = self.max_num_batched_tokens
         preempted = False
@@ -67,8 +74,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_pending_tokens, budget)
-            while not self.block_manager.can_allocate(seq, n):
+            fed, src = ahead.get(seq, (0, -1)) if ahead else (0, -1)
+            if src >= 0 and self._ends_with_next_token(seq):
+                i += 1
+                continue
+            pending = 1 if src >= 0 else seq.num_pending_tokens - fed
+            n = min(pending, budget)
+            while not self.block_manager.can_allocate(seq, fed + n):
+                if ahead is not None:
+                    return None
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -76,7 +90,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break
-            self.block_manager.allocate(seq, n)
+            self.block_manager.allocate(seq, fed + n)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
@@ -100,6 +114,11 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
+
+    def _ends_with_next_token(self, seq: Sequence) -> bool:
+        """Whether the token in flight ends seq whatever it is (max_tokens or the context)."""
+        return (seq.num_output_tokens + 1 >= seq.params.max_tokens
+                or seq.num_tokens + 1 >= self.stop_checker.max_model_len)
 
     def postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], tokens: list[int],
                     logprob_rows: list | None, now: float) -> list[Sequence]:
