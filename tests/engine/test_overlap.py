@@ -6,26 +6,24 @@ penalties, min_tokens, n > 1 forks (seeded top-p), logprobs, and an abort while 
 from __future__ import annotations
 
 import pytest
-from tiny_models import make_tiny_model
 
 from worker import Engine, SamplingParams
 
 PROMPTS = [
     "The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
     "List three colours:", "1, 2, 3, 4,", "Translate to French: good morning", "The quick brown fox",
-    "Q: What is 12 times 12?\nA:", "import numpy as np\n", "Dear Sir or Madam,", "SELECT * FROM",
-    "In 1969, the first",
+    "Q: What is 12 times 12?\nA:",
 ]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("overlap-llama")), "llama")
+def model_dir(serve_model_dir):
+    return serve_model_dir  # the session's tiny Llama (conftest)
 
 
 def make_engine(model_dir: str, overlap: bool, **options) -> Engine:
-    options = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=10,
-                   block_size=8, max_model_len=128) | options
+    options = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=6,
+                   block_size=8, max_model_len=128, cpu_kernels=False) | options
     return Engine(model_dir, overlap=overlap, **options)
 
 
@@ -34,16 +32,15 @@ def workload(stop_ids: dict[int, int]) -> list[SamplingParams]:
     cannot foresee), and rows that break the overlap or exercise the device-side draw."""
     params = []
     for i in range(len(PROMPTS)):
-        p = dict(max_tokens=6 + (i * 7) % 19, temperature=0.0)
+        p = dict(max_tokens=5 + (i * 5) % 11, temperature=0.0)
         if i in stop_ids:
             p["stop_token_ids"] = [stop_ids[i]]
         params.append(p)
     params[1] |= dict(temperature=0.9, top_p=0.9, seed=7, n=3)  # forks; top-p resolved on the device
     params[3] |= dict(repetition_penalty=1.3, presence_penalty=0.5)
     params[5] |= dict(min_tokens=5)
-    params[7] |= dict(logprobs=3, temperature=0.8, seed=11)
-    params[9] |= dict(regex="[0-9]{2,6}", max_tokens=8)  # a guided row
-    params[10] |= dict(temperature=1.0, top_k=20, seed=5, n=2)
+    params[6] |= dict(regex="[0-9]{2,6}", max_tokens=6)  # a guided row
+    params[7] |= dict(logprobs=3, temperature=1.0, top_k=20, seed=5, n=2)
     return [SamplingParams(**p) for p in params]
 
 
@@ -62,28 +59,37 @@ def run(engine: Engine, params: list[SamplingParams]) -> dict:
         engine.runner.execute = execute
     engine.block_manager.check_invariants([])
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
-    got = {o.request_id.split("-")[-1]: [(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in o.choices]
-           for o in outs}
+    # logprobs rounded: a batch of another size changes their last float bits (the rows of a step differ with
+    # overlap: a sequence that ends for sure is left out, one that ends on a token runs one row too many)
+    got = {o.request_id.split("-")[-1]: [(c.token_ids, c.text, c.finish_reason, _rounded(c.logprobs))
+                                         for c in o.choices] for o in outs}
     return got | {"carried": sum(carried)}
+
+
+def _rounded(logprobs: list[dict[int, float]] | None) -> list[dict[int, float]] | None:
+    return None if logprobs is None else [{t: round(v, 4) for t, v in row.items()} for row in logprobs]
 
 
 def test_overlap_on_gives_the_tokens_of_overlap_off(model_dir):
     off = make_engine(model_dir, overlap=False)
     assert off.overlap is None
-    first = run(off, workload({}))
+    greedy = [0, 2, 4]
+    first = off.generate([PROMPTS[i] for i in greedy], SamplingParams(max_tokens=6, temperature=0.0))
     # a stop id from the middle of some greedy outputs: those requests end where only the token tells
-    stop_ids = {i: first[str(i)][0][0][3] for i in (0, 2, 4, 8, 11) if len(first[str(i)][0][0]) > 4}
-    assert len(stop_ids) >= 3
+    stop_ids = {i: out.token_ids[3] for i, out in zip(greedy, first, strict=True) if out.token_ids[3] not in
+                out.token_ids[:3]}
+    assert len(stop_ids) >= 2
     params = workload(stop_ids)
     expected = run(off, params)
     preempted_off = off.scheduler.num_preemptions
 
     on = make_engine(model_dir, overlap=True)
+    on.guided._lltokenizer = off.guided._lltokenizer  # the tokenizer table, built once (seconds)
     got = run(on, params)
     assert on.scheduler.num_preemptions > 0 and preempted_off > 0, "the workload should preempt"
     assert {k: v for k, v in got.items() if k != "carried"} == {k: v for k, v in expected.items() if k != "carried"}
     assert expected["carried"] == 0
-    assert got["carried"] > 10, "most steps should take their inputs from the step in flight"
+    assert got["carried"] > 5, "steps without a breaking event should take their inputs from the step in flight"
     assert on.overlap.breaks > 0, "preemption / guided / penalty rows should have broken the overlap"
     for i, choices in got.items():
         if i.isdigit() and int(i) in stop_ids:

@@ -101,10 +101,6 @@ class GuidedDecoding:
         if self._pending:
             wait(set(self._pending.values()), timeout=timeout, return_when=FIRST_COMPLETED)
 
-    def constrained(self) -> bool:
-        """Whether any constrained sequence is inside (compiling or with its matcher)."""
-        return bool(self._pending or self.matchers)
-
     def remove(self, seq: Sequence) -> None:
         self._pending.pop(seq, None)
         self.matchers.pop(seq, None)

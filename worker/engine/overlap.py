@@ -16,8 +16,8 @@ Sequences still change in one place, Scheduler.postprocess(), always for the old
 step N's results before step N+1 is scheduled break the overlap: that step is finished first, then the next
 is scheduled as without overlap (and still runs while the caller works):
 - preemption (the scheduler returns None instead of preempting a sequence that is in flight);
-- a structured-output request inside the engine (the grammar mask of N+1 needs N's token in the matcher);
-- a sampled row of step N with penalties or min_tokens still banning stops (they read the token history).
+- a sampled row of step N with a grammar (its mask in N+1 needs N's token in the matcher), penalties or
+  min_tokens still banning stops (they read the token history).
 A sequence aborted (or ended by step N) while step N+1 ran is dropped from N+1's results; its blocks were
 freed at once, and their next user writes them in a later step, after N+1 on the device.
 """
@@ -93,9 +93,11 @@ class Overlap:
         return outputs
 
     def _may_overlap(self, prev: InFlight) -> bool:
-        if self.engine.guided.constrained():
-            return False
-        return not any(s.params.has_penalties or s.params.min_tokens > s.num_output_tokens
+        """False when a row sampled in the step in flight needs that token on the host before its next row
+        is built: its grammar's mask, its penalties, its min_tokens ban (a row new in the next step reads
+        only state that the postprocess of the step in flight does not touch)."""
+        matchers = self.engine.guided.matchers
+        return not any(s.params.has_penalties or s.params.min_tokens > s.num_output_tokens or s in matchers
                        for s in prev.step.sampling_seqs)
 
     def _launch(self, batch: ScheduledBatch, prev: InFlight | None) -> InFlight:
