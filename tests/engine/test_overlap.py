@@ -100,7 +100,7 @@ def test_abort_while_a_step_is_in_flight(model_dir):
     params = SamplingParams(max_tokens=20, temperature=0.0)
     off = make_engine(model_dir, overlap=False, num_kv_blocks=64)
     alone = off.generate([PROMPTS[0]], params)[0].token_ids
-    on = make_engine(model_dir, overlap=True, num_kv_blocks=64)
+    on = make_engine(model_dir, overlap=True, num_kv_blocks=64, static_decode=True)  # padded decode steps too
     on.add_request("keep", PROMPTS[0], params)
     on.add_request("drop", PROMPTS[1], params)
     for _ in range(4):

@@ -53,8 +53,12 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list | None]:
         """One forward pass. Returns the sequences that produced a token, their tokens and logprob rows."""
-        step = self.prepare(batch)
-        sampled = self.execute(step)
+        if self.static is not None and self.static.serves(batch):
+            hidden, step = self.static.run(batch)
+            sampled = self._sample(hidden, step, False)
+        else:
+            step = self.inputs.prepare(batch)
+            sampled = self.execute(step)
         if sampled is None:
             return [], [], None
         tokens, logprobs = sampled.result()

@@ -24,6 +24,7 @@ freed at once, and their next user writes them in a later step, after N+1 on the
 
 from __future__ import annotations
 
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +39,9 @@ if TYPE_CHECKING:
     from worker.engine.engine import Engine, RequestOutput
 
 
+SWITCH_INTERVAL_S = 0.0002
+
+
 @dataclass
 class InFlight:
     batch: ScheduledBatch
@@ -49,6 +53,9 @@ class InFlight:
 class Overlap:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        # the forward thread needs the GIL for a moment between its device calls; the main thread holds it
+        # through long stretches of host work, and by default gives it up only every 5 ms
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenbus-forward")
         self.inflight: InFlight | None = None
         self.wait_s = 0.0  # seconds the main thread waited for the device (benchmarks: host = step - wait)

@@ -72,14 +72,22 @@ class Scheduler:
         preempted = False
         # Oldest first; the victims of preemption are taken from the end, so none of them is in `batch`.
         i = 0
+        bs = self.block_manager.block_size
+        none = (0, -1)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            fed, src = ahead.get(seq, (0, -1)) if ahead else (0, -1)
+            fed, src = ahead.get(seq, none) if ahead else none
             if src >= 0 and self._ends_with_next_token(seq):
                 i += 1
                 continue
-            pending = 1 if src >= 0 else seq.num_pending_tokens - fed
+            pending = 1 if src >= 0 else len(seq.token_ids) - seq.num_computed_tokens - fed
             n = min(pending, budget)
+            if seq.num_computed_tokens + fed + n <= len(seq.block_table) * bs:  # room already (most decodes)
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+                continue
             while not self.block_manager.can_allocate(seq, fed + n):
                 if ahead is not None:
                     return None
@@ -124,14 +132,19 @@ class Scheduler:
                     logprob_rows: list | None, now: float) -> list[Sequence]:
         """After the forward pass of `batch`: its tokens are in the KV cache; each sampled sequence takes its
         token (and logprobs, and text), and those that are done leave, their blocks freed. Returns those."""
+        bm = self.block_manager
+        bs = bm.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
+            if seq.num_computed_tokens // bs > len(seq.block_keys):  # a block filled up: key it
+                bm.commit(seq)
         finished = []
+        guided = self.guided if self.guided is not None and self.guided.matchers else None
+        check = self.stop_checker.check
         for i, (seq, token) in enumerate(zip(sampled, tokens, strict=True)):
             seq.token_ids.append(token)
-            if self.guided is not None:
-                self.guided.advance(seq, token)
+            if guided is not None:
+                guided.advance(seq, token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if logprob_rows is not None and logprob_rows[i] is not None:
@@ -140,8 +153,10 @@ class Scheduler:
                 entry[token] = token_logprob
                 seq.logprobs.append(entry)
             text_from = len(seq.output_text)
-            seq.output_text += seq.detokenizer.step(token)
-            reason = self.stop_checker.check(seq, text_from)
+            text = seq.detokenizer.step(token)
+            if text:
+                seq.output_text += text
+            reason = check(seq, text_from)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)

@@ -124,25 +124,37 @@ class StepInputs:
         carry_rows: list[int] = []
         carry_src: list[int] = []
         starts: list[int] = []
+        seats = self.seats
+        none = (0, -1)
         for seq, n in order:
-            start, end = seq.num_computed_tokens, seq.num_tokens
-            fed, src = ahead.get(seq, (0, -1)) if ahead else (0, -1)
+            start, end = seq.num_computed_tokens, len(seq.token_ids)
+            fed, src = ahead.get(seq, none) if ahead else none
             start += fed
             if src >= 0:  # the step in flight samples this sequence's next input
                 end += 1
                 carry_rows.append(len(ids))
                 carry_src.append(src)
                 ids.append(0)
+            elif n == 1:
+                ids.append(seq.token_ids[start])
             else:
                 ids += seq.token_ids[start : start + n]
             if start + n == end:
                 sample_rows.append(len(ids) - 1)
                 sampling_seqs.append(seq)
             starts.append(start)
-            pos += range(start, start + n)
             table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            rows.append(self._seat(seq, updates, values))
+            if n == 1:
+                pos.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                pos += range(start, start + n)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            seat = seats.get(seq)
+            if seat is not None and seat.table is table and seat.synced == len(table):  # no new block
+                rows.append(seat.row)
+            else:
+                rows.append(self._seat(seq, updates, values))
         p = len(prefill)
         prefill_lens = [start + n for start, (_, n) in zip(starts[:p], prefill, strict=True)]
         cu = _cumsum([n for _, n in prefill]) if prefill else []
