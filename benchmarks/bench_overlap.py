@@ -68,7 +68,7 @@ class HostTimer:
     def __init__(self, engine: Engine) -> None:
         self.totals = {"schedule": 0.0, "prepare": 0.0, "postprocess": 0.0}
         self._wrap(engine.scheduler, "schedule", "schedule")
-        self._wrap(engine.runner, "prepare", "prepare")
+        self._wrap(engine.runner.inputs, "prepare", "prepare")  # both paths (with and without overlap)
         self._wrap(engine, "finish_step", "postprocess")
 
     def _wrap(self, obj, name: str, key: str) -> None:
