@@ -70,6 +70,7 @@ def _rounded(logprobs: list[dict[int, float]] | None) -> list[dict[int, float]] 
     return None if logprobs is None else [{t: round(v, 4) for t, v in row.items()} for row in logprobs]
 
 
+@pytest.mark.slow
 def test_overlap_on_gives_the_tokens_of_overlap_off(model_dir):
     off = make_engine(model_dir, overlap=False)
     assert off.overlap is None
