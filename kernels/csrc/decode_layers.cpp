@@ -13,6 +13,7 @@
 //   weights       7 per layer: input norm, qkv panels, qkv bias (or an empty tensor), o panels,
 //                 post-attention norm, gate_up panels, down panels (panels as cpu_linear.pack_panels makes them)
 //   kv_caches     2 per layer: k_cache, v_cache
+//   window        every layer's sliding window (0 = none: Mistral, Qwen2 and Phi-3 use one for all layers)
 // Returns {x, residual}: the last layer's output and the residual stream before it (the final norm adds them).
 
 std::vector<torch::Tensor> decode_layers_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
@@ -20,7 +21,7 @@ std::vector<torch::Tensor> decode_layers_cpu(torch::Tensor x, torch::Tensor cos,
                                              torch::Tensor seq_lens, std::vector<torch::Tensor> weights,
                                              std::vector<torch::Tensor> kv_caches, int64_t num_heads,
                                              int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
-                                             double eps, double scale) {
+                                             double eps, double scale, int64_t window) {
   constexpr size_t kPerLayer = 7;
   TORCH_CHECK(weights.size() % kPerLayer == 0, "weights must hold 7 tensors per layer");
   const size_t num_layers = weights.size() / kPerLayer;
@@ -51,7 +52,7 @@ std::vector<torch::Tensor> decode_layers_cpu(torch::Tensor x, torch::Tensor cos,
     torch::Tensor v = heads.narrow(1, num_heads + num_kv_heads, num_kv_heads);
     rotary_cpu(q, k, cos, sin);
     write_kv_cpu(k, v, k_cache, v_cache, slot_mapping);
-    const torch::Tensor attn = paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale);
+    const torch::Tensor attn = paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, window, 0.0);
     torch::Tensor o = panel_linear_cpu(attn.view({n, q_size}), w[3], hidden, c10::nullopt);
     add_rms_norm_cpu(o, residual, w[4], eps);
     const torch::Tensor act = silu_and_mul_cpu(panel_linear_cpu(o, w[5], 2 * intermediate_size, c10::nullopt));

@@ -48,6 +48,7 @@ class PreparedStep:
     carry_rows: torch.Tensor | None = None
     carry_src: torch.Tensor | None = None
     bucket: int | None = None  # the padded decode bucket (StaticDecode), None for an eager step
+    width: int | None = None  # the padded decode step's table width (StaticDecode)
 
 
 
@@ -101,8 +102,10 @@ class StepInputs:
 
     # ---- one step -------------------------------------------------------------------------------------------
 
-    def prepare(self, batch: ScheduledBatch, pad_to: int | None = None, ahead: Ahead | None = None) -> PreparedStep:
-        """The step's tensors. pad_to (pure decode steps only): pad to that many rows, full-width tables.
+    def prepare(self, batch: ScheduledBatch, pad_to: int | None = None, width: int | None = None,
+                ahead: Ahead | None = None) -> PreparedStep:
+        """The step's tensors. pad_to (pure decode steps only): pad to that many rows, tables `width` blocks
+        wide (default max_blocks_per_seq; at least the longest sequence's table).
         ahead: the step still in flight (overlap); its sequences start past the tokens it feeds, and a row
         whose input is the token it samples gets a placeholder that the device fills (carry_rows)."""
         self._release_stopped()
@@ -185,7 +188,8 @@ class StepInputs:
             prefill_block_tables=self._tables(row_index[:p], [s for s, _ in prefill]) if p else None,
             prefill_seq_lens=ints[s_plens] if p else None,
             prefill_cu_seqlens_q=ints[s_cu] if p else None,
-            decode_block_tables=self._tables(row_index[p:], [s for s, _ in decode], pad_to is not None)
+            decode_block_tables=self._tables(row_index[p:], [s for s, _ in decode],
+                                             (width or self.max_blocks_per_seq) if pad_to is not None else None)
             if len(rows) > p else None,
             decode_seq_lens=ints[s_dlens] if len(rows) > p else None,
         )
@@ -196,10 +200,10 @@ class StepInputs:
             step.carry_rows, step.carry_src = longs[s_cdst], longs[s_csrc]
         return step
 
-    def _tables(self, row_index: torch.Tensor, seqs: list[Sequence], full_width: bool = False) -> torch.Tensor:
+    def _tables(self, row_index: torch.Tensor, seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
         # entries past a sequence's last block are stale ids of the row's earlier users: valid blocks the
         # kernels never read (every kernel stops at the sequence's length)
-        width = self.max_blocks_per_seq if full_width else max(len(s.block_table) for s in seqs)
+        width = width or max(len(s.block_table) for s in seqs)
         if not self.device_updates:
             return self.table[:, :width].index_select(0, row_index)
         # on a GPU whole rows (a few KiB) and a view: the row stride stays fixed, one kernel variant
