@@ -41,6 +41,8 @@ class EngineConfig:
     cuda_graphs: bool = True  # CUDA: replay captured graphs for pure decode steps (prefill/mixed stay eager)
     static_decode: bool | None = None  # the fixed-shape padded decode path graphs replay; None = on with graphs
     # (CUDA), off on the CPU; True on the CPU runs it eagerly (tests)
+    overlap: bool | None = None  # schedule and prepare step N+1 while step N runs (overlap.py); None = on for
+    # cuda, off on the cpu (there the forward and the host share the same cores)
 
     def __post_init__(self) -> None:
         problems = []
