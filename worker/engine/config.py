@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
+QUANTIZATIONS = ("int8", "fp8")  # worker/engine/quantization.py
 
 
 @dataclass
@@ -31,6 +32,8 @@ class EngineConfig:
     cuda_graphs: bool = True  # CUDA: replay captured graphs for pure decode steps (prefill/mixed stay eager)
     static_decode: bool | None = None  # the fixed-shape padded decode path graphs replay; None = on with graphs
     # (CUDA), off on the CPU; True on the CPU runs it eagerly (tests)
+    quantization: str | None = None  # weights: None = as loaded; "int8" (CPU fp32, weight-only per-channel);
+    # "fp8" (CUDA, e4m3); worker/engine/quantization.py
 
     def __post_init__(self) -> None:
         problems = []
@@ -53,5 +56,7 @@ class EngineConfig:
             problems.append(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.max_model_len is not None and self.max_model_len < 2:
             problems.append(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            problems.append(f"quantization must be unset or one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         if problems:
             raise ValueError("invalid engine config: " + "; ".join(problems))

@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 import torch
 
-from worker.engine import loader, warmup
+from worker.engine import loader, quantization, warmup
 from worker.engine.backends import select_backend
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
@@ -116,6 +116,7 @@ class Engine:
         if arch.sliding_window:
             # beyond the window our full attention would differ from the model's: stay inside it
             self.max_model_len = min(self.max_model_len, arch.sliding_window)
+        quantization.check_scheme(cfg.quantization, self.device, self.dtype)
         self.backend = select_backend(self.device, self.dtype, cfg.cpu_kernels, cfg.cache_dir)
         self.backend.check_model(arch, cfg.model)
         self.max_num_seqs = cfg.max_num_seqs or (CUDA_MAX_NUM_SEQS if self.device.type == "cuda" else CPU_MAX_NUM_SEQS)
@@ -135,6 +136,9 @@ class Engine:
             self.model.lm_head.weight = self.model.embed_tokens.weight
         self.model.attach_rotary(RotaryEmbedding(hf_config, arch.head_dim, self.max_model_len).to(self.device))
         self.model.load_weights(loader.iter_weights(source))
+        self.quantized_cache = None  # the int8 cache file this engine read or wrote
+        if cfg.quantization == "int8":
+            self.quantized_cache = quantization.apply_int8(self.model, source.directory, cfg.cache_dir)
         self.model.eval().requires_grad_(False)
         self.backend.prepare(self.model)
         max_blocks_per_seq = -(-self.max_model_len // cfg.block_size)
