@@ -60,7 +60,7 @@ class WorkerSettings(BaseSettings):
     cuda_graphs: bool = Field(_ENGINE.cuda_graphs, description="CUDA: replay captured graphs for pure decode steps")
     quantization: str | None = Field(
         _ENGINE.quantization,
-        description="weight quantization: unset = as loaded; 'int8' (CPU, per-channel weight-only); 'fp8' (CUDA)",
+        description="weight quantization: unset = as loaded; 'int8' (CPU float32, per-channel weight-only)",
     )
     worker_name: str = Field(default_factory=_default_worker_name, description="consumer name in the group")
     lease_ms: int = Field(

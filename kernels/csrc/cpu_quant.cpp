@@ -29,6 +29,7 @@ void panel_rows_int8(const float* x, int64_t x_stride, const int8_t* panel, cons
     const int8_t* w = panel + i * kPanelCols;
     if ((i & 3) == 0) __builtin_prefetch(w + kPrefetchInt8);  // 4 panel rows per cache line
     const __m512 wf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+#pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * x_stride + i]), wf, acc[r]);
   }
   const __m512 s = _mm512_loadu_ps(scale + col0);
@@ -42,6 +43,7 @@ void panel_rows_int8(const float* x, int64_t x_stride, const int8_t* panel, cons
     const __m128i w8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
     const __m256 wlo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w8));
     const __m256 whi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(w8, 8)));
+#pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) {
       const __m256 xv = _mm256_set1_ps(x[r * x_stride + i]);
       lo[r] = _mm256_fmadd_ps(xv, wlo, lo[r]);

@@ -117,6 +117,7 @@ class Engine:
             # beyond the window our full attention would differ from the model's: stay inside it
             self.max_model_len = min(self.max_model_len, arch.sliding_window)
         quantization.check_scheme(cfg.quantization, self.device, self.dtype)
+        quantization.check_checkpoint(hf_config)
         self.backend = select_backend(self.device, self.dtype, cfg.cpu_kernels, cfg.cache_dir)
         self.backend.check_model(arch, cfg.model)
         self.max_num_seqs = cfg.max_num_seqs or (CUDA_MAX_NUM_SEQS if self.device.type == "cuda" else CPU_MAX_NUM_SEQS)

@@ -6,7 +6,9 @@ model's linears are quantized, and the on-disk cache of the result.
            embedding, which stays fp32: a lookup reads one row per token). The C++ panel kernel reads the int8
            panels and widens them in registers (kernels/csrc/cpu_quant.cpp); prefill-sized batches run oneDNN
            on the dequantized weight, so both paths compute the same model: W ≈ q · s.
-    fp8    CUDA (worker/engine/fp8.py).
+
+FP8 (CUDA) and quantized checkpoints (compressed-tensors, the `fp8` quantization_config) are not built yet:
+they are refused at load with that said (docs/quantization.md).
 
 Quantizing SmolLM2-135M takes about a second; the result is still cached on disk beside the dequantized
 GGUF (kernels.cpu.cache_root()/quantized), keyed by the checkpoint's files, so a restart reads it back.
@@ -25,7 +27,7 @@ from torch import nn
 
 from kernels.cpu import cache_root
 
-SCHEMES = ("int8", "fp8")
+SCHEMES = ("int8",)
 INT8_MAX = 127
 CACHE_VERSION = "int8-v1"  # bump when the int8 recipe changes: old cache entries are then ignored
 
@@ -76,10 +78,25 @@ def check_scheme(scheme: str | None, device: torch.device, dtype: torch.dtype) -
         raise ValueError(f"quantization {scheme!r} is not supported; choose one of {list(SCHEMES)} or leave it unset")
     if scheme == "int8" and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(
-            f"quantization 'int8' is the CPU float32 path (got {device.type}, {dtype}); on CUDA use --quantization fp8"
+            f"quantization 'int8' is the CPU float32 path (got {device.type}, {dtype}): "
+            "use --device cpu --dtype float32"
         )
-    if scheme == "fp8" and device.type != "cuda":
-        raise ValueError("quantization 'fp8' needs a CUDA device (FP8 GEMMs); on the CPU use --quantization int8")
+
+
+def check_checkpoint(hf_config) -> None:
+    """ValueError for a checkpoint whose weights are already quantized (its config's quantization_config):
+    tokenbus loads unquantized weights and quantizes them itself."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    if str(method) in ("gguf", "QuantizationMethod.GGUF"):  # dequantized at load (loader.py)
+        return
+    raise ValueError(
+        f"the checkpoint's weights are quantized ({method!r} in its quantization_config); tokenbus loads "
+        "unquantized (fp32/bf16/fp16) checkpoints only: load the unquantized model, and on the CPU add "
+        "--quantization int8"
+    )
 
 
 @torch.no_grad()
