@@ -62,6 +62,10 @@ class WorkerSettings(BaseSettings):
         _ENGINE.enable_prefix_caching, description="reuse cached KV blocks of a shared prompt prefix across jobs"
     )
     cuda_graphs: bool = Field(_ENGINE.cuda_graphs, description="CUDA: replay captured graphs for pure decode steps")
+    quantization: str | None = Field(
+        _ENGINE.quantization,
+        description="weight quantization: unset = as loaded; 'int8' (CPU float32, per-channel weight-only)",
+    )
     worker_name: str = Field(default_factory=_default_worker_name, description="consumer name in the group")
     lease_ms: int = Field(
         30_000, ge=100, description="an in-flight job whose lease is not renewed for this long is reclaimed"

@@ -16,7 +16,7 @@ from typing import Any
 import structlog
 import torch
 
-from worker.engine import loader, warmup
+from worker.engine import loader, quantization, warmup
 from worker.engine.backends import select_backend
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig, bulk_min_seats
@@ -116,6 +116,8 @@ class Engine:
         self.tokenizer = loader.load_tokenizer(source)
         self.eos_token_ids = loader.load_generation_eos(source, hf_config, self.tokenizer)
         self.max_model_len = min(cfg.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        quantization.check_scheme(cfg.quantization, self.device, self.dtype)
+        quantization.check_checkpoint(hf_config)
         self.backend = select_backend(self.device, self.dtype, cfg.cpu_kernels, cfg.cache_dir)
         self.backend.check_model(arch, cfg.model)
         self.max_num_seqs = cfg.max_num_seqs or (CUDA_MAX_NUM_SEQS if self.device.type == "cuda" else CPU_MAX_NUM_SEQS)
@@ -131,6 +133,10 @@ class Engine:
         static_decode = cfg.static_decode if cfg.static_decode is not None else self.cuda_graphs
         self.model = registry.build_model(arch, hf_config, source, self.backend, self.dtype, self.device,
                                           self.max_model_len, loader.iter_weights)
+        self.quantized_cache = None  # the int8 cache file this engine read or wrote
+        if cfg.quantization == "int8":
+            self.quantized_cache = quantization.apply_int8(self.model, source.directory, cfg.cache_dir)
+            self.model.eval().requires_grad_(False)
         self.backend.prepare(self.model)
         max_blocks_per_seq = -(-self.max_model_len // cfg.block_size)
         self.backend.reserve(arch, self.max_num_seqs, max_blocks_per_seq * cfg.block_size, self.device)
