@@ -12,6 +12,7 @@ from gateway.keys import GatewayKeys
 from gateway.settings import GatewaySettings
 from gateway.waiter import JobWaiter
 from producer.client import Client
+from protocol.connection import redis_from_url
 from protocol.models import Keys
 
 
@@ -21,8 +22,8 @@ class GatewayContext:
         self.keys = Keys(settings.namespace)
         self.gkeys = GatewayKeys(settings.namespace)
         # Blocking reads (XREAD BLOCK) stay under the socket timeout: Client.max_block_s reads it.
-        self.redis = redis.Redis.from_url(settings.redis_url, decode_responses=True, socket_timeout=30,
-                                          socket_connect_timeout=5, health_check_interval=30)
+        self.redis = redis_from_url(settings.redis_url, decode_responses=True, socket_timeout=30,
+                                    socket_connect_timeout=5, health_check_interval=30)
         self.client = Client(redis_client=self.redis, namespace=settings.namespace)
         self.files = FileStore(self.redis, self.gkeys, settings.files_dir, settings.max_line_bytes)
         self.api_keys = settings.keys_by_owner
@@ -31,8 +32,8 @@ class GatewayContext:
     @cached_property
     def rq_redis(self) -> redis.Redis:
         # RQ stores pickled job data: it needs a connection that returns bytes.
-        return redis.Redis.from_url(self.settings.redis_url, socket_timeout=30, socket_connect_timeout=5,
-                                    health_check_interval=30)
+        return redis_from_url(self.settings.redis_url, socket_timeout=30, socket_connect_timeout=5,
+                              health_check_interval=30)
 
     @cached_property
     def queue(self) -> Queue:
