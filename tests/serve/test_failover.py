@@ -35,13 +35,17 @@ def _until(predicate, timeout: float, what: str) -> float:
 
 
 def test_primary_sigkilled_mid_run_nothing_lost(serve_model_dir, worker_process):
+    t0 = time.monotonic()
     with SentinelGroup(down_after_ms=500, failover_timeout_ms=5000) as g:
+        # The worker starts (torch, the model) while the sentinels find each other; it waits for its Redis.
+        w = worker_process(*worker_args(g.url, serve_model_dir, "worker-ha", "--lease-ms", "3000",
+                                        "--redis-min-replicas", "1", "--redis-wait-ms", "300",
+                                        "--cpu-kernels", "false"))
+        g.wait_ready()
         client = Client(g.url)
-        lengths = [4] * 4 + [60] * 8
+        lengths = [2] * 4 + [40] * 6
         ids = client.submit_many([{"prompt": f"failover {i}", "max_tokens": n, "ignore_eos": True,
                                    "temperature": 0.0} for i, n in enumerate(lengths)])
-        w = worker_process(*worker_args(g.url, serve_model_dir, "worker-ha", "--lease-ms", "3000",
-                                        "--redis-min-replicas", "1", "--redis-wait-ms", "300", "--cpu-kernels", "false"))
         w.wait_for_event("job_finished", timeout=120, count=3)
         # Acknowledged: the worker logs job_finished only after its pipeline, WAIT 1 included, returned.
         acked = {e["job_id"] for e in w.events() if e.get("event") == "job_finished"}
@@ -49,6 +53,7 @@ def test_primary_sigkilled_mid_run_nothing_lost(serve_model_dir, worker_process)
         assert running, "the kill should land while jobs are running"
         assert not [e for e in w.events() if e.get("event") == "results_not_replicated"]
 
+        print(f"\nstart-up to the kill {time.monotonic() - t0:.1f} s")
         killed_at = time.monotonic()
         g.primary.kill()
         g.wait_promoted(15)

@@ -1,7 +1,8 @@
 """A throwaway Sentinel deployment on loopback: one primary, one replica, three sentinels (real redis-server
 processes, each on a free port in its own temp dir).
 
-    with SentinelGroup() as g:     # starts everything, waits until the sentinels know each other and the replica
+    with SentinelGroup() as g:     # starts everything
+        g.wait_ready()             # until the sentinels know each other and the replica
         g.url                      # "redis+sentinel://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3/tbprimary/0"
         g.primary.kill()           # SIGKILL the primary
         g.wait_promoted(10)        # until the sentinels name the replica as the primary
@@ -69,14 +70,19 @@ class SentinelGroup:
         hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
         return f"redis+sentinel://{hosts}/{SERVICE}/0"
 
-    def start(self, timeout: float = 30.0) -> SentinelGroup:
+    def start(self, timeout: float = 30.0, wait: bool = True) -> SentinelGroup:
         self.primary.start()
         self.replica = Replica(self.primary.port)
         self.replica.start()
         self.sentinels = [SentinelProcess(self.primary.port, self.down_after_ms, self.failover_timeout_ms)
                           for _ in range(3)]
-        self._until(timeout, "the replica in sync and three sentinels that know each other and it", self._ready)
+        if wait:
+            self.wait_ready(timeout)
         return self
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Until the replica is in sync and the three sentinels know each other and it (~2 hello periods)."""
+        self._until(timeout, "the replica in sync and three sentinels that know each other and it", self._ready)
 
     def _ready(self) -> bool:
         if self.replica.client(decode_responses=True).info("replication").get("master_link_status") != "up":
@@ -123,7 +129,7 @@ class SentinelGroup:
 
     def __enter__(self) -> SentinelGroup:
         try:
-            return self.start()
+            return self.start(wait=False)  # the caller waits with wait_ready(), doing its own start-up meanwhile
         except BaseException:
             self.cleanup()
             raise
