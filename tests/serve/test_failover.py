@@ -15,10 +15,10 @@ from producer.client import Client
 from protocol import scripts
 from protocol.models import Keys
 from tests.serve.test_serve_process import worker_args
-from tests.support.sentinel import SentinelGroup
+from tests.support.sentinel import Primary, Replica, SentinelGroup, replica_online
+from worker.serve.queue import Ending, JobQueue
 
 K = Keys("tokenbus")
-pytestmark = pytest.mark.slow
 
 
 def _until(predicate, timeout: float, what: str) -> float:
@@ -34,12 +34,37 @@ def _until(predicate, timeout: float, what: str) -> float:
         time.sleep(0.02)
 
 
+def test_results_wait_for_replicas_and_a_short_wait_is_counted():
+    """WAIT after the result pipeline: with the replica up it returns 1; asking for 2 of 1 times out, the
+    result is still written, and the shortfall is counted (and logged as results_not_replicated)."""
+    primary = Primary().start()
+    replica = Replica(primary.port).start()
+    try:
+        r = primary.client(decode_responses=True)
+        _until(lambda: replica_online(primary), 10, "the replica")
+        ids = Client(redis_client=r).submit_many([{"prompt": "a"}, {"prompt": "b"}])
+        for job_id, wanted in zip(ids, (1, 2), strict=True):
+            # a generous WAIT when it can be met (it returns as soon as the replica acks), a short one when not
+            jobs = JobQueue(r, "tokenbus", "w", 60, min_replicas=wanted, wait_ms=5000 if wanted == 1 else 100)
+            batch = jobs.write_batch()
+            at = batch.finish(Ending(job_id, "", "failed", error="x", error_code="test", finished_at=1.0))
+            replies = batch.execute()
+            assert len(replies) == 1 and replies[at] == 1
+            assert jobs.replicas_short == wanted - 1
+            # acknowledged: the replica has it the moment execute() returns (WAIT 1 made sure)
+            assert replica.client(decode_responses=True).hget(K.job(job_id), "status") == "failed"
+    finally:
+        replica.cleanup()
+        primary.cleanup()
+
+
+@pytest.mark.slow
 def test_primary_sigkilled_mid_run_nothing_lost(serve_model_dir, worker_process):
     t0 = time.monotonic()
     with SentinelGroup(down_after_ms=500, failover_timeout_ms=5000) as g:
         # The worker starts (torch, the model) while the sentinels find each other; it waits for its Redis.
         w = worker_process(*worker_args(g.url, serve_model_dir, "worker-ha", "--lease-ms", "3000",
-                                        "--redis-min-replicas", "1", "--redis-wait-ms", "300",
+                                        "--redis-min-replicas", "1", "--redis-wait-ms", "1000",
                                         "--cpu-kernels", "false"))
         g.wait_ready()
         client = Client(g.url)
