@@ -68,7 +68,7 @@ def test_primary_sigkilled_mid_run_nothing_lost(serve_model_dir, worker_process)
                                         "--cpu-kernels", "false"))
         g.wait_ready()
         client = Client(g.url)
-        lengths = [2] * 4 + [40] * 6
+        lengths = [2] * 4 + [24] * 6
         ids = client.submit_many([{"prompt": f"failover {i}", "max_tokens": n, "ignore_eos": True,
                                    "temperature": 0.0} for i, n in enumerate(lengths)])
         w.wait_for_event("job_finished", timeout=120, count=3)
@@ -94,7 +94,8 @@ def test_primary_sigkilled_mid_run_nothing_lost(serve_model_dir, worker_process)
         lost = [i for i in ids if i not in jobs or jobs[i].status != "finished"]
         print(f"\nfailover: promoted {promoted_s:.2f} s, client back {client_s:.2f} s, worker back "
               f"{worker_s:.2f} s after SIGKILL; acknowledged before the kill {len(acked)}, in flight "
-              f"{len(running)}, jobs {len(ids)}, lost {len(lost)}")
+              f"{len(running)} (attempts after: {sorted(jobs[i].attempts for i in running)}), jobs {len(ids)}, "
+              f"lost {len(lost)}")
         assert lost == [], [jobs.get(i) for i in lost]
         assert [jobs[i].result.usage.completion_tokens for i in ids] == lengths
         assert all(jobs[i].worker == "worker-ha" for i in acked)
