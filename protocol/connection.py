@@ -2,7 +2,8 @@
 Redis Sentinel for high availability.
 
     redis+sentinel://[[user]:password@]host1[:port1],host2[:port2],.../service_name[/db][?sentinel_password=...]
-    rediss+sentinel://...   the same over TLS (to the sentinels and to the primary)
+    rediss+sentinel://...   the same over TLS (to the sentinels and to the primary); it also reads
+                            ?ssl_ca_certs= (and ssl_certfile, ssl_keyfile, ssl_cert_reqs, ssl_check_hostname)
 
 The hosts are the sentinels (port 26379 when left out); service_name is the primary's name in their
 configuration (`sentinel monitor NAME ...`); db defaults to 0. The password in the userinfo is the data nodes'
@@ -21,6 +22,7 @@ from redis.sentinel import Sentinel
 
 SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}  # scheme -> TLS
 DEFAULT_SENTINEL_PORT = 26379
+SSL_PARAMS = {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname"}
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class SentinelURL:
     password: str | None = None
     sentinel_password: str | None = None
     ssl: bool = False
+    ssl_options: tuple[tuple[str, str], ...] = ()  # ?ssl_ca_certs=...: for the sentinels and the primary
 
 
 def is_sentinel_url(url: str) -> bool:
@@ -72,12 +75,15 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     except ValueError:
         raise ValueError(f"sentinel URL db {segments[1]!r} is not a number") from None
     query = parse_qs(parts.query)
-    unknown = set(query) - {"sentinel_password"}
+    ssl = SENTINEL_SCHEMES[scheme.lower()]
+    unknown = set(query) - {"sentinel_password"} - (SSL_PARAMS if ssl else set())
     if unknown:
-        raise ValueError(f"unknown sentinel URL parameter(s) {sorted(unknown)}: only sentinel_password is read")
+        raise ValueError(f"unknown sentinel URL parameter(s) {sorted(unknown)}: sentinel_password is read, and "
+                         f"with rediss+sentinel:// also {', '.join(sorted(SSL_PARAMS))}")
     sentinel_password = query.get("sentinel_password", [None])[0]
-    return SentinelURL(tuple(hosts), unquote(segments[0]), db, username, password, sentinel_password,
-                       SENTINEL_SCHEMES[scheme.lower()])
+    ssl_options = tuple(sorted((k, v[0]) for k, v in query.items() if k in SSL_PARAMS))
+    return SentinelURL(tuple(hosts), unquote(segments[0]), db, username, password, sentinel_password, ssl,
+                       ssl_options)
 
 
 def redis_from_url(url: str, **kwargs: Any) -> redis.Redis:
@@ -92,12 +98,14 @@ def redis_from_url(url: str, **kwargs: Any) -> redis.Redis:
         node.setdefault("password", s.password)
     if s.username is not None:
         node.setdefault("username", s.username)
-    if s.ssl:
-        node.setdefault("ssl", True)
+    tls: dict[str, Any] = {"ssl": True, **dict(s.ssl_options)} if s.ssl else {}
+    if "ssl_check_hostname" in tls:
+        tls["ssl_check_hostname"] = tls["ssl_check_hostname"].lower() in ("1", "true", "yes", "on")
+    for key, value in tls.items():
+        node.setdefault(key, value)
     # The sentinels answer fast or not at all: a short timeout lets the client move on to the next one.
     sentinel_kwargs: dict[str, Any] = {"socket_timeout": 1.0, "socket_connect_timeout": 1.0}
     if s.sentinel_password is not None:
         sentinel_kwargs["password"] = s.sentinel_password
-    if s.ssl:
-        sentinel_kwargs["ssl"] = True
+    sentinel_kwargs.update(tls)
     return Sentinel(list(s.hosts), sentinel_kwargs=sentinel_kwargs).master_for(s.service, **node)

@@ -28,11 +28,24 @@ def test_tls_user_and_sentinel_password():
     ("redis+sentinel://h1,,h2/svc", "empty sentinel host"),
     ("redis+sentinel://h1/svc/0/extra", "expected /service_name"),
     ("redis+sentinel://h1/svc?ssl=1", "unknown sentinel URL parameter"),
+    ("redis+sentinel://h1/svc?ssl_ca_certs=/ca.crt", "unknown sentinel URL parameter"),  # TLS options need rediss
     ("redis://h1/0", "not a sentinel URL"),
 ])
 def test_bad_urls_say_what_is_wrong(url, problem):
     with pytest.raises(ValueError, match=problem):
         parse_sentinel_url(url)
+
+
+def test_tls_options_reach_the_sentinels_and_the_primary():
+    url = "rediss+sentinel://:pw@127.0.0.1:1,127.0.0.1:2/svc/2?ssl_ca_certs=/tls/ca.crt&ssl_check_hostname=false"
+    r = redis_from_url(url, decode_responses=True, socket_timeout=3)  # connects lazily: nothing is dialled
+    node = r.connection_pool.connection_kwargs
+    assert r.connection_pool.connection_class.__name__ == "SentinelManagedSSLConnection"
+    assert (node["db"], node["password"], node["ssl_ca_certs"], node["ssl_check_hostname"]) == (
+        2, "pw", "/tls/ca.crt", False)
+    sentinel = r.connection_pool.sentinel_manager.sentinels[0].connection_pool
+    assert sentinel.connection_class is redis.SSLConnection
+    assert sentinel.connection_kwargs["ssl_ca_certs"] == "/tls/ca.crt"
 
 
 def test_scheme_detection_and_redaction():
