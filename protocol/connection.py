@@ -92,6 +92,23 @@ def redis_from_url(url: str, **kwargs: Any) -> redis.Redis:
     For a sentinel URL, the client's connections come from the sentinels' current primary for the service."""
     if not is_sentinel_url(url):
         return redis.Redis.from_url(url, **kwargs)
+    hosts, service, node, sentinel_kwargs = _sentinel_parts(url, kwargs)
+    return Sentinel(hosts, sentinel_kwargs=sentinel_kwargs).master_for(service, **node)
+
+
+def async_redis_from_url(url: str, **kwargs: Any) -> Any:
+    """redis_from_url for asyncio code (the gateway's /healthz)."""
+    import redis.asyncio as aioredis
+    from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+
+    if not is_sentinel_url(url):
+        return aioredis.Redis.from_url(url, **kwargs)
+    hosts, service, node, sentinel_kwargs = _sentinel_parts(url, kwargs)
+    return AsyncSentinel(hosts, sentinel_kwargs=sentinel_kwargs).master_for(service, **node)
+
+
+def _sentinel_parts(url: str, kwargs: dict[str, Any]) -> tuple[list, str, dict[str, Any], dict[str, Any]]:
+    """(sentinel hosts, service name, the primary's connection kwargs, the sentinels' connection kwargs)."""
     s = parse_sentinel_url(url)
     node: dict[str, Any] = {"db": s.db, **kwargs}
     if s.password is not None:
@@ -108,4 +125,4 @@ def redis_from_url(url: str, **kwargs: Any) -> redis.Redis:
     if s.sentinel_password is not None:
         sentinel_kwargs["password"] = s.sentinel_password
     sentinel_kwargs.update(tls)
-    return Sentinel(list(s.hosts), sentinel_kwargs=sentinel_kwargs).master_for(s.service, **node)
+    return list(s.hosts), s.service, node, sentinel_kwargs
