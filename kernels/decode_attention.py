@@ -3,6 +3,8 @@
 q             [num_seqs, num_q_heads, head_dim] (any strides): one new token per sequence
 k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim] (any strides, both caches alike)
 block_tables  int32 [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs]
+window        a layer's sliding window (0 = none): sequence i sees only its last `window` tokens
+softcap       attention-logit soft-capping (0 = none): s -> softcap * tanh(s / softcap)
 out           [num_seqs, num_q_heads, head_dim], contiguous, dtype of q
 
 Stage 1, _decode_partition_kernel, grid (num_seqs, num_kv_heads, num_partitions): each program takes one
@@ -13,9 +15,13 @@ per group. It keeps an online softmax in fp32 and writes the partition's running
 accumulator to fp32 partials [num_seqs, num_q_heads, num_partitions(, head_dim)].
 Stage 2, _decode_reduce_kernel, grid (num_seqs, num_q_heads): merges a sequence's partitions.
 When one partition covers every context, stage 1 normalises and writes `out` itself and stage 2 is skipped.
+With a window (SLIDING), a sequence's keys start at seq_len - window: stage 1 starts its tiles there and
+partitions wholly before it exit at once; stage 2 merges only the partitions from the window's first on.
+Window and soft-capping are constexpr switches, so a model without them runs the kernel it always ran.
 
 num_partitions comes from block_tables.shape[1] (no device->host sync); partitions past a sequence's
-length exit at once. The partition size is chosen so that num_seqs * num_kv_heads * num_partitions gives
+length exit at once, so callers hand a table cut to the step's longest context (kernels/partitions.py).
+The partition size is chosen so that num_seqs * num_kv_heads * num_partitions gives
 the GPU a few waves of programs: a few long sequences still fill it. A DecodeWorkspace holds the partials
 allocated once (the engine's, sized for its widest batch and table), so a step allocates nothing and a
 fixed-width table gives a fixed partition count: what a CUDA graph replays.
@@ -30,26 +36,34 @@ import triton
 import triton.language as tl
 
 from kernels.launch import Launch, check_launchable
+from kernels.partitions import MAX_PARTITION, MIN_PARTITION, pick_partition_size  # noqa: F401 (re-exported)
 
 LOG2E = 1.4426950408889634
-MIN_PARTITION = 128
-MAX_PARTITION = 1024
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp (portable to the interpreter and every GPU target): 1 - 2 / (e^2x + 1); saturates to
+    +-1 without NaN (e^2x overflowing to inf gives 1, underflowing to 0 gives -1)."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
 @triton.jit
 def _decode_partition_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
-    qk_scale, partition_size, num_partitions,
+    qk_scale, partition_size, num_partitions, window, softcap,
     stride_qs, stride_qh, stride_qd,
     stride_cb, stride_co, stride_ch, stride_cd,
     stride_bt,
     stride_os, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SINGLE_PARTITION: tl.constexpr, DOT_FP32: tl.constexpr, FP32_DOT: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Grid (num_seqs, num_kv_heads, num_partitions): one context slice x one KV head x its GROUP q heads.
-    Writes fp32 partials [num_seqs, num_q_heads, num_partitions(, HEAD_DIM)], or `out` if SINGLE_PARTITION."""
+    Writes fp32 partials [num_seqs, num_q_heads, num_partitions(, HEAD_DIM)], or `out` if SINGLE_PARTITION.
+    softcap arrives pre-multiplied by log2(e), as the scores are (they are in log2 units)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -58,6 +72,11 @@ def _decode_partition_kernel(
     if start >= seq_len:
         return
     end = tl.minimum(start + partition_size, seq_len)
+    if SLIDING:
+        first = tl.maximum(seq_len - window, 0)  # the oldest key still inside the window
+        if end <= first:
+            return  # stage 2 starts at the window's first partition and never reads this one
+        start = tl.maximum(start, first)
 
     rows = tl.arange(0, GROUP_PAD)
     row_ok = rows < GROUP
@@ -86,6 +105,8 @@ def _decode_partition_kernel(
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=FP32_DOT)
         else:
             s = tl.dot(q, tl.trans(k))
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -116,22 +137,25 @@ def _decode_partition_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, seq_lens_ptr,
-    partition_size, num_partitions,
+    partition_size, num_partitions, window,
     stride_os, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, SLIDING: tl.constexpr,
 ):
     """Grid (num_seqs, num_q_heads): merge the sequence's used partitions, BLOCK_P at a time -> out[seq, head]."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     used = tl.cdiv(seq_len, partition_size)
+    first_part = 0
+    if SLIDING:
+        first_part = tl.maximum(seq_len - window, 0) // partition_size
     base = (seq * tl.num_programs(1) + head).to(tl.int64) * num_partitions
     dims = tl.arange(0, HEAD_DIM)
 
     m_run = float("-inf")
     l_run = 0.0
     acc = tl.zeros([HEAD_DIM], tl.float32)
-    for chunk in range(0, used, BLOCK_P):
+    for chunk in range(first_part, used, BLOCK_P):
         parts = chunk + tl.arange(0, BLOCK_P)
         ok = parts < used
         m_p = tl.load(part_max_ptr + base + parts, mask=ok, other=float("-inf"))
@@ -145,13 +169,6 @@ def _decode_reduce_kernel(
         m_run = m_new
     out = acc / l_run
     tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
-
-
-def pick_partition_size(max_context: int, num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Power of two in [MIN_PARTITION, MAX_PARTITION] giving ~4 waves of stage-1 programs on the GPU."""
-    wanted_parts = max(1, triton.cdiv(4 * num_sms, max(1, num_seqs * num_kv_heads)))
-    size = triton.next_power_of_2(max(1, triton.cdiv(max_context, wanted_parts)))
-    return min(MAX_PARTITION, max(MIN_PARTITION, size))
 
 
 @functools.cache
@@ -200,6 +217,8 @@ def plan_decode(
     partition_size: int | None = None,
     num_sms: int = 132,
     workspace: DecodeWorkspace | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> list[Launch]:
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -242,14 +261,14 @@ def plan_decode(
         (
             q, k_cache, v_cache, block_tables, seq_lens,
             out, part_max, part_sum, part_acc,
-            scale * LOG2E, partition_size, num_partitions,
+            scale * LOG2E, partition_size, num_partitions, window, softcap * LOG2E,
             *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
         ),
         {
             "GROUP": group, "GROUP_PAD": group_pad, "HEAD_DIM": head_dim,
             "BLOCK_N": min(128, 16384 // (head_dim * q.element_size())) if on_gpu else 64, "BLOCK_SIZE": block_size,
             "SINGLE_PARTITION": single, "DOT_FP32": (not on_gpu) or q.dtype == torch.float32,
-            "FP32_DOT": "tf32x3" if on_gpu else "ieee",
+            "FP32_DOT": "tf32x3" if on_gpu else "ieee", "SLIDING": window > 0, "SOFTCAP": softcap > 0,
             "num_warps": 4, "num_stages": 3,
         },
     )
@@ -258,8 +277,9 @@ def plan_decode(
     stage2 = Launch(
         _decode_reduce_kernel,
         (num_seqs, num_q_heads),
-        (out, part_max, part_sum, part_acc, seq_lens, partition_size, num_partitions, out.stride(0), out.stride(1)),
-        {"HEAD_DIM": head_dim, "BLOCK_P": 16, "num_warps": 4},
+        (out, part_max, part_sum, part_acc, seq_lens, partition_size, num_partitions, window, out.stride(0),
+         out.stride(1)),
+        {"HEAD_DIM": head_dim, "BLOCK_P": 16, "SLIDING": window > 0, "num_warps": 4},
     )
     return [stage1, stage2]
 
@@ -275,6 +295,8 @@ def paged_decode_attention_triton(
     out: torch.Tensor | None = None,
     partition_size: int | None = None,
     workspace: DecodeWorkspace | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Decode attention; see the module docstring. `out` and `partition_size` exist for tests/benchmarks."""
     check_launchable(_decode_partition_kernel, q)
@@ -282,6 +304,6 @@ def paged_decode_attention_triton(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     sms = num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 1
     for launch in plan_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, q.is_cuda,
-                              partition_size, sms, workspace):
+                              partition_size, sms, workspace, window, softcap):
         launch()
     return out

@@ -7,7 +7,10 @@ k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim] (any strides, bot
 block_tables  int32 [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs]
 out           [num_tokens, num_q_heads, head_dim], contiguous, dtype of q
 
-Query j of sequence i sits at position seq_lens[i] - q_len + j and sees keys at positions <= its own.
+Query j of sequence i sits at position seq_lens[i] - q_len + j and sees keys at positions <= its own; with
+a sliding window (window > 0) only those > its own - window. softcap > 0 soft-caps the scores
+(s -> softcap * tanh(s / softcap), Gemma 2). Both are constexpr switches (SLIDING, SOFTCAP): a model
+without them runs the kernel it always ran.
 
 Grid (num_tokens // BLOCK_Q + num_seqs, num_kv_heads). A program owns BLOCK_Q query tokens of one sequence
 times all `group` query heads of one KV head: a [BLOCK_M = BLOCK_Q * group (+ pad), head_dim] tile whose
@@ -15,7 +18,8 @@ row r is token r // group, head r % group. It walks the sequence's keys in BLOCK
 through the block table, up to its last query's position, with an fp32 online softmax; each K/V tile load
 serves the whole group. Sequence s owns tiles cu_seqlens_q[s] // BLOCK_Q + s onward; that upper-bounds its
 ceil(q_len / BLOCK_Q) tiles, so a program finds its sequence by binary search over cu_seqlens_q and the grid
-needs no device->host sync. Tiles past a sequence's q_len exit at once.
+needs no device->host sync. Tiles past a sequence's q_len exit at once. With a window a program's key loop
+starts at its first query's window start, so the keys it walks are at most window + BLOCK_Q - 1.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.decode_attention import _tanh
 from kernels.launch import Launch, check_launchable
 
 LOG2E = 1.4426950408889634
@@ -32,13 +37,14 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, out_ptr,
-    qk_scale, num_seqs,
+    qk_scale, num_seqs, window, softcap,
     stride_qt, stride_qh, stride_qd,
     stride_cb, stride_co, stride_ch, stride_cd,
     stride_bt,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, FP32_DOT: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Grid (num_tokens // BLOCK_Q + num_seqs, num_kv_heads): BLOCK_Q query tokens of one sequence x the GROUP
     q heads of one KV head, as BLOCK_M rows (token r // GROUP, head r % GROUP) -> out rows."""
@@ -67,8 +73,9 @@ def _prefill_kernel(
     tok = q_start + rows // GROUP
     q_heads = kv_head * GROUP + rows % GROUP
     row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
-    # Padding rows pretend to be position 0: they see key 0 only, so no row is ever all -inf.
-    q_pos = tl.where(row_ok, ctx_len - q_len + tok, 0)
+    # Padding rows pretend to be the tile's first query: they see what it sees, so no row is ever all -inf.
+    q_first = ctx_len - q_len + q_start
+    q_pos = tl.where(row_ok, ctx_len - q_len + tok, q_first)
     dims = tl.arange(0, HEAD_DIM)
     q_rows = (q_begin + tok).to(tl.int64)
     q = tl.load(
@@ -83,7 +90,10 @@ def _prefill_kernel(
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch + dims[None, :] * stride_cd
     kv_end = ctx_len - q_len + tl.minimum(q_start + BLOCK_Q, q_len)  # last query position + 1
-    for tile in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if SLIDING:
+        kv_start = tl.maximum(q_first - window + 1, 0)  # no query of this tile sees a key before it
+    for tile in range(kv_start, kv_end, BLOCK_N):
         tokens = tile + tl.arange(0, BLOCK_N)
         tok_ok = tokens < kv_end
         blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
@@ -94,11 +104,20 @@ def _prefill_kernel(
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=FP32_DOT)
         else:
             s = tl.dot(q, tl.trans(k))
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)  # softcap in log2 units, as s
         visible = tok_ok[None, :] & (tokens[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (tokens[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_use = m_new
+        if SLIDING:
+            # a row whose window starts past this tile has seen no key yet (m = -inf): exp2(-inf - -inf)
+            # would be NaN, so it subtracts 0 instead and its p and alpha come out 0
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if DOT_FP32:
             # Round p as the GPU path does before the PV product, then multiply in fp32.
@@ -142,6 +161,8 @@ def plan_prefill(
     scale: float,
     out: torch.Tensor,
     on_gpu: bool,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> list[Launch]:
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -165,13 +186,13 @@ def plan_prefill(
     block_q = block_m // group
     args = (
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
-        scale * LOG2E, num_seqs,
+        scale * LOG2E, num_seqs, window, softcap * LOG2E,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
     )
     meta = {
         "GROUP": group, "HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_Q": block_q, "BLOCK_N": block_n,
         "BLOCK_SIZE": block_size, "DOT_FP32": (not on_gpu) or q.dtype == torch.float32,
-        "FP32_DOT": "tf32x3" if on_gpu else "ieee",
+        "FP32_DOT": "tf32x3" if on_gpu else "ieee", "SLIDING": window > 0, "SOFTCAP": softcap > 0,
         "num_warps": warps, "num_stages": 2,
     }
     return [Launch(_prefill_kernel, (num_tokens // block_q + num_seqs, num_kv_heads), args, meta)]
@@ -187,11 +208,14 @@ def paged_prefill_attention_triton(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Chunked-prefill attention; see the module docstring. `out` exists for tests/benchmarks."""
     check_launchable(_prefill_kernel, q)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    for launch in plan_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out, q.is_cuda):
+    for launch in plan_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out, q.is_cuda,
+                              window, softcap):
         launch()
     return out

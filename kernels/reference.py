@@ -5,6 +5,10 @@ Layout shared by every kernel here and in the Triton files:
   block_tables      int32 [num_seqs, max_blocks_per_seq]; entries past a sequence's last block are ignored
   seq_lens          int32 [num_seqs]: tokens already in the cache for each sequence (the new ones included)
   slot_mapping      int64 [num_tokens] = block_id * block_size + offset, -1 = skip (padding)
+  window            a layer's sliding window (0 = none): a query at position p sees keys at positions
+                    p - window < t <= p (Hugging Face's sliding_window_overlay)
+  softcap           attention-logit soft-capping (0 = none): a score s becomes softcap * tanh(s / softcap),
+                    applied to the scaled score before masking (Gemma 2's attn_logit_softcapping)
 The CPU serving path runs these, so they are vectorised rather than looped per token.
 
 The decoder layer's elementwise ops at the end of this file (RMSNorm with the residual add, rotary, SiLU*mul,
@@ -43,6 +47,10 @@ def _gather_context(
     return gathered.view(s, nb * bs, hk, d)
 
 
+def _soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    return torch.tanh(scores / softcap) * softcap if softcap else scores
+
+
 def paged_decode_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -50,10 +58,13 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per sequence: q [num_seqs, num_q_heads, head_dim] -> out of the same shape.
 
-    Sequence i attends to its first seq_lens[i] cached tokens (its own new token included).
+    Sequence i attends to its first seq_lens[i] cached tokens (its own new token included), or with a
+    window to the last `window` of them.
     """
     num_seqs, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -64,14 +75,17 @@ def paged_decode_attention_ref(
     keys = _gather_context(k_cache, block_tables, num_blocks).float()  # [S, T, Hk, D]
     values = _gather_context(v_cache, block_tables, num_blocks).float()
     positions = torch.arange(keys.shape[1], device=q.device)
-    invalid = positions[None, :] >= seq_lens.to(q.device).long()[:, None]  # [S, T]
+    lens = seq_lens.to(q.device).long()[:, None]
+    invalid = positions[None, :] >= lens  # [S, T]
+    if window:
+        invalid |= positions[None, :] <= lens - 1 - window
     # slots past a sequence's end hold whatever was there (even NaN): 0 * NaN would poison the sum,
     # so they are zeroed in our own gathered copy
     values.masked_fill_(invalid[:, :, None, None], 0.0)
     qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
     out = torch.empty(num_seqs, num_kv_heads, group, head_dim, device=q.device)
     for h in range(num_kv_heads):
-        scores = torch.bmm(qg[:, h], keys[:, :, h].transpose(1, 2)) * scale  # [S, G, T]
+        scores = _soft_cap(torch.bmm(qg[:, h], keys[:, :, h].transpose(1, 2)) * scale, softcap)  # [S, G, T]
         scores.masked_fill_(invalid[:, None, :], float("-inf"))  # also overwrites NaN from junk keys
         out[:, h] = torch.bmm(torch.softmax(scores, dim=-1), values[:, :, h])
     return out.view(num_seqs, num_q_heads, head_dim).to(q.dtype)
@@ -85,12 +99,15 @@ def paged_prefill_attention_ref(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's newest q_len tokens over all its seq_lens[i] cached tokens.
 
     q [num_tokens, num_q_heads, head_dim], sequences packed back to back as given by
     cu_seqlens_q int32 [num_seqs + 1]. Query j of sequence i sits at position seq_lens[i] - q_len + j and
-    sees keys at positions <= its own (earlier chunks and prefix-cache hits included).
+    sees keys at positions <= its own (earlier chunks and prefix-cache hits included), and with a window
+    only those > its own - window.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -107,10 +124,12 @@ def paged_prefill_attention_ref(
         keys = _gather_context(k_cache, block_tables[i : i + 1], num_blocks)[0, :ctx_len].float()
         values = _gather_context(v_cache, block_tables[i : i + 1], num_blocks)[0, :ctx_len].float()
         qi = q[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
-        scores = torch.einsum("qkgd,tkd->kgqt", qi, keys) * scale
+        scores = _soft_cap(torch.einsum("qkgd,tkd->kgqt", qi, keys) * scale, softcap)
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
         k_pos = torch.arange(ctx_len, device=q.device)
         future = k_pos[None, :] > q_pos[:, None]  # [q_len, ctx_len]
+        if window:
+            future |= k_pos[None, :] <= q_pos[:, None] - window  # fallen out of the window
         scores = scores.masked_fill(future, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         oi = torch.einsum("kgqt,tkd->qkgd", probs, values)
@@ -174,3 +193,9 @@ def silu_and_mul_ref(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> 
     if out is None:
         return result
     return out.copy_(result)
+
+
+def gelu_tanh_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [n, 2 * inter] -> gelu_tanh(gate) * up [n, inter]: Gemma's GeGLU, HF's gelu_pytorch_tanh."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

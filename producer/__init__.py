@@ -1,7 +1,7 @@
 """tokenbus producer side: what clients import (no torch)."""
 
 from producer.client import Client
-from producer.errors import (
+from protocol.errors import (
     BatchNotFound,
     InvalidBatch,
     InvalidJob,
@@ -10,8 +10,8 @@ from producer.errors import (
     TokenbusError,
     WaitTimeout,
 )
-from producer.protocol import BatchStatus, GenerationParams, Job, JobRequest, JobResult, JobStatus, Keys, Usage
-from producer.records import BatchRecord, QueueInfo
+from protocol.models import BatchStatus, GenerationParams, Job, JobRequest, JobResult, JobStatus, Keys, Usage
+from protocol.records import BatchRecord, QueueInfo
 
 __all__ = [
     "BatchNotFound", "BatchRecord", "BatchStatus", "Client", "GenerationParams", "InvalidBatch", "InvalidJob",

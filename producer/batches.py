@@ -8,18 +8,35 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+import redis
 import structlog
 
-from producer import openai_batch, scripts
-from producer.errors import BatchNotFound, InvalidBatch, InvalidJob, TokenbusError, WaitTimeout, listing
-from producer.protocol import GROUP, BatchStatus, Priority, batch_job_id, check_batch_id
-from producer.records import BatchRecord
-from producer.scripts import CHUNK, PendingJob
+from producer import openai_batch
+from protocol import scripts
+from protocol.errors import BatchNotFound, InvalidBatch, InvalidJob, TokenbusError, WaitTimeout, listing
+from protocol.keys import Keys
+from protocol.models import GROUP, BatchStatus, Job, Priority, batch_job_id, check_batch_id
+from protocol.records import BatchRecord
+from protocol.scripts import CHUNK, PendingJob
 
-if TYPE_CHECKING:
-    from producer.client import Client
+
+class Client(Protocol):
+    """What the batch functions use of producer.Client (named here so this module does not import it back)."""
+
+    redis: redis.Redis
+    keys: Keys
+
+    @property
+    def max_block_s(self) -> float: ...
+    @property
+    def result_ttl(self) -> int: ...
+
+    def enqueue(self, jobs: list[PendingJob], chunk_size: int = CHUNK) -> list[str]: ...
+    def check_capacity(self, n: int) -> None: ...
+    def get_many(self, job_ids: Iterable[str]) -> list[Job | None]: ...
+    def events_last_id(self) -> str: ...
 
 log = structlog.get_logger("tokenbus.producer")
 

@@ -15,10 +15,10 @@ import structlog
 
 from producer import batches
 from producer.client import Client
-from producer.errors import TokenbusError
-from producer.protocol import DEFAULT_NAMESPACE, PRIORITIES, GenerationParams, Job, JobStatus, Priority
-from producer.records import QueueInfo
-from producer.redaction import redact_url, scrub, secrets_of
+from protocol.errors import TokenbusError
+from protocol.models import DEFAULT_NAMESPACE, PRIORITIES, GenerationParams, Job, JobStatus, Priority
+from protocol.records import QueueInfo
+from protocol.redaction import redact_url, scrub, secrets_of
 
 EXIT_ERROR = 1
 EXIT_JOB_NOT_FINISHED = 3  # wait: the job ended failed or cancelled
@@ -168,7 +168,8 @@ def format_info(info: QueueInfo) -> str:
             lines.append(f"  {w.name:<24} {'alive' if w.alive else 'gone':<6}")
             continue
         seen = f"{now - hb.last_seen:.1f}s ago" if hb.last_seen else "never"
-        lines.append(f"  {w.name:<24} {'alive' if w.alive else 'gone':<6} model={hb.model} last_seen={seen} "
+        lines.append(f"  {w.name:<24} {'alive' if w.alive else 'gone':<6} model={hb.model} "
+                     f"path={hb.model_path or '-'} last_seen={seen} "
                      f"running={hb.running} waiting={hb.waiting} free_blocks={hb.free_blocks} "
                      f"jobs_done={hb.jobs_done} prefix_hits={_hit_rate(hb)}")
     return "\n".join(lines)

@@ -13,9 +13,10 @@ from typing import Any
 import redis
 import structlog
 
-from producer import batches, scripts
-from producer.errors import InvalidJob, JobNotFound, QueueFull, TokenbusError, WaitTimeout, listing
-from producer.protocol import (
+from producer import batches
+from protocol import scripts
+from protocol.errors import InvalidJob, JobNotFound, QueueFull, TokenbusError, WaitTimeout, listing
+from protocol.models import (
     DEFAULT_MAX_QUEUE_LEN,
     DEFAULT_NAMESPACE,
     DEFAULT_RESULT_TTL,
@@ -27,7 +28,7 @@ from producer.protocol import (
     check_job_id,
     validate_request,
 )
-from producer.records import BatchRecord, Heartbeat, QueueInfo, WorkerInfo
+from protocol.records import BatchRecord, Heartbeat, QueueInfo, WorkerInfo
 
 log = structlog.get_logger("tokenbus.producer")
 

@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from producer.errors import InvalidJob
-from producer.protocol import (
+from protocol.errors import InvalidJob
+from protocol.models import (
     GenerationParams,
     Job,
     JobRequest,

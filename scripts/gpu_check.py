@@ -1,20 +1,24 @@
 """One check of the GPU serving path on a lent GPU (run through `scripts/gpu_check`; docs/gpu.md).
 
-Runs the stages of scripts/gpu_check_stages.py, each in its own process under its own time cap (a stage that
-overruns or fails is a row saying so, and the next stage runs), then prints one table and writes
-gpu_check.md and gpu_check.json under $OUT (./gpu-check-out when OUT is unset).
+Runs the stages of scripts/gpu_check_stages.py one after another, each in its own process group under its own
+time cap: at the cap the whole group (the stage and anything it started, a pytest run on the GPU say) is
+killed, a row says so, and the next stage runs. Each row is appended to gpu_check.md and gpu_check.json under
+$OUT (./gpu-check-out when OUT is unset) the moment it is measured; the stages' output goes to
+gpu_check_stages.log beside them.
 
-    scripts/gpu_check                 # CUDA: stages a-e, about 8 minutes at most
+    scripts/gpu_check                 # CUDA: stages a-e and m, caps summing to 480 s
     scripts/gpu_check --cpu-smoke     # no GPU: the same stages on tiny shapes, kernels under TRITON_INTERPRET=1
+    scripts/gpu_check --rehearse      # no GPU: the smoke run inside a venv holding only what the GPU image
+                                      # holds, after installing the carry (.whl/) as the GPU run does
     scripts/gpu_check --stages a,e    # a subset
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,9 +29,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from gpu_check_report import Report, md_line, verdict  # noqa: E402
 
-def run_stage_here(key: str, smoke: bool, rows_file: str) -> int:
-    """Child process: one stage, its rows written as JSON."""
+
+def run_stage_here(key: str, smoke: bool, rehearsal: bool, out_dir: str) -> int:
+    """Child process: one stage; its rows appended to the report as they are measured."""
     if smoke and key in "ab":
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernels module defines its @triton.jit functions
     elif smoke:
@@ -37,118 +43,157 @@ def run_stage_here(key: str, smoke: bool, rows_file: str) -> int:
     gpu_env.ensure_engine_deps()
     import gpu_check_stages as stages
 
+    report = Report(out_dir)
+
+    def emit(row: dict) -> None:
+        print(f"    {verdict(row['ok']):4s} {row['check']}: {row['value']}  {row['note']}", flush=True)
+        report.add(key, row)
+
+    ctx = stages.Ctx(smoke=smoke, rehearsal=rehearsal, emit=emit)
+    if rehearsal:
+        stages.check_imports(key, ctx)
     if key in "cde":  # the stages that build models (transformers' import alone is seconds)
         stages.tokenizer_setup()
-    rows = stages.STAGES[key][1](stages.Ctx(smoke=smoke))
-    Path(rows_file).write_text(json.dumps(rows))
+    (stages.STAGES | stages.HIDDEN_STAGES)[key][1](ctx)
     return 0
 
 
-def run_stage(key: str, name: str, cap: float, smoke: bool) -> tuple[list[dict], float]:
-    """One stage in a child process, killed at its cap. Returns its rows (or one row saying what went wrong)."""
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        rows_file = f.name
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--run-stage", key, "--rows-file", rows_file]
-    cmd += ["--cpu-smoke"] if smoke else []
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_stage(key: str, name: str, cap: float, args, report: Report, log_path: Path) -> float:
+    """One stage in its own process group, killed whole at its cap; a failure or an overrun becomes a row."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--run-stage", key, "--out", str(report.dir)]
+    cmd += (["--cpu-smoke"] if args.cpu_smoke else []) + (["--rehearsal"] if args.rehearsal else [])
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     started = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=cap)
-        seconds = time.perf_counter() - started
-        out = Path(rows_file).read_text() if proc.returncode == 0 else ""
-        if proc.returncode != 0 or not out:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            return [dict(check=f"stage {key} ({name})", value="FAILED", reference="", ok=False,
-                         note=" | ".join(tail)[-300:])], seconds
-        rows = json.loads(out)
-    except subprocess.TimeoutExpired as err:
-        seconds = time.perf_counter() - started
-        tail = (err.stdout or b"")[-200:]
-        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-        return [dict(check=f"stage {key} ({name})", value=f"OVERRAN {cap:.0f}s cap", reference="", ok=False,
-                     note=tail.replace("\n", " ").strip())], seconds
-    finally:
-        Path(rows_file).unlink(missing_ok=True)
-    return rows, seconds
+    with log_path.open("a") as log:
+        log.write(f"\n===== stage {key} ({name}), cap {cap:.0f}s\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=cap)
+            overran = False
+        except subprocess.TimeoutExpired:
+            _kill_group(proc.pid)
+            rc, overran = proc.wait(), True
+        finally:
+            _kill_group(proc.pid)  # what the stage left running (a pytest on the GPU) goes with it
+    seconds = time.perf_counter() - started
+    if overran or rc != 0:
+        tail = " | ".join(log_path.read_text().strip().splitlines()[-3:])[-300:]
+        value = f"OVERRAN {cap:.0f}s cap (process group killed)" if overran else f"FAILED (exit {rc})"
+        report.add(key, dict(check=f"stage {key} ({name})", value=value, reference="", ok=False, note=tail))
+    report.stage_done(key, seconds)
+    for r in report.load()["rows"]:
+        if r["stage"] == key:
+            print(f"    {verdict(r['ok']):4s} {r['check']}: {r['value']}  {r['note']}", flush=True)
+    return seconds
 
 
-def verdict(ok) -> str:
-    return {True: "ok", False: "MISS", None: "-"}[ok]
+def _cuda_available() -> bool:
+    import torch
 
-
-def table(results: list[dict]) -> list[str]:
-    lines = ["| stage | check | result | target / reference | ok | note |", "|---|---|---|---|---|---|"]
-    for r in results:
-        lines.append(f"| {r['stage']} | {r['check']} | {r['value']} | {r['reference']} | {verdict(r['ok'])} | "
-                     f"{r['note'].replace('|', '/')} |")
-    return lines
+    return torch.cuda.is_available()
 
 
 def environment(smoke: bool) -> dict:
-    import torch
-    import transformers
-    import triton
+    from importlib.metadata import version  # not `import transformers`: seconds, and the stages import it
 
-    device = "CPU smoke run" if smoke else torch.cuda.get_device_name(0)
-    return dict(device=device, torch=torch.__version__, triton=triton.__version__,
-                transformers=transformers.__version__, python=sys.version.split()[0],
+    if smoke:
+        device = "CPU smoke run"
+    else:
+        import torch
+
+        device = torch.cuda.get_device_name(0)
+    return dict(device=device, torch=version("torch"), triton=version("triton"),
+                transformers=version("transformers"), python=sys.version.split()[0],
                 when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+
+
+def rehearse(args) -> int:
+    """Builds the rehearsal (a venv exposing only the image's distributions, the carry as the GPU run installs
+    it) in a temporary folder and runs the smoke run inside it."""
+    import gpu_carry
+
+    carry = ROOT / ".whl"
+    problems = gpu_carry.check(carry)
+    if problems:
+        print("gpu_check --rehearse: the carry is not fit to travel:\n  " + "\n  ".join(problems)
+              + "\nrun scripts/gpu_check_wheels first", file=sys.stderr)
+        return 1
+    tmp = Path(tempfile.mkdtemp(prefix="gpu-rehearse-"))
+    try:
+        started = time.perf_counter()
+        python = gpu_carry.make_venv(tmp / "venv")
+        wheels = gpu_carry.rehearsal_wheels(carry, tmp / "wheels")
+        print(f"rehearsal venv {tmp / 'venv'} ready in {time.perf_counter() - started:.1f}s", flush=True)
+        env = dict(os.environ, TOKENBUS_GPU_WHEELS=str(wheels), TOKENBUS_GPU_SITE=str(tmp / "site"))
+        for var in ("PYTHONPATH", "VIRTUAL_ENV", "TRITON_INTERPRET"):
+            env.pop(var, None)
+        cmd = [str(python), str(Path(__file__).resolve()), "--cpu-smoke", "--rehearsal", "--stages", args.stages]
+        return subprocess.run(cmd, cwd=ROOT, env=env).returncode
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (no GPU needed)")
+    ap.add_argument("--rehearse", action="store_true", help="the smoke run in a venv of the GPU image's packages")
     ap.add_argument("--stages", default="a,b,c,d,e", help="comma-separated subset of a,b,c,d,e")
+    ap.add_argument("--rehearsal", action="store_true", help=argparse.SUPPRESS)  # inside the rehearsal venv
     ap.add_argument("--run-stage", help=argparse.SUPPRESS)
-    ap.add_argument("--rows-file", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.run_stage:
-        return run_stage_here(args.run_stage, args.cpu_smoke, args.rows_file)
+        return run_stage_here(args.run_stage, args.cpu_smoke, args.rehearsal, args.out)
+    if args.rehearse:
+        return rehearse(args)
 
     import gpu_check_stages as stages
 
     keys = [k.strip() for k in args.stages.split(",") if k.strip()]
-    unknown = [k for k in keys if k not in stages.STAGES]
+    known = stages.STAGES | stages.HIDDEN_STAGES
+    unknown = [k for k in keys if k not in known]
     if unknown:
         ap.error(f"unknown stage(s) {unknown}; stages are {list(stages.STAGES)}")
-    import torch
-
-    if not args.cpu_smoke and not torch.cuda.is_available():
+    if not args.cpu_smoke and not _cuda_available():
         print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); nothing was measured.\n"
-              "Run it on a lent GPU (docs/gpu.md), or use --cpu-smoke on the CPU.", file=sys.stderr)
+              "Run it on a lent GPU (docs/gpu.md), or use --cpu-smoke / --rehearse on the CPU.", file=sys.stderr)
         return 2
     out_dir = Path(os.environ.get("OUT") or "gpu-check-out")
-    out_dir.mkdir(parents=True, exist_ok=True)
     env = environment(args.cpu_smoke)
     print(f"gpu_check on {env['device']}: torch {env['torch']}, triton {env['triton']}, "
           f"transformers {env['transformers']}", flush=True)
-    results, stage_times = [], {}
+    command = "scripts/gpu_check" + (" --rehearse" if args.rehearsal else " --cpu-smoke" if args.cpu_smoke else "")
+    title = "# GPU check" + (" (CPU smoke run: no GPU numbers)" if args.cpu_smoke else "")
+    summary = (f"{env['device']}; torch {env['torch']}, triton {env['triton']}, transformers "
+               f"{env['transformers']}, Python {env['python']}; {env['when']}; `{command}`.")
+    report = Report(out_dir)
+    report.start(title, summary, env, args.cpu_smoke, args.rehearsal)
+    log_path = out_dir / "gpu_check_stages.log"
+    log_path.write_text("")
     cache = tempfile.mkdtemp(prefix="gpu-check-")  # checkpoints the stages share
     os.environ["GPU_CHECK_CACHE"] = cache
-    for key in keys:
-        name, _, cap = stages.STAGES[key]
-        cap = stages.SMOKE_CAPS[key] if args.cpu_smoke else cap
-        print(f"[{key}] {name} (cap {cap}s) ...", flush=True)
-        rows, seconds = run_stage(key, name, cap, args.cpu_smoke)
-        stage_times[key] = round(seconds, 1)
-        for r in rows:
-            results.append(dict(stage=key, **r))
-            print(f"    {verdict(r['ok']):4s} {r['check']}: {r['value']}  {r['note']}", flush=True)
-        print(f"[{key}] {seconds:.0f}s", flush=True)
-    shutil.rmtree(cache, ignore_errors=True)
-
-    lines = table(results)
-    misses = sum(r["ok"] is False for r in results)
-    title = "# GPU check" + (" (CPU smoke run: no GPU numbers)" if args.cpu_smoke else "")
-    md = [title, "", f"{env['device']}; torch {env['torch']}, triton {env['triton']}, transformers "
-          f"{env['transformers']}, Python {env['python']}; {env['when']}; `scripts/gpu_check"
-          f"{' --cpu-smoke' if args.cpu_smoke else ''}`. Stage seconds: "
-          + ", ".join(f"{k} {v}" for k, v in stage_times.items()) + f". Misses: {misses}.", "", *lines, ""]
-    (out_dir / "gpu_check.md").write_text("\n".join(md))
-    (out_dir / "gpu_check.json").write_text(json.dumps(
-        dict(environment=env, smoke=args.cpu_smoke, stage_seconds=stage_times, rows=results), indent=1))
-    print("\n" + "\n".join(lines))
-    print(f"\n{misses} miss(es); wrote {out_dir}/gpu_check.md and gpu_check.json")
+    try:
+        for key in keys:
+            name, _, cap = known[key]
+            cap = stages.SMOKE_CAPS[key] if args.cpu_smoke else cap
+            print(f"[{key}] {name} (cap {cap}s) ...", flush=True)
+            seconds = run_stage(key, name, cap, args, report, log_path)
+            print(f"[{key}] {seconds:.0f}s", flush=True)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    data, misses = report.finish()
+    print("\n" + "\n".join(["| stage | check | result | target / reference | ok | note |",
+                            "|---|---|---|---|---|---|", *map(md_line, data["rows"])]))
+    print(f"\n{misses} miss(es); wrote {out_dir}/gpu_check.md, gpu_check.json and gpu_check_stages.log")
     return 0
 
 

@@ -1,7 +1,7 @@
 """The Lua scripts' full texts in docs/protocol.md, generated from the code so the doc can never drift.
 
     .venv/bin/python scripts/protocol_doc.py          # rewrite the generated section of docs/protocol.md
-    .venv/bin/python scripts/protocol_doc.py --check  # exit 1 if it differs (tests/test_protocol_doc.py)
+    .venv/bin/python scripts/protocol_doc.py --check  # exit 1 if it differs (tests/protocol/test_protocol_doc.py)
 
 The section lies between the BEGIN/END markers; everything else in the file is written by hand.
 """
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from producer import scripts as shared  # noqa: E402
+from protocol import scripts as shared  # noqa: E402
 from worker.serve import queue_scripts  # noqa: E402
 
 DOC = ROOT / "docs" / "protocol.md"

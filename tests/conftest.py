@@ -1,14 +1,23 @@
+"""Fixtures every layer shares. tests/ is a package, so pytest puts the repository root first on sys.path and
+the tests import this checkout's code (also when run from a worktree beside an editable install)."""
+
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-# The package is not installed into the venv; tests import it from the checkout.
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from tests.support.local_redis import RedisServer
 
-from producer.local_redis import RedisServer  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = ("protocol", "client", "gateway", "engine", "kernels", "serve", "deploy")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test carries its layer's marker (its folder), so `pytest -m engine` runs one layer."""
+    for item in items:
+        parts = Path(str(item.fspath)).relative_to(ROOT / "tests").parts
+        if parts and parts[0] in LAYERS:
+            item.add_marker(getattr(pytest.mark, parts[0]))
 
 
 @pytest.fixture
@@ -31,7 +40,7 @@ import redis  # noqa: E402
 @pytest.fixture(scope="session")
 def serve_model_dir(tmp_path_factory):
     """A tiny random-weight Llama checkpoint (SmolLM2 tokenizer) for fast serve-loop tests."""
-    from tiny_models import make_tiny_model
+    from tests.support.tiny_models import make_tiny_model
 
     # plain RoPE: the serve tests exercise the loop, not the rope variants (test_engine_families does)
     return make_tiny_model(str(tmp_path_factory.mktemp("serve-tiny")), "llama", rope_scaling=None)
@@ -189,7 +198,7 @@ def worker_process(tmp_path):
 
 # ---- the gateway (tests/test_gateway_*.py): one deployment of real processes per session ------------------
 
-from gateway_harness import gateway_stack, release_gateway_stack  # noqa: E402, F401
+from tests.support.gateway_harness import gateway_stack, release_gateway_stack  # noqa: E402, F401
 
 
 def pytest_runtest_teardown(item, nextitem):

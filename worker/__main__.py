@@ -8,8 +8,8 @@ import sys
 import redis
 import structlog
 
-from producer.logs import configure_logging
-from producer.redaction import redact_url, scrub
+from protocol.logs import configure_logging
+from protocol.redaction import redact_url, scrub
 from worker.settings import load_settings
 
 

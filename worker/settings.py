@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from producer.protocol import DEFAULT_MAX_QUEUE_LEN, DEFAULT_RESULT_TTL
+from protocol.models import DEFAULT_MAX_QUEUE_LEN, DEFAULT_RESULT_TTL
 from worker.engine.config import EngineConfig
 
 _ENGINE = EngineConfig()  # the engine's defaults are the worker's: one definition
@@ -53,6 +53,10 @@ class WorkerSettings(BaseSettings):
     )
     cache_dir: str | None = Field(
         _ENGINE.cache_dir, description="dequantised GGUF weights and built CPU kernels; unset = ~/.cache/tokenbus"
+    )
+    model_impl: str = Field(
+        _ENGINE.model_impl, description="'auto' (tokenbus's own model code where it has the family, else "
+        "transformers'), 'transformers' (always transformers' modeling code), 'native' (refuse the fallback)",
     )
     enable_prefix_caching: bool = Field(
         _ENGINE.enable_prefix_caching, description="reuse cached KV blocks of a shared prompt prefix across jobs"

@@ -2,7 +2,7 @@
 // write_kv and paged decode attention (same functions, layouts and results as kernels/reference.py), the
 // decoder layer's elementwise ops (worker/engine/backends/cpu.py), the greedy sampler's argmax
 // (worker/engine/backends/cpu.py) and the small-batch panel linear (worker/engine/backends/cpu_linear.py).
-// tests/test_cpu_kernels.py compares each with its PyTorch version.
+// tests/kernels/test_cpu_kernels.py compares each with its PyTorch version.
 //
 // Layout (as everywhere in kernels/):
 //   k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim], contiguous
@@ -118,21 +118,23 @@ inline void rescale_accumulate(float* __restrict acc, float correction, const fl
 }
 
 // One work item: the `group` query heads (q scaled, [group, head_dim]) that share one KV head, over one
-// sequence's first len cached tokens. Per block: scores, an online-softmax update (running max m, running
+// sequence's cached tokens first..len-1 (first > 0 under a sliding window; blocks wholly before it are
+// skipped, the window's first block masks its older rows); softcap > 0 soft-caps each score (Gemma 2). Per block: scores, an online-softmax update (running max m, running
 // sum l, rescaled accumulator acc [group, head_dim]), then the P·V accumulation. k, v point at the KV head's
 // first row (block 0, token 0); row is the stride between tokens.
 template <int D>
 void attend_kv_head(const float* qs, int64_t group, int64_t head_dim, const float* k, const float* v,
-                    int64_t row, const int32_t* table, int64_t len, int64_t block_size, float* scores, float* acc,
-                    float* m, float* l) {
+                    int64_t row, const int32_t* table, int64_t first, int64_t len, int64_t block_size,
+                    float softcap, float* scores, float* acc, float* m, float* l) {
   const int64_t block_stride = block_size * row;
   std::fill(m, m + group, -1e30f);
   std::fill(l, l + group, 0.f);
   std::fill(acc, acc + group * head_dim, 0.f);
   const int64_t num_blocks = (len + block_size - 1) / block_size;
-  for (int64_t b = 0; b < std::min(kPrefetchBlocks, num_blocks); ++b)
+  const int64_t first_block = first / block_size;
+  for (int64_t b = first_block; b < std::min(first_block + kPrefetchBlocks, num_blocks); ++b)
     prefetch_block(k + table[b] * block_stride, v + table[b] * block_stride, block_size, row, head_dim);
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = first_block; b < num_blocks; ++b) {
     if (b + kPrefetchBlocks < num_blocks) {
       const int64_t ahead = table[b + kPrefetchBlocks];
       prefetch_block(k + ahead * block_stride, v + ahead * block_stride, block_size, row, head_dim);
@@ -142,6 +144,12 @@ void attend_kv_head(const float* qs, int64_t group, int64_t head_dim, const floa
     const float* vb = v + table[b] * block_stride;
     for (int64_t h = 0; h < group; ++h)
       for (int64_t j = 0; j < n; ++j) scores[h * block_size + j] = head_dot<D>(qs + h * head_dim, kb + j * row, head_dim);
+    if (softcap > 0.f)
+      for (int64_t h = 0; h < group; ++h)
+        for (int64_t j = 0; j < n; ++j) scores[h * block_size + j] = softcap * std::tanh(scores[h * block_size + j] / softcap);
+    // rows of the window's first block that fell out of it: exp(-1e30 - max) is 0 (finite: -ffast-math)
+    for (int64_t j = 0; j < first - b * block_size; ++j)
+      for (int64_t h = 0; h < group; ++h) scores[h * block_size + j] = -1e30f;
     for (int64_t h = 0; h < group; ++h) {
       float* sh = scores + h * block_size;
       float block_max = m[h];
@@ -165,7 +173,8 @@ void attend_kv_head(const float* qs, int64_t group, int64_t head_dim, const floa
 // One work item is one (sequence, KV head) pair, so each cached K/V row of a head is read once, against all
 // the query heads that share it (GQA), and a few sequences still give every thread work.
 torch::Tensor paged_decode_attention_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                         torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                                         torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                         int64_t window, double softcap) {
   check_layout(q, "q");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache and v_cache must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.stride(1) == 1,
@@ -186,7 +195,7 @@ torch::Tensor paged_decode_attention_cpu(torch::Tensor q, torch::Tensor k_cache,
   const int64_t table_stride = block_tables.stride(0);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), fsoftcap = static_cast<float>(softcap);
   const auto attend = head_dim == 64 ? attend_kv_head<64> : head_dim == 128 ? attend_kv_head<128> : attend_kv_head<0>;
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -197,8 +206,9 @@ torch::Tensor paged_decode_attention_cpu(torch::Tensor q, torch::Tensor k_cache,
         const float* src = qp + s * qs0 + (g * group + h) * qs1;
         for (int64_t d = 0; d < head_dim; ++d) qs[h * head_dim + d] = src[d] * fscale;
       }
+      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0;
       attend(qs.data(), group, head_dim, kp + g * head_dim, vp + g * head_dim, row, tables + s * table_stride,
-             lens[s], block_size, scores.data(), acc.data(), m.data(), l.data());
+             first, lens[s], block_size, fsoftcap, scores.data(), acc.data(), m.data(), l.data());
       for (int64_t h = 0; h < group; ++h) {
         float* dst = op + (s * num_q_heads + g * group + h) * head_dim;
         const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;  // seq_lens 0: zeros

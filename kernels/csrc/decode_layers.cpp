@@ -15,6 +15,7 @@
 //   scales        4 per layer, one per linear (qkv, o, gate_up, down): empty for fp32 panels, the per-channel
 //                 scales of int8 panels (kernels/csrc/cpu_quant.cpp)
 //   kv_caches     2 per layer: k_cache, v_cache
+//   window        every layer's sliding window (0 = none: Mistral, Qwen2 and Phi-3 use one for all layers)
 // Returns {x, residual}: the last layer's output and the residual stream before it (the final norm adds them).
 
 std::vector<torch::Tensor> decode_layers_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
@@ -23,7 +24,7 @@ std::vector<torch::Tensor> decode_layers_cpu(torch::Tensor x, torch::Tensor cos,
                                              std::vector<torch::Tensor> kv_caches, std::vector<torch::Tensor> scales,
                                              int64_t num_heads,
                                              int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
-                                             double eps, double scale) {
+                                             double eps, double scale, int64_t window) {
   constexpr size_t kPerLayer = 7;
   TORCH_CHECK(weights.size() % kPerLayer == 0, "weights must hold 7 tensors per layer");
   const size_t num_layers = weights.size() / kPerLayer;
@@ -56,7 +57,7 @@ std::vector<torch::Tensor> decode_layers_cpu(torch::Tensor x, torch::Tensor cos,
     torch::Tensor v = heads.narrow(1, num_heads + num_kv_heads, num_kv_heads);
     rotary_cpu(q, k, cos, sin);
     write_kv_cpu(k, v, k_cache, v_cache, slot_mapping);
-    const torch::Tensor attn = paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale);
+    const torch::Tensor attn = paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, window, 0.0);
     torch::Tensor o = panel_linear_any_cpu(attn.view({n, q_size}), w[3], sc[1], hidden, c10::nullopt);
     add_rms_norm_cpu(o, residual, w[4], eps);
     const torch::Tensor act = silu_and_mul_cpu(panel_linear_any_cpu(o, w[5], sc[2], 2 * intermediate_size, c10::nullopt));

@@ -28,6 +28,8 @@ class EngineConfig:
     cpu_kernels: bool = True  # CPU float32: the C++ kernels; False = the PyTorch references
     cache_dir: str | None = None  # dequantised GGUF weights, built CPU kernels; None = TOKENBUS_CACHE_DIR or
     # ~/.cache/tokenbus
+    model_impl: str = "auto"  # "auto" = tokenbus's own code where it has the family, else transformers';
+    # "transformers" forces transformers' modeling code (the fallback) on any model; "native" refuses the fallback
     enable_prefix_caching: bool = True  # reuse cached full KV blocks of a shared prompt prefix
     cuda_graphs: bool = True  # CUDA: replay captured graphs for pure decode steps (prefill/mixed stay eager)
     static_decode: bool | None = None  # the fixed-shape padded decode path graphs replay; None = on with graphs
@@ -58,5 +60,7 @@ class EngineConfig:
             problems.append(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             problems.append(f"quantization must be unset or one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.model_impl not in ("auto", "native", "transformers"):
+            problems.append(f"model_impl must be 'auto', 'native' or 'transformers', got {self.model_impl!r}")
         if problems:
             raise ValueError("invalid engine config: " + "; ".join(problems))

@@ -1,9 +1,12 @@
 """StaticDecode: pure decode steps on fixed shapes, replayed as CUDA graphs on a GPU.
 
 A decode step of n sequences is padded to the smallest bucket b >= n (DECODE_BUCKETS, then every 32, up to
-max_num_seqs): StepInputs pads it (padding rows write into the pad block and read nothing else) and gives
-every row the full-width block table, so the decode kernel's partition count and the partials it uses
-(the backend's DecodeWorkspace) are the same every step. Prefill and mixed steps stay eager.
+max_num_seqs): StepInputs pads it (padding rows write into the pad block and read nothing else). Its block
+tables are cut to a width bucket of the step's longest table (DecodeWidths: powers of two from one minimal
+partition up to max_model_len), so the decode kernel launches partitions for the contexts the step has,
+not for max_model_len; widths that all fit one partition share the widest of them. Each (b, width) pair
+has a fixed partition count and fixed partials (the backend's DecodeWorkspace): one graph each. Prefill
+and mixed steps stay eager.
 
     graphs off (CPU; static_decode=True)   the padded step runs eagerly: the same shapes and padding, tested
                                            token for token against Hugging Face on the CPU
@@ -19,6 +22,7 @@ import time
 import structlog
 import torch
 
+from kernels.partitions import num_partitions, table_widths
 from worker.engine.attention_metadata import AttentionMetadata
 from worker.engine.scheduler import ScheduledBatch
 from worker.engine.step_inputs import PreparedStep, StepInputs
@@ -38,14 +42,52 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     return [*buckets, max_num_seqs]
 
 
+class DecodeWidths:
+    """The block-table widths a padded decode step of b rows is cut to. A width whose contexts all fit one
+    partition joins the widest such width (same launch, no idle program); every other power of two keeps
+    its own, so a uniform batch launches fewer than twice the partitions it uses."""
+
+    def __init__(self, max_blocks_per_seq: int, block_size: int, num_kv_heads: int, num_sms: int) -> None:
+        self.block_size = block_size
+        self.all = table_widths(max_blocks_per_seq, block_size)
+        self.num_kv_heads = num_kv_heads
+        self.num_sms = num_sms
+        self._cache: dict[int, list[int]] = {}
+
+    def for_bucket(self, b: int) -> list[int]:
+        widths = self._cache.get(b)
+        if widths is None:
+            widths, single = [], False
+            for w in self.all:
+                one = num_partitions(w * self.block_size, b, self.num_kv_heads, self.num_sms) == 1
+                if one and single:
+                    widths[-1] = w
+                else:
+                    widths.append(w)
+                single = one
+            self._cache[b] = widths
+        return widths
+
+    def pick(self, b: int, blocks: int) -> int:
+        """The narrowest width of bucket b holding `blocks` blocks."""
+        return next(w for w in self.for_bucket(b) if w >= blocks)
+
+
 class StaticDecode:
     def __init__(self, model: torch.nn.Module, kv_caches: list, inputs: StepInputs, max_num_seqs: int) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.inputs = inputs
         self.buckets = decode_buckets(max_num_seqs)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, its output)
+        self.widths = DecodeWidths(inputs.max_blocks_per_seq, inputs.block_size, model.arch.num_kv_heads,
+                                   _num_sms(inputs.device))
+        # (bucket, width) -> (graph, its output)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.static: dict[str, torch.Tensor] = {}
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, table width) a padded decode step runs at: one graph each."""
+        return [(b, w) for b in self.buckets for w in self.widths.for_bucket(b)]
 
     def serves(self, batch: ScheduledBatch) -> bool:
         return len(batch.seqs) <= self.buckets[-1] and all(n == 1 for n in batch.num_new_tokens)
@@ -56,8 +98,9 @@ class StaticDecode:
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, PreparedStep]:
         """The padded step's final hidden states [bucket, hidden] (rows past the batch are padding)."""
         b = self.bucket(len(batch.seqs))
-        step = self.inputs.prepare(batch, pad_to=b)
-        graph = self.graphs.get(b)
+        w = self.widths.pick(b, max(len(s.block_table) for s in batch.seqs))
+        step = self.inputs.prepare(batch, pad_to=b, width=w)
+        graph = self.graphs.get((b, w))
         if graph is None:
             return self.model(step.input_ids, step.positions, self.kv_caches, step.meta), step
         s, meta = self.static, step.meta
@@ -65,23 +108,23 @@ class StaticDecode:
         s["positions"][:b].copy_(step.positions)
         s["slots"][:b].copy_(meta.slot_mapping)
         s["seq_lens"][:b].copy_(meta.decode_seq_lens)
-        s["tables"][:b].copy_(meta.decode_block_tables)
+        s["tables"][:b, :w].copy_(meta.decode_block_tables)
         graph[0].replay()
         return graph[1], step
 
     # ---- CUDA graphs ----------------------------------------------------------------------------------------
 
-    def _static_meta(self, b: int) -> AttentionMetadata:
+    def _static_meta(self, b: int, w: int) -> AttentionMetadata:
         s = self.static
         return AttentionMetadata(
             slot_mapping=s["slots"][:b], num_prefill_tokens=0, prefill_block_tables=None,
-            prefill_cu_seqlens_q=None, prefill_seq_lens=None, decode_block_tables=s["tables"][:b],
+            prefill_cu_seqlens_q=None, prefill_seq_lens=None, decode_block_tables=s["tables"][:b, :w],
             decode_seq_lens=s["seq_lens"][:b],
         )
 
     @torch.inference_mode()
     def capture(self) -> float:
-        """One graph per bucket, largest first, sharing one memory pool. Returns the seconds it took."""
+        """One graph per (bucket, width), largest first, sharing one memory pool. Returns the seconds it took."""
         started = time.perf_counter()
         device, n = self.inputs.device, self.buckets[-1]
         pad = self.inputs
@@ -94,16 +137,25 @@ class StaticDecode:
             "tables": torch.full((n, pad.max_blocks_per_seq), pad.pad_block, dtype=torch.int32, device=device),
         }
         pool = None
-        for b in reversed(self.buckets):
-            args = (self.static["ids"][:b], self.static["positions"][:b], self.kv_caches, self._static_meta(b))
+        for b, w in reversed(self.shapes()):
+            args = (self.static["ids"][:b], self.static["positions"][:b], self.kv_caches, self._static_meta(b, w))
             self.model(*args)  # compiles the kernels' variants for this shape outside the capture
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 out = self.model(*args)
             pool = graph.pool()
-            self.graphs[b] = (graph, out)
+            self.graphs[(b, w)] = (graph, out)
         torch.cuda.synchronize(device)
         seconds = time.perf_counter() - started
-        log.info("cuda_graphs_captured", buckets=self.buckets, seconds=round(seconds, 2))
+        log.info("cuda_graphs_captured", buckets=self.buckets, graphs=len(self.graphs), seconds=round(seconds, 2))
         return seconds
+
+
+def _num_sms(device: torch.device) -> int:
+    """What the decode kernel plans with: the GPU's multiprocessors, 1 off the GPU (kernels/decode_attention)."""
+    if device.type != "cuda":
+        return 1
+    from kernels.decode_attention import num_sms
+
+    return num_sms(device.index if device.index is not None else torch.cuda.current_device())

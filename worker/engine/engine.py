@@ -22,7 +22,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.guided import GrammarError, GuidedDecoding
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_block
-from worker.engine.models.llama import LlamaArch, LlamaForCausalLM, RotaryEmbedding
+from worker.engine.models import registry
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
@@ -108,14 +108,12 @@ class Engine:
         started = time.perf_counter()
         source = loader.resolve(cfg.model, cfg.cache_dir)
         hf_config = loader.load_config(source)
-        arch = LlamaArch.from_hf_config(hf_config)
+        arch = registry.model_arch(hf_config, cfg.model, cfg.model_impl)
+        self.serving_path = registry.serving_path(arch)  # "native" or "transformers"
         self.model_name = cfg.model
         self.tokenizer = loader.load_tokenizer(source)
         self.eos_token_ids = loader.load_generation_eos(source, hf_config, self.tokenizer)
         self.max_model_len = min(cfg.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
-        if arch.sliding_window:
-            # beyond the window our full attention would differ from the model's: stay inside it
-            self.max_model_len = min(self.max_model_len, arch.sliding_window)
         quantization.check_scheme(cfg.quantization, self.device, self.dtype)
         quantization.check_checkpoint(hf_config)
         self.backend = select_backend(self.device, self.dtype, cfg.cpu_kernels, cfg.cache_dir)
@@ -128,19 +126,14 @@ class Engine:
             )
         # graphs replay the padded decode path, so they need it; static_decode None follows the graphs
         self.cuda_graphs = self.device.type == "cuda" and cfg.cuda_graphs and cfg.static_decode is not False
+        # transformers' own modeling code was never checked under graph capture: the fallback runs eagerly
+        self.cuda_graphs = self.cuda_graphs and self.serving_path == "native"
         static_decode = cfg.static_decode if cfg.static_decode is not None else self.cuda_graphs
-        with torch.device("meta"):  # no memory is touched until the weights arrive
-            meta_model = LlamaForCausalLM(arch, self.backend)
-        # cast while on meta: the weights are allocated once, in the target dtype, on the target device
-        self.model = meta_model.to(self.dtype).to_empty(device=self.device)
-        if arch.tie_word_embeddings:  # materialising from meta unties shared parameters
-            self.model.lm_head.weight = self.model.embed_tokens.weight
-        self.model.attach_rotary(RotaryEmbedding(hf_config, arch.head_dim, self.max_model_len).to(self.device))
-        self.model.load_weights(loader.iter_weights(source))
+        self.model = registry.build_model(arch, hf_config, source, self.backend, self.dtype, self.device,
+                                          self.max_model_len, loader.iter_weights)
         self.quantized_cache = None  # the int8 cache file this engine read or wrote
         if cfg.quantization == "int8":
             self.quantized_cache = quantization.apply_int8(self.model, source.directory, cfg.cache_dir)
-        self.model.eval().requires_grad_(False)
         self.backend.prepare(self.model)
         max_blocks_per_seq = -(-self.max_model_len // cfg.block_size)
         self.backend.reserve(arch, self.max_num_seqs, max_blocks_per_seq * cfg.block_size, self.device)
@@ -168,7 +161,7 @@ class Engine:
             "engine_ready", model=cfg.model, device=str(self.device), dtype=str(self.dtype), kv_blocks=num_blocks,
             block_size=cfg.block_size, max_model_len=self.max_model_len, backend=self.backend.name,
             max_num_seqs=self.max_num_seqs, static_decode=static_decode, cuda_graphs=self.cuda_graphs,
-            load_s=round(time.perf_counter() - started, 2),
+            serving_path=self.serving_path, load_s=round(time.perf_counter() - started, 2),
         )
 
     def _num_kv_blocks(self) -> int:
@@ -208,9 +201,9 @@ class Engine:
         """Every kernel variant the serve loop hits, compiled before the first request; then the graphs."""
         started = time.perf_counter()
         runner, cfg = self.runner, self.config
-        buckets = runner.static.buckets if runner.static is not None and not self.cuda_graphs else None
+        shapes = runner.static.shapes() if runner.static is not None and not self.cuda_graphs else None
         warmup.warm_up(self.model, runner.kv_caches, runner.pad_block, cfg.block_size, runner.max_blocks_per_seq,
-                       self.max_num_seqs, buckets)
+                       self.max_num_seqs, cfg.max_num_batched_tokens, shapes)
         torch.cuda.synchronize(self.device)
         warm_s = time.perf_counter() - started
         graph_s = runner.static.capture() if self.cuda_graphs else 0.0
@@ -318,11 +311,6 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.forks)
-
-    def free_seats(self) -> int:
-        s = self.scheduler
-        forked = sum(len(f) for f in self.forks.values())
-        return max(0, s.max_num_seqs - len(s.running) - len(s.waiting) - forked)
 
     def step(self) -> list[RequestOutput]:
         """One forward pass. Returns the requests that ended in it; `deltas` holds what every request that

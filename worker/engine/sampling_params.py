@@ -1,6 +1,6 @@
 """SamplingParams: what a request asks of generation.
 
-The fields, their defaults and their checks are the wire protocol's `GenerationParams` (producer/protocol.py,
+The fields, their defaults and their checks are the wire protocol's `GenerationParams` (protocol/models.py,
 their one definition); this subclass adds only what the engine derives from them. A job's generation fields
 become SamplingParams unchanged, and a bad value fails with the same message on both sides.
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from producer.protocol import GenerationParams, describe_validation_error
+from protocol.models import GenerationParams, describe_validation_error
 
 
 class SamplingParams(GenerationParams):

@@ -94,8 +94,9 @@ class StepInputs:
 
     # ---- one step -------------------------------------------------------------------------------------------
 
-    def prepare(self, batch: ScheduledBatch, pad_to: int | None = None) -> PreparedStep:
-        """The step's tensors. pad_to (pure decode steps only): pad to that many rows, full-width tables."""
+    def prepare(self, batch: ScheduledBatch, pad_to: int | None = None, width: int | None = None) -> PreparedStep:
+        """The step's tensors. pad_to (pure decode steps only): pad to that many rows, tables `width` blocks
+        wide (default max_blocks_per_seq; at least the longest sequence's table)."""
         self._release_stopped()
         pairs = list(zip(batch.seqs, batch.num_new_tokens, strict=True))
         prefill = [(s, n) for s, n in pairs if n > 1]
@@ -152,7 +153,8 @@ class StepInputs:
             prefill_block_tables=self._tables(row_index[:p], [s for s, _ in prefill]) if p else None,
             prefill_seq_lens=ints[s_plens] if p else None,
             prefill_cu_seqlens_q=ints[s_cu] if p else None,
-            decode_block_tables=self._tables(row_index[p:], [s for s, _ in decode], pad_to is not None)
+            decode_block_tables=self._tables(row_index[p:], [s for s, _ in decode],
+                                             (width or self.max_blocks_per_seq) if pad_to is not None else None)
             if len(rows) > p else None,
             decode_seq_lens=ints[s_dlens] if len(rows) > p else None,
         )
@@ -160,10 +162,10 @@ class StepInputs:
         input_ids, positions = longs[s_ids], longs[s_pos]
         return PreparedStep(input_ids, positions, meta, order, sampling_seqs, sample_index)
 
-    def _tables(self, row_index: torch.Tensor, seqs: list[Sequence], full_width: bool = False) -> torch.Tensor:
+    def _tables(self, row_index: torch.Tensor, seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
         # entries past a sequence's last block are stale ids of the row's earlier users: valid blocks the
         # kernels never read (every kernel stops at the sequence's length)
-        width = self.max_blocks_per_seq if full_width else max(len(s.block_table) for s in seqs)
+        width = width or max(len(s.block_table) for s in seqs)
         if not self.device_updates:
             return self.table[:, :width].index_select(0, row_index)
         # on a GPU whole rows (a few KiB) and a view: the row stride stays fixed, one kernel variant

@@ -5,8 +5,13 @@
                    what a step may need on top of the KV cache
     decode_peak    the same for a padded decode step at the widest bucket: what the CUDA graphs' private
                    memory pool holds (counted apart: the graphs keep it)
-    warm_up        runs each kernel variant the serve loop hits (prefill; decode with one partition and with
-                   many; the padded decode shapes) so no request waits for Triton to compile
+    warm_up        runs each kernel variant the serve loop hits, so no request waits for Triton to compile:
+                   Triton compiles one variant per specialization (constexprs; an int argument == 1, or a
+                   multiple of 16, or neither; a pointer 16-byte aligned or not), so warm-up feeds what serving
+                   feeds: block tables that are row views of a [rows, max_blocks_per_seq] table (the row
+                   stride serving has), prefills of 1, 2 and 16 sequences, mixed prefill + decode steps, eager
+                   decodes at every table-width bucket (1, several and 16+ partitions), then every padded
+                   decode shape (rows, width) (tests/engine/test_warmup_coverage.py records both sides)
 
 The engine sizes the KV cache as total x gpu_memory_utilization - profile_peak - decode_peak (graphs on).
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.partitions import table_widths
 from worker.engine.attention_metadata import AttentionMetadata
 
 
@@ -39,13 +45,36 @@ def prefill_meta(num_tokens: int, block_size: int, device: torch.device, first_b
     )
 
 
-def decode_meta(num_seqs: int, width: int, block: int, block_size: int, device: torch.device) -> AttentionMetadata:
-    """num_seqs one-token decodes, every one writing into and reading from `block` (tables width wide)."""
+def decode_meta(num_seqs: int, width: int, block: int, block_size: int, device: torch.device,
+                row_stride: int | None = None) -> AttentionMetadata:
+    """num_seqs one-token decodes, every one writing into and reading from `block` (tables width wide). With
+    row_stride the tables are views of rows that wide, as StepInputs hands them on a GPU."""
     return AttentionMetadata(
         slot_mapping=torch.full((num_seqs,), block * block_size, dtype=torch.int64, device=device),
         num_prefill_tokens=0, prefill_block_tables=None, prefill_cu_seqlens_q=None, prefill_seq_lens=None,
-        decode_block_tables=torch.full((num_seqs, width), block, dtype=torch.int32, device=device),
+        decode_block_tables=_table(num_seqs, width, block, device, row_stride),
         decode_seq_lens=torch.ones(num_seqs, dtype=torch.int32, device=device),
+    )
+
+
+def _table(rows: int, width: int, block: int, device: torch.device, row_stride: int | None) -> torch.Tensor:
+    return torch.full((rows, row_stride or width), block, dtype=torch.int32, device=device)[:, :width]
+
+
+def serving_meta(num_prefill: int, num_decode: int, block: int, block_size: int, row_stride: int,
+                 device: torch.device) -> AttentionMetadata:
+    """A step as StepInputs builds one: num_prefill two-token prompt chunks then num_decode one-token decodes,
+    all in `block`, tables one block wide as views of rows row_stride wide."""
+    p = 2 * num_prefill
+    tokens = p + num_decode
+    return AttentionMetadata(
+        slot_mapping=(torch.arange(tokens, device=device) % 2) + block * block_size,
+        num_prefill_tokens=p,
+        prefill_block_tables=_table(num_prefill, 1, block, device, row_stride) if num_prefill else None,
+        prefill_cu_seqlens_q=torch.arange(0, p + 1, 2, dtype=torch.int32, device=device) if num_prefill else None,
+        prefill_seq_lens=torch.full((num_prefill,), 2, dtype=torch.int32, device=device) if num_prefill else None,
+        decode_block_tables=_table(num_decode, 1, block, device, row_stride) if num_decode else None,
+        decode_seq_lens=torch.ones(num_decode, dtype=torch.int32, device=device) if num_decode else None,
     )
 
 
@@ -90,13 +119,26 @@ def decode_peak(model, num_seqs: int, width: int, block_size: int, dtype: torch.
 
 @torch.inference_mode()
 def warm_up(model, kv_caches, pad_block: int, block_size: int, max_blocks_per_seq: int, max_num_seqs: int,
-            buckets: list[int] | None) -> None:
-    """Each kernel variant once, writing only into the pad block. buckets: the padded decode sizes to run
-    eagerly (None when CUDA graphs capture them anyway)."""
+            max_num_batched_tokens: int, shapes: list[tuple[int, int]] | None) -> None:
+    """Each kernel variant once, writing only into the pad block. shapes: the padded decode steps (rows,
+    table width) to run eagerly (None when CUDA graphs capture them: the capture runs each first)."""
     device = kv_caches[0][0].device
-    _forward(model, 1, kv_caches, prefill_meta(1, block_size, device, pad_block), 0)
-    for rows in (1, max_num_seqs):
-        for width in (1, max_blocks_per_seq):  # one partition; many partitions and the reduce
-            _forward(model, rows, kv_caches, decode_meta(rows, width, pad_block, block_size, device), rows)
-    for b in buckets or []:
-        _forward(model, b, kv_caches, decode_meta(b, max_blocks_per_seq, pad_block, block_size, device), b)
+    stride = max_blocks_per_seq
+
+    def run(num_prefill: int, num_decode: int) -> None:
+        if num_prefill <= max_num_seqs and num_decode <= max_num_seqs and \
+                2 * num_prefill + num_decode <= max_num_batched_tokens:
+            meta = serving_meta(num_prefill, num_decode, pad_block, block_size, stride, device)
+            _forward(model, 2 * num_prefill + num_decode, kv_caches, meta, num_prefill + num_decode)
+
+    # prefill of 1, 2 and 16 sequences (an int argument specialises on == 1 and on % 16), alone and with decodes
+    for num_prefill in (1, 2, 16):
+        run(num_prefill, 0)
+        run(num_prefill, 1)
+    # eager decodes (mixed steps; graphs off) at every width bucket: one partition, several, 16 and more
+    for rows in sorted({1, max_num_seqs}):
+        for width in table_widths(max_blocks_per_seq, block_size):
+            meta = decode_meta(rows, width, pad_block, block_size, device, stride)
+            _forward(model, rows, kv_caches, meta, rows)
+    for rows, width in shapes or []:
+        _forward(model, rows, kv_caches, decode_meta(rows, width, pad_block, block_size, device, stride), rows)

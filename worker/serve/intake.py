@@ -12,8 +12,8 @@ import time
 
 import structlog
 
-from producer.errors import InvalidJob
-from producer.protocol import ErrorCode, JobRequest, is_valid_id, parse_request, priority_rank
+from protocol.errors import InvalidJob
+from protocol.models import ErrorCode, JobRequest, is_valid_id, parse_request, priority_rank
 from worker.engine.sampling_params import SamplingParams
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from producer.protocol import JobRequest
+from protocol.models import JobRequest
 
 if TYPE_CHECKING:
     from worker.engine.sampling_params import SamplingParams

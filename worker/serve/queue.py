@@ -14,8 +14,8 @@ from typing import Any
 import redis
 import structlog
 
-from producer import scripts as shared
-from producer.protocol import EVENTS_MAXLEN, GROUP, PRIORITIES, Keys
+from protocol import scripts as shared
+from protocol.models import EVENTS_MAXLEN, GROUP, PRIORITIES, Keys
 from worker.serve import queue_scripts
 from worker.serve.backoff import REDIS_DOWN
 

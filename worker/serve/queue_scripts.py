@@ -1,4 +1,4 @@
-"""Lua only the worker runs (start, first token and finish are shared with the producer: producer/scripts.py).
+"""Lua only the worker runs (start, first token and finish are shared with the producer: protocol/scripts.py).
 Each script is atomic in Redis, so a job's record and its stream entry never disagree, whatever crashes
 between two calls."""
 

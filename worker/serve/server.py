@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from producer.protocol import ErrorCode
+from protocol.models import ErrorCode
 from worker.engine.sampling_params import SamplingParams
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter, FirstToken
@@ -32,6 +32,7 @@ from worker.settings import WorkerSettings
 log = structlog.get_logger("tokenbus.worker")
 
 IDLE_WAIT_S = 0.2  # how long an idle loop waits for a message before it beats the health check
+STEP_TIMES_KEPT = 32  # step wall times the heartbeat carries (the dashboard draws them as a sparkline)
 MAX_STEP_FAILURES = 3  # consecutive failed steps before the worker gives up (exit 1, supervisor restarts it)
 REVOKE_MEMORY_S = 300.0  # how long a revoke for a job not yet in the engine is remembered
 CANARY_ID = "tokenbus:canary"  # engine request id of the health probe (job ids cannot contain ':')
@@ -75,7 +76,9 @@ class Server:
         self.step_failures = 0
         self.exit_code = 0
         # the heartbeat's engine numbers, every field from the first beat on
-        self._snapshot: dict[str, Any] = _snapshot(engine.model_name, engine.stats())
+        self._snapshot: dict[str, Any] = _snapshot(engine, engine.stats())
+        self.serving_path = f"{engine.backend.name} on {engine.device}"
+        self.step_ms: deque[float] = deque(maxlen=STEP_TIMES_KEPT)  # the dashboard's step-time sparkline
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -161,12 +164,13 @@ class Server:
     def _publish_stats(self, stats: Any) -> None:
         """Heartbeat numbers and gauges after every turn of the loop, not only after a step: a cancel or an
         ending with no step after it (the engine went idle) must not leave the last step's numbers up."""
-        self._snapshot = _snapshot(self.engine.model_name, stats)
+        self._snapshot = _snapshot(self.engine, stats)
         if self.metrics is not None:
             self.metrics.observe_engine(stats.running, stats.waiting, stats.used_blocks, stats.free_blocks)
 
     def _status(self) -> dict[str, Any]:
-        return dict(self._snapshot, jobs_done=self.writer.jobs_done, draining=self.drain_deadline is not None)
+        return dict(self._snapshot, jobs_done=self.writer.jobs_done, draining=self.drain_deadline is not None,
+                    serving_path=self.serving_path, step_ms=list(self.step_ms))
 
     # ---- messages -----------------------------------------------------------------------------------
 
@@ -254,9 +258,10 @@ class Server:
             self._step_failed(err)
             return
         elapsed = time.perf_counter() - started
+        self.step_ms.append(round(elapsed * 1000, 2))
         self.step_failures = 0
         stats = self.engine.stats()
-        self._snapshot = _snapshot(self.engine.model_name, stats)
+        self._snapshot = _snapshot(self.engine, stats)
         if self.metrics is not None:
             self.metrics.observe_prefix_cache(stats.prefix_queried_tokens, stats.prefix_hit_tokens,
                                               stats.prefix_queried_blocks, stats.prefix_hit_blocks,
@@ -386,8 +391,10 @@ class Server:
         self.writer.end(ending, started_at=job.started_at, **stats)
 
 
-def _snapshot(model: str, stats: Any) -> dict[str, Any]:
-    """The heartbeat's engine numbers (producer.records.Heartbeat)."""
-    return {"model": model, "running": stats.running, "waiting": stats.waiting, "free_blocks": stats.free_blocks,
+def _snapshot(engine: Any, stats: Any) -> dict[str, Any]:
+    """The heartbeat's engine numbers (protocol.records.Heartbeat)."""
+    return {"model": engine.model_name, "model_path": getattr(engine, "serving_path", None),
+            "running": stats.running, "waiting": stats.waiting, "free_blocks": stats.free_blocks,
+            "used_blocks": stats.used_blocks, "generated_tokens": stats.generated_tokens,
             "prefix_queried_tokens": stats.prefix_queried_tokens, "prefix_hit_tokens": stats.prefix_hit_tokens,
             "prefix_queried_blocks": stats.prefix_queried_blocks, "prefix_hit_blocks": stats.prefix_hit_blocks}

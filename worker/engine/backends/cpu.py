@@ -48,23 +48,28 @@ class CpuBackend(ReferenceBackend):
         else:
             super().write_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
+    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int = 0,
+                         softcap: float = 0.0) -> torch.Tensor:
         if not self._takes(q, k_cache):
-            return super().decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
-        return self.ext.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale)
+            return super().decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
+        return self.ext.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, window,
+                                                   softcap)
 
     def prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                          scale: float) -> torch.Tensor:
+                          scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """Causal prefill as decodes: query token i of a sequence attends to the tokens up to its position,
-        which is a one-token decode over a prefix of the same block table."""
+        which is a one-token decode over a prefix of the same block table (and the window, if any, ends at
+        that position too)."""
         if not self._takes(q, k_cache):
-            return super().prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+            return super().prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                             window, softcap)
         q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
         seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
         index_in_seq = torch.arange(q.shape[0]) - cu_seqlens_q[:-1].long()[seq_of_token]
         token_lens = (seq_lens.long() - q_lens)[seq_of_token] + index_in_seq + 1
         token_tables = block_tables.index_select(0, seq_of_token)
-        return self.ext.paged_decode_attention_cpu(q, k_cache, v_cache, token_tables, token_lens.int(), scale)
+        return self.ext.paged_decode_attention_cpu(q, k_cache, v_cache, token_tables, token_lens.int(), scale,
+                                                   window, softcap)
 
     # ---- layer ops ----------------------------------------------------------------------------------------
 

@@ -3,8 +3,8 @@
 The call runs the same C++ kernels as the CpuBackend's per-layer path, in the same order, so its output is
 the same to the bit; what it saves is the Python between them (module calls, dispatch, argument
 conversion), about as long as the kernels themselves at a decode step's few rows. Steps with prompt tokens,
-batches wider than the panel linears serve, and models the C++ layer does not cover (QK-norm) take the
-per-layer path.
+batches wider than the panel linears serve, and models the C++ layer does not cover (QK-norm, Gemma's
+layer: cpu_fusable False) take the per-layer path.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class FusedDecodeLayers:
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.intermediate_size, self.eps = arch.intermediate_size, arch.rms_norm_eps
         self.scale = arch.head_dim**-0.5
+        self.window = arch.window(0)  # one for every layer (build() checks)
         self.weights: list[torch.Tensor] = []
         self.scales: list[torch.Tensor] = []  # per linear: empty (fp32 panels) or its int8 scales
         for layer in model.layers:
@@ -43,7 +44,11 @@ class FusedDecodeLayers:
     def build(cls, model: torch.nn.Module, ext: ModuleType) -> FusedDecodeLayers | None:
         """The fused layers for a CPU float32 model whose linears are panel CpuLinears, else None."""
         arch = getattr(model, "arch", None)
-        if arch is None or arch.qk_norm or model.embed_tokens.weight.dtype != torch.float32:
+        # only dense Llama-shaped layers (not q/k norms, experts, transformers' own modules, per-layer windows)
+        if arch is None or getattr(arch, "qk_norm", True) or getattr(arch, "moe", None) is not None \
+                or not getattr(model, "cpu_fusable", False) or model.embed_tokens.weight.dtype != torch.float32:
+            return None
+        if len({arch.window(i) for i in range(arch.num_layers)}) > 1:  # the C++ step takes one window
             return None
         linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)]
@@ -65,7 +70,8 @@ class FusedDecodeLayers:
         caches = [cache for pair in kv_caches for cache in pair]
         x, residual = self.ext.decode_layers_cpu(
             x, rotary[0], rotary[1], meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
-            self.weights, caches, self.scales, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size,
-            self.eps, self.scale,
+            self.weights, caches, self.scales, self.num_heads, self.num_kv_heads, self.head_dim,
+            self.intermediate_size,
+            self.eps, self.scale, self.window,
         )
         return x, residual

@@ -58,6 +58,8 @@ class CpuLinear(nn.Module):
             self.panels = pack_panels(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 3 and x.shape[0] == 1:  # transformers' modules (the fallback) keep a batch dim of 1
+            return self.forward(x[0]).unsqueeze(0)
         if self.panels is not None and x.dim() == 2 and x.shape[0] <= PANEL_MAX_ROWS and x.stride(-1) == 1:
             if self.scales is not None:
                 return self.ext.panel_linear_int8_cpu(x, self.panels, self.scales, self.out_features, self.bias)

@@ -15,6 +15,7 @@ import torch
 
 from kernels.reference import (
     add_rms_norm_ref,
+    gelu_tanh_and_mul_ref,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     rms_norm_ref,
@@ -44,12 +45,15 @@ class ReferenceBackend:
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
-    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
-        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    # window: the layer's sliding window (0 = none); softcap: attention-logit soft-capping (0 = none)
+    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int = 0,
+                         softcap: float = 0.0) -> torch.Tensor:
+        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
 
     def prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                          scale: float) -> torch.Tensor:
-        return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+                          scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                           window, softcap)
 
     # ---- the elementwise parts of a decoder layer ---------------------------------------------------------
 
@@ -66,6 +70,10 @@ class ReferenceBackend:
         """[n, 2 * inter] -> silu(gate) * up, [n, inter]."""
         return silu_and_mul_ref(gate_up)
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[n, 2 * inter] -> gelu_tanh(gate) * up, [n, inter] (Gemma's GeGLU)."""
+        return gelu_tanh_and_mul_ref(gate_up)
+
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """In place: q [n, hq, d] and k [n, hk, d] rotated by cos, sin [n, 1, d]. Returns (q, k)."""
@@ -79,6 +87,13 @@ class ReferenceBackend:
         q, k = self.rotary(q, k, cos, sin)
         self.write_kv(k, v, k_cache, v_cache, slot_mapping)
         return q
+
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+        """A mixture-of-experts layer's experts, weighted and summed (kernels/moe_reference.py has the shapes)."""
+        from kernels.moe_reference import fused_moe_ref
+
+        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
     # ---- whole layers and sampling ------------------------------------------------------------------------
 

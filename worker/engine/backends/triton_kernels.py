@@ -13,9 +13,10 @@ from worker.engine.backends.reference import ReferenceBackend
 class TritonBackend(ReferenceBackend):
     def __init__(self, interpreted: bool = False) -> None:
         # imported here, not at module level: Triton must see TRITON_INTERPRET before these modules load
-        from kernels.activation import silu_and_mul_triton
+        from kernels.activation import gelu_tanh_and_mul_triton, silu_and_mul_triton
         from kernels.decode_attention import DecodeWorkspace, num_sms, paged_decode_attention_triton
         from kernels.kv_write import write_kv_triton
+        from kernels.moe import fused_moe_triton
         from kernels.norm import add_rms_norm_triton, rms_norm_triton
         from kernels.prefill_attention import paged_prefill_attention_triton
         from kernels.rope import rotary_triton, rotary_write_kv_triton
@@ -27,8 +28,10 @@ class TritonBackend(ReferenceBackend):
         self._rms_norm = rms_norm_triton
         self._add_rms_norm = add_rms_norm_triton
         self._silu_and_mul = silu_and_mul_triton
+        self._gelu_tanh_and_mul = gelu_tanh_and_mul_triton
         self._rotary = rotary_triton
         self._rotary_write_kv = rotary_write_kv_triton
+        self._fused_moe = fused_moe_triton
         self._workspace_type, self._num_sms = DecodeWorkspace, num_sms
         self.decode_workspace: DecodeWorkspace | None = None
 
@@ -51,12 +54,15 @@ class TritonBackend(ReferenceBackend):
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         self._write_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
-        return self._decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace=self.decode_workspace)
+    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int = 0,
+                         softcap: float = 0.0) -> torch.Tensor:
+        return self._decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace=self.decode_workspace,
+                            window=window, softcap=softcap)
 
     def prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                          scale: float) -> torch.Tensor:
-        return self._prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+                          scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        return self._prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, window=window,
+                             softcap=softcap)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._rms_norm(x, weight, eps)
@@ -67,6 +73,12 @@ class TritonBackend(ReferenceBackend):
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._silu_and_mul(gate_up)
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._gelu_tanh_and_mul(gate_up)
+
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+        return self._fused_moe(x, w13, w2, topk_weights, topk_ids)
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,6 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) on a flat token batch, no padding.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) on a flat token batch, no padding. Gemma 2/3
+(gemma.py) and Phi-3 (phi3.py) reuse its parts with the switches LlamaArch carries (per-layer windows, the
+attention scale and soft-cap, the activation).
 
 Every forward takes all tokens of a step as one [num_tokens] vector with their positions. The model holds
 the arithmetic's order; every kernel-level operation (attention and KV writes, which learn from the
@@ -21,9 +23,15 @@ from worker.engine.backends import Backend
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def _rope_parameters(config: Any) -> dict[str, Any]:
-    # transformers >= 5 keeps rope settings in `rope_parameters`; 4.x in rope_theta / rope_scaling
+def _rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    # transformers >= 5 keeps rope settings in `rope_parameters` (per layer type for Gemma 3); 4.x in
+    # rope_theta / rope_scaling
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if layer_type is not None:
+        if layer_type in params:
+            params = dict(params[layer_type])
+        elif layer_type == "sliding_attention" and getattr(config, "rope_local_base_freq", None):
+            return {"rope_type": "default", "rope_theta": config.rope_local_base_freq}  # Gemma 3, transformers 4.x
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
     scaling = getattr(config, "rope_scaling", None)
@@ -49,7 +57,18 @@ class LlamaArch:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
-    sliding_window: int | None
+    sliding_window: int | None  # one window for every layer (Mistral, Qwen2, Phi-3), or None
+    # the switches the other families set (gemma.py, phi3.py); their defaults are Llama's
+    layer_windows: tuple[int, ...] = ()  # a window per layer (0 = global), where layers differ (Gemma)
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float = 0.0  # Gemma 2's attn_logit_softcapping (0 = none)
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh" (GeGLU)
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window in tokens, 0 for full attention."""
+        if self.layer_windows:
+            return self.layer_windows[layer]
+        return self.sliding_window or 0
 
     @classmethod
     def from_hf_config(cls, config: Any) -> LlamaArch:
@@ -72,6 +91,11 @@ class LlamaArch:
             window = None
         if model_type == "qwen3" and not getattr(config, "use_sliding_window", False):
             window = None
+        # Qwen2/3 window only the layers from max_window_layers on; transformers names each layer's kind
+        layer_types = getattr(config, "layer_types", None)
+        layer_windows = ()
+        if window and layer_types and len(set(layer_types)) > 1:
+            layer_windows = tuple(window if t == "sliding_attention" else 0 for t in layer_types)
         return cls(
             model_type=model_type,
             vocab_size=config.vocab_size,
@@ -87,6 +111,7 @@ class LlamaArch:
             qkv_bias=qkv_bias,
             qk_norm=model_type == "qwen3",
             sliding_window=window,
+            layer_windows=layer_windows,
         )
 
 
@@ -105,23 +130,29 @@ class RMSNorm(nn.Module):
         return self.backend.add_rms_norm(x, residual, self.weight, self.eps)
 
 
+def rope_inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = None,
+                  **init_kwargs: Any) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, cos/sin scaling) as Hugging Face's rotary embedding computes them."""
+    params = _rope_parameters(hf_config, layer_type)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        dim = int(head_dim * params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)))
+        return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
+        raise ValueError(f"rope type {rope_type!r} is not supported")
+    if layer_type is not None:
+        init_kwargs["layer_type"] = layer_type
+    return ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **init_kwargs)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position, computed once the way Hugging Face computes them per step."""
 
-    def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
+    def __init__(self, hf_config: Any, head_dim: int, max_positions: int, layer_type: str | None = None) -> None:
         super().__init__()
-        params = _rope_parameters(hf_config)
-        rope_type = params["rope_type"]
-        scaling = 1.0
-        if rope_type == "default":
-            dim = head_dim
-            inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
-                raise ValueError(f"rope type {rope_type!r} is not supported")
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        inv_freq, scaling = rope_inv_freq(hf_config, head_dim, layer_type)
         positions = torch.arange(max_positions, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -134,13 +165,14 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: LlamaArch, backend: Backend) -> None:
+    def __init__(self, arch: LlamaArch, backend: Backend, layer: int = 0) -> None:
         super().__init__()
         self.backend = backend
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = arch.attn_scale or self.head_dim**-0.5
+        self.window, self.softcap = arch.window(layer), arch.attn_softcap  # 0, 0.0: none
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, backend) if arch.qk_norm else None
@@ -170,7 +202,7 @@ class Attention(nn.Module):
             out = torch.empty_like(q)
             out[:p] = self.backend.prefill_attention(
                 q[:p], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-                meta.prefill_seq_lens, self.scale,
+                meta.prefill_seq_lens, self.scale, self.window, self.softcap,
             )
             if p < num_tokens:
                 out[p:] = self._decode(q[p:], kv_cache, meta)
@@ -178,7 +210,8 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         return self.backend.decode_attention(
-            q, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_seq_lens, self.scale
+            q, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_seq_lens, self.scale, self.window,
+            self.softcap,
         )
 
 
@@ -189,15 +222,17 @@ class MLP(nn.Module):
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        # SwiGLU, or GeGLU with tanh GELU (Gemma)
+        self.act_and_mul = backend.gelu_tanh_and_mul if arch.hidden_act == "gelu_pytorch_tanh" else backend.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: LlamaArch, backend: Backend) -> None:
+    def __init__(self, arch: LlamaArch, backend: Backend, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(arch, backend)
+        self.self_attn = Attention(arch, backend, layer)
         self.mlp = MLP(arch, backend)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backend)
@@ -225,12 +260,16 @@ _FUSED = {
 
 
 class LlamaForCausalLM(nn.Module):
+    arch_type = LlamaArch
+    layer_type = DecoderLayer
+    cpu_fusable = True  # the CPU backend may run a decode step's layers as one C++ call (cpu_decode.py)
+
     def __init__(self, arch: LlamaArch, backend: Backend) -> None:
         super().__init__()
         self.arch = arch
         self.backend = backend
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, backend) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(self.layer_type(arch, backend, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backend)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
@@ -239,6 +278,10 @@ class LlamaForCausalLM(nn.Module):
 
     def attach_rotary(self, rotary: RotaryEmbedding) -> None:
         self.rotary = rotary
+
+    def build_rotary(self, hf_config: Any, max_positions: int) -> nn.Module:
+        """The cos/sin tables this family's layers use, for positions up to max_positions."""
+        return RotaryEmbedding(hf_config, self.arch.head_dim, max_positions)
 
     def forward(
         self,

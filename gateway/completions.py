@@ -1,0 +1,169 @@
+"""POST /v1/chat/completions and /v1/completions: enqueue one job, wait for it, answer as OpenAI does.
+
+The body is mapped to a job exactly as a batch line's body is (producer.openai_batch.body_fields), so the
+same request gives the same job either way. `stream: true` answers with server-sent events made from the
+job's token stream ({ns}:job:{id}:tokens, read by producer Client.stream). Every answer carries the job id
+in the `x-tokenbus-job-id` header: after a timeout (504) the job goes on and GET /v1/jobs/{id} has it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import structlog
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+
+from gateway.auth import owner
+from gateway.context import GatewayContext
+from gateway.errors import APIError, invalid
+from gateway.http import get_ctx, json_body
+from gateway.jobs import job_error, record_ownership
+from gateway.waiter import ClientGone
+from producer.openai_batch import CHAT, COMPLETIONS, body_fields, response_body
+from protocol.errors import InvalidJob, WaitTimeout
+from protocol.models import JobStatus
+
+log = structlog.get_logger("tokenbus.gateway")
+router = APIRouter()
+
+# Someone waits on the answer: interactive, ahead of every default and bulk job in each worker's intake
+# (a gateway batch's jobs are bulk: producer.batches.submit_batch).
+INTERACTIVE = "interactive"
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, who: str = Depends(owner)) -> Any:
+    return await _complete(request, who, CHAT)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, who: str = Depends(owner)) -> Any:
+    return await _complete(request, who, COMPLETIONS)
+
+
+def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    """Pop the streaming fields a batch line may not have: (stream, include_usage)."""
+    stream = body.pop("stream", False)
+    options = body.pop("stream_options", None)
+    if not isinstance(stream, bool):
+        raise invalid(f"stream must be true or false (got {stream!r})", param="stream")
+    if options is not None and (not stream or not isinstance(options, dict)):
+        raise invalid("stream_options needs stream: true and must be an object", param="stream_options")
+    return stream, bool((options or {}).get("include_usage"))
+
+
+def submit(ctx: GatewayContext, who: str, endpoint: str, fields: dict[str, Any]) -> str:
+    job_id = uuid.uuid4().hex
+    fields = fields | {"priority": INTERACTIVE}
+    record_ownership(ctx, job_id, who, endpoint)
+    ctx.client.submit_many([fields], job_ids=[job_id])
+    log.info("gateway_job_submitted", job_id=job_id, endpoint=endpoint, owner=who, stream=fields["stream"])
+    return job_id
+
+
+async def _complete(request: Request, who: str, endpoint: str) -> Any:
+    ctx = get_ctx(request)
+    body = await json_body(request)
+    stream, include_usage = _stream_options(body)
+    try:
+        fields = body_fields(endpoint, body)
+    except InvalidJob as err:
+        message = str(err).removeprefix("body: ").removeprefix("body.")
+        param = message.split(":", 1)[0] if ":" in message.split(" ", 1)[0] else None
+        raise invalid(message, param=param) from None
+    if (asked := fields.get("max_tokens")) is not None and asked > ctx.settings.max_tokens_limit:
+        raise invalid(f"max_tokens {asked} is above this gateway's limit of {ctx.settings.max_tokens_limit}",
+                      param="max_tokens", code="max_tokens_too_large")
+    fields["stream"] = stream
+    job_id = await run_in_threadpool(submit, ctx, who, endpoint, fields)
+    headers = {"x-tokenbus-job-id": job_id}
+    timeout = ctx.settings.completion_timeout_s
+    if stream:
+        events = _sse(ctx, job_id, endpoint, fields.get("model"), include_usage)
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers=headers | {"cache-control": "no-cache"})
+    try:
+        job = await ctx.waiter.wait(job_id, timeout, request.is_disconnected)
+    except ClientGone:
+        await run_in_threadpool(ctx.client.cancel, job_id)  # nobody will read the answer: free the seat
+        log.info("gateway_job_abandoned", job_id=job_id)
+        return JSONResponse({}, status_code=499)
+    if job is None:
+        raise APIError(504, f"job {job_id} did not finish within {timeout:g} s; it is still running: poll "
+                            f"GET /v1/jobs/{job_id}", code="timeout", headers=headers)
+    if job.status != JobStatus.finished or job.result is None:
+        err = job_error(job)
+        err.headers = headers
+        raise err
+    return JSONResponse(response_body(job, endpoint), headers=headers)
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _sse(ctx: GatewayContext, job_id: str, endpoint: str, model: str | None,
+               include_usage: bool) -> AsyncIterator[str]:
+    chat = endpoint == CHAT
+    base = {"id": f"chatcmpl-{job_id}" if chat else f"cmpl-{job_id}",
+            "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+            "model": model or "tokenbus"}
+
+    def chunk(text: str | None, finish_reason: str | None, role: bool = False, index: int = 0) -> dict[str, Any]:
+        if chat:
+            delta: dict[str, Any] = ({"role": "assistant"} if role else {}) | ({} if text is None else
+                                                                               {"content": text})
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return base | {"choices": [choice]}
+
+    ended = False
+    try:
+        if chat:
+            yield _event(chunk("", None, role=True))
+        tokens = ctx.client.stream(job_id, timeout=ctx.settings.completion_timeout_s)
+        streamed = ""
+        try:
+            async for part in iterate_in_threadpool(tokens):
+                if part.text:
+                    streamed += part.text
+                    yield _event(chunk(part.text, None))
+        except WaitTimeout:
+            # Headers are sent: the error goes in the stream, where the SDKs look for it.
+            limit = ctx.settings.completion_timeout_s
+            yield _event(APIError(504, f"job {job_id} did not finish within {limit:g} s, so it was cancelled; "
+                                       "ask for fewer tokens or use a batch", code="timeout").body())
+            return  # `ended` stays False: the finally below cancels the job
+        # The done chunk and the record's end are written together by the worker; wait for the record.
+        job = await ctx.waiter.wait(job_id, 30.0)
+        ended = job is not None
+        if job is None or job.status != JobStatus.finished or job.result is None:
+            err = job_error(job) if job is not None else APIError(504, f"job {job_id} did not end", code="timeout")
+            yield _event(err.body())
+        else:
+            if job.result.model:
+                base["model"] = job.result.model
+            # A worker run with stream_tokens off publishes nothing: the text then comes in one piece.
+            if len(job.result.text) > len(streamed) and job.result.text.startswith(streamed):
+                yield _event(chunk(job.result.text[len(streamed):], None))
+            yield _event(chunk(None, job.result.finish_reason))
+            for c in job.result.choices[1:]:  # the token stream carries choice 0; the others come whole
+                yield _event(chunk(c.text, c.finish_reason, role=chat, index=c.index))
+            if include_usage:
+                yield _event(base | {"choices": [], "usage": job.result.usage.model_dump()})
+        yield "data: [DONE]\n\n"
+    finally:
+        if not ended:  # the client went away (or the stream broke): stop generating for nobody
+            # Synchronous: after a disconnect this task is cancelled, and an await here would not run.
+            try:
+                ctx.client.cancel(job_id)
+                log.info("gateway_stream_abandoned", job_id=job_id)
+            except Exception as err:  # the answer is gone either way; only log
+                log.warning("gateway_stream_cancel_failed", job_id=job_id, error=str(err))

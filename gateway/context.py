@@ -1,0 +1,50 @@
+"""What the HTTP app and the tasks process share: Redis connections, the producer Client, files, the RQ queue."""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import redis
+from rq import Queue
+
+from gateway.files import FileStore
+from gateway.keys import GatewayKeys
+from gateway.settings import GatewaySettings
+from gateway.waiter import JobWaiter
+from producer.client import Client
+from protocol.models import Keys
+
+
+class GatewayContext:
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.keys = Keys(settings.namespace)
+        self.gkeys = GatewayKeys(settings.namespace)
+        # Blocking reads (XREAD BLOCK) stay under the socket timeout: Client.max_block_s reads it.
+        self.redis = redis.Redis.from_url(settings.redis_url, decode_responses=True, socket_timeout=30,
+                                          socket_connect_timeout=5, health_check_interval=30)
+        self.client = Client(redis_client=self.redis, namespace=settings.namespace)
+        self.files = FileStore(self.redis, self.gkeys, settings.files_dir, settings.max_line_bytes,
+                               settings.max_tokens_limit, settings.max_requests_per_file)
+        self.api_keys = settings.keys_by_owner
+        self.waiter = JobWaiter(self.client)  # its thread starts with the HTTP app, never in tasks
+
+    @cached_property
+    def rq_redis(self) -> redis.Redis:
+        # RQ stores pickled job data: it needs a connection that returns bytes.
+        return redis.Redis.from_url(self.settings.redis_url, socket_timeout=30, socket_connect_timeout=5,
+                                    health_check_interval=30)
+
+    @cached_property
+    def queue(self) -> Queue:
+        return Queue(self.settings.queue_name, connection=self.rq_redis)
+
+    @cached_property
+    def webhook_queue(self) -> Queue:
+        """Deliveries wait on their own queue, worked by their own process: a slow receiver delays no submit."""
+        return Queue(self.settings.webhook_queue_name, connection=self.rq_redis)
+
+    def close(self) -> None:
+        self.redis.close()
+        if "rq_redis" in self.__dict__:
+            self.rq_redis.close()

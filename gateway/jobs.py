@@ -1,0 +1,90 @@
+"""Jobs submitted through the gateway: ownership, OpenAI-shaped results and errors, GET /v1/jobs/{id}."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from starlette.concurrency import run_in_threadpool
+
+from gateway.auth import owner
+from gateway.context import GatewayContext
+from gateway.errors import APIError, not_found
+from gateway.http import get_ctx
+from producer.openai_batch import response_body
+from protocol.models import JOB_ID_RE, Job, JobStatus
+
+router = APIRouter()
+OWNERSHIP_SLACK_S = 24 * 3600  # the ownership record outlives the job's record (result_ttl) by this
+
+
+def record_ownership(ctx: GatewayContext, job_id: str, who: str, endpoint: str) -> None:
+    """Written before the job is queued, so a poll right after the submit already finds it."""
+    key = ctx.gkeys.job(job_id)
+    pipe = ctx.redis.pipeline(transaction=True)
+    pipe.hset(key, mapping={"owner": who, "endpoint": endpoint, "created_at": time.time()})
+    pipe.expire(key, ctx.client.result_ttl + OWNERSHIP_SLACK_S)
+    pipe.execute()
+
+
+def owned_job(ctx: GatewayContext, who: str, job_id: str) -> tuple[Job, str]:
+    """(job, endpoint) for a job of this owner: its own chat/completion job or a job of one of its batches."""
+    if not JOB_ID_RE.match(job_id):  # also keeps ids like `x:tokens` from addressing other keys
+        raise not_found("job", job_id)
+    owner_of, endpoint = ctx.redis.hmget(ctx.gkeys.job(job_id), "owner", "endpoint")
+    job = ctx.client.get_many([job_id])[0]
+    if owner_of is None and job is not None and job.batch_id:
+        owner_of, endpoint = ctx.redis.hmget(ctx.gkeys.batch(job.batch_id), "owner", "endpoint")
+    if job is None or owner_of != who:
+        raise not_found("job", job_id)
+    return job, endpoint
+
+
+def job_error(job: Job) -> APIError:
+    """The HTTP error for a job that ended without a result."""
+    code = job.error_code or job.status.value
+    message = job.error or f"job {job.id} ended {job.status.value}"
+    return error_for(code, message, job.id)
+
+
+def error_for(code: str | None, message: str, job_id: str | None = None) -> APIError:
+    """The HTTP error for a job's error code (also the status_code of a batch error-file line)."""
+    if code == "model_mismatch":
+        return APIError(404, message, param="model", code="model_not_found")
+    if code == "invalid_request":
+        return APIError(400, message, code="invalid_request")
+    if code == "cancelled":
+        return APIError(409, message, code="cancelled")
+    where = f" (job {job_id})" if job_id else ""
+    return APIError(500, f"{message}{where}; retry the request", code=code, type="server_error")
+
+
+def job_object(job: Job, endpoint: str) -> dict[str, Any]:
+    """GET /v1/jobs/{id}: the record's state, and the OpenAI response body once finished."""
+    out: dict[str, Any] = {
+        "id": job.id, "object": "tokenbus.job", "status": job.status.value, "endpoint": endpoint,
+        "created_at": job.created_at, "started_at": job.started_at, "first_token_at": job.first_token_at,
+        "finished_at": job.finished_at, "attempts": job.attempts, "batch_id": job.batch_id,
+        "custom_id": job.custom_id, "response": None, "error": None,
+    }
+    if job.status == JobStatus.finished and job.result is not None:
+        out["response"] = response_body(job, endpoint)
+    elif job.done:
+        out["error"] = job_error(job).body()["error"]
+    return out
+
+
+@router.get("/v1/jobs/{job_id}")
+async def get_job(job_id: str, request: Request, who: str = Depends(owner)) -> dict[str, Any]:
+    job, endpoint = await run_in_threadpool(owned_job, get_ctx(request), who, job_id)
+    return job_object(job, endpoint)
+
+
+@router.post("/v1/jobs/{job_id}/cancel")
+async def cancel_job(job_id: str, request: Request, who: str = Depends(owner)) -> dict[str, Any]:
+    ctx = get_ctx(request)
+    await run_in_threadpool(owned_job, ctx, who, job_id)
+    await run_in_threadpool(ctx.client.cancel, job_id)
+    job, endpoint = await run_in_threadpool(owned_job, ctx, who, job_id)
+    return job_object(job, endpoint)

@@ -1,0 +1,135 @@
+"""Gateway settings: one pydantic-settings model read from TOKENBUS_* / TOKENBUS_GATEWAY_* variables."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from protocol.models import DEFAULT_NAMESPACE
+
+MiB = 1024 * 1024
+
+
+def _env(name: str) -> AliasChoices:
+    """Shared settings keep the worker's variable names, so one .env serves the worker and the gateway."""
+    return AliasChoices(f"TOKENBUS_{name.upper()}", f"TOKENBUS_GATEWAY_{name.upper()}")
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOKENBUS_GATEWAY_", extra="ignore", populate_by_name=True)
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias=_env("redis_url"),
+                           description="Redis holding the job stream (TOKENBUS_REDIS_URL, as the worker's)")
+    namespace: str = Field(DEFAULT_NAMESPACE, validation_alias=_env("namespace"),
+                           description="prefix of every Redis key (TOKENBUS_NAMESPACE, as the worker's)")
+    # A plain comma-separated list: pydantic-settings would otherwise want JSON for a list.
+    api_keys: str = Field("", description="comma-separated bearer API keys; each key sees only its own objects")
+    host: str = Field("127.0.0.1", description="address uvicorn listens on (0.0.0.0 in a container)")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port")
+    files_dir: Path = Field(Path("tokenbus-files"), description="volume holding uploaded and output files")
+    max_upload_bytes: int = Field(512 * MiB, gt=0, description="largest file upload (bigger: 413)")
+    max_body_bytes: int = Field(4 * MiB, gt=0, description="largest JSON request body (bigger: 413)")
+    max_line_bytes: int = Field(4 * MiB, gt=0, description="longest line of an uploaded batch file")
+    completion_timeout_s: float = Field(600.0, gt=0,
+                                         description="longest wait of /v1/chat/completions and /v1/completions")
+    stream_threads: int = Field(256, gt=0, description="concurrent blocking waits (streams) of one gateway")
+    webhook_secret: str = Field("", description="master Standard Webhooks secret (whsec_<base64>); each API key "
+                                                "signs with its own secret derived from it; unset = webhooks refused")
+    webhook_previous_secret: str = Field("", description="the master secret before a rotation: deliveries are "
+                                                         "signed with both until it is unset (docs/gateway.md)")
+    webhook_retry_intervals: str = Field("5,30,120,600,1800,3600",
+                                         description="seconds between webhook attempts (comma-separated)")
+    webhook_timeout_s: float = Field(10.0, gt=0, description="one webhook attempt's deadline: connect, send and "
+                                                             "the response headers together")
+    webhook_allow_networks: str = Field("", description="comma-separated CIDRs webhooks may reach although not "
+                                                        "globally routable (e.g. 10.0.0.0/8); empty = public only")
+    rq_queue: str = Field("", description="RQ queue of batch submission and finalisation; "
+                                          "unset = {namespace}-gateway (webhooks: the same name + -webhooks)")
+    # Redis capacity: what one tenant, and all of them, may hold queued (estimated Redis bytes, docs/gateway.md).
+    max_queued_bytes_per_key: int = Field(512 * MiB, ge=0, description="one key's open batches, in estimated "
+                                                                       "Redis bytes (0 = no limit)")
+    max_queued_bytes: int = Field(4096 * MiB, ge=0, description="all keys' open batches, in estimated Redis "
+                                                                "bytes (0 = no limit)")
+    redis_reserve_bytes: int = Field(64 * MiB, ge=0, description="a batch is refused unless Redis keeps this "
+                                                                  "much of its maxmemory free after it")
+    max_requests_per_file: int = Field(50_000, gt=0, description="lines of one batch input file (OpenAI: 50,000)")
+    max_tokens_limit: int = Field(131_072, gt=0, description="largest max_tokens a request may ask for")
+    submit_lease_s: float = Field(15.0, gt=0, description="a submit that has not renewed its lease for this "
+                                                          "long died with its process: the batch fails")
+    tasks_restart_backoff_s: str = Field("1,2,5,10,20,30,60", description="tasks/webhooks: seconds between "
+                                         "restarts of an RQ worker that quit on an error; then the process exits 1")
+    header_timeout_s: float = Field(10.0, gt=0, description="a request's headers must arrive within this")
+    body_grace_s: float = Field(10.0, gt=0, description="a body gets this long before min_body_rate applies")
+    min_body_rate: int = Field(16 * 1024, gt=0, description="bytes/s a request body must keep up on average")
+    watch_interval_s: float = Field(2.0, gt=0, description="tasks: seconds between scans of open batches")
+    # the dashboard at /ui (gateway/ui/, docs/gateway.md "Dashboard")
+    ui_enabled: bool = Field(True, description="serve the dashboard at /ui")
+    ui_keys: str = Field("", description="comma-separated API keys that may log in to the dashboard; "
+                                         "unset = every API key")
+    ui_readonly_keys: str = Field("", description="comma-separated API keys that log in to the dashboard "
+                                                  "read-only (they see, but retry, delete and cancel nothing)")
+    ui_session_ttl_s: int = Field(8 * 3600, gt=0, description="a dashboard session's lifetime")
+    ui_secure_cookie: bool | None = Field(None, description="Secure session cookie; unset = when the request "
+                                                            "came over HTTPS (X-Forwarded-Proto too)")
+    log_level: str = Field("info", validation_alias=_env("log_level"), description="debug, info, warning, error")
+    log_json: bool | None = Field(None, validation_alias=_env("log_json"),
+                                  description="JSON logs; unset = JSON when stderr is not a TTY")
+
+    @field_validator("webhook_retry_intervals")
+    @classmethod
+    def _intervals(cls, v: str) -> str:
+        if not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*", v):
+            raise ValueError(f"give whole seconds separated by commas, e.g. 5,30,120 (got {v!r})")
+        return v
+
+    @field_validator("tasks_restart_backoff_s")
+    @classmethod
+    def _backoff(cls, v: str) -> str:
+        try:
+            assert [float(x) for x in v.split(",")]
+        except (ValueError, AssertionError):
+            raise ValueError(f"give seconds separated by commas, e.g. 1,2,5 (got {v!r})") from None
+        return v
+
+    @field_validator("webhook_allow_networks")
+    @classmethod
+    def _networks(cls, v: str) -> str:
+        import ipaddress
+
+        for n in (x.strip() for x in v.split(",")):
+            if n:
+                ipaddress.ip_network(n, strict=False)  # ValueError names the bad one
+        return v
+
+    @property
+    def keys_by_owner(self) -> dict[str, str]:
+        """owner id -> API key. The owner id (a hash) is what Redis records hold: never the key itself."""
+        return {owner_id(k): k for k in (k.strip() for k in self.api_keys.split(",")) if k}
+
+    @property
+    def ui_login_owners(self) -> set[str]:
+        return {owner_id(k) for k in (k.strip() for k in self.ui_keys.split(",")) if k}
+
+    @property
+    def ui_readonly_owners(self) -> set[str]:
+        return {owner_id(k) for k in (k.strip() for k in self.ui_readonly_keys.split(",")) if k}
+
+    @property
+    def retry_intervals(self) -> list[int]:
+        return [int(x) for x in self.webhook_retry_intervals.split(",")]
+
+    @property
+    def queue_name(self) -> str:
+        return self.rq_queue or f"{self.namespace}-gateway"
+
+    @property
+    def webhook_queue_name(self) -> str:
+        return f"{self.queue_name}-webhooks"
+
+
+def owner_id(api_key: str) -> str:
+    return "key_" + hashlib.sha256(api_key.encode()).hexdigest()[:24]

@@ -1,0 +1,164 @@
+"""What the dashboard's pages show, read from Redis with counts and paged reads only: no page ever scans all
+jobs or all batches (a batch of 1M jobs costs one HGETALL; the batch list one ZREVRANGE of a page)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.batch_records import GatewayBatch, batch_object, load_core
+from gateway.context import GatewayContext
+from protocol.models import JOB_ID_RE, Job
+from protocol.records import BatchRecord, QueueInfo
+
+PAGE = 25
+DEAD_PAYLOAD_CHARS = 8000  # a dead letter's request shown up to this (the rest is cut, with a note)
+
+
+@dataclass
+class BatchRow:
+    obj: dict[str, Any]  # the OpenAI batch object, as GET /v1/batches/{id} answers
+    done: int
+    total: int
+    percent: float
+    rate: float | None  # requests ended per second since it started
+    eta_s: float | None
+
+
+def _gateway_batch(raw: dict[str, str]) -> GatewayBatch | None:
+    """GatewayBatch.load's parsing, for a hash read in a pipeline."""
+    if not raw:
+        return None
+    data: dict[str, Any] = {k: v for k, v in raw.items() if v != ""}
+    for name in ("metadata", "errors"):
+        if name in data:
+            data[name] = json.loads(data[name])
+    return GatewayBatch.model_validate(data)
+
+
+def batch_row(gw: GatewayBatch, core: BatchRecord | None, now: float) -> BatchRow:
+    obj = batch_object(gw, core)
+    counts = obj["request_counts"]
+    total = counts["total"]
+    done = counts["completed"] + counts["failed"]
+    started = obj["in_progress_at"]
+    ended = obj["completed_at"] or obj["cancelled_at"] or obj["expired_at"] or obj["failed_at"]
+    elapsed = ((ended or now) - started) if started else 0
+    rate = done / elapsed if elapsed > 0 and done else None
+    eta = (total - done) / rate if rate and not ended and total > done else None
+    return BatchRow(obj, done, total, 100.0 * done / total if total else 0.0, rate, eta)
+
+
+def batches_page(ctx: GatewayContext, owner: str, page: int) -> tuple[list[BatchRow], int]:
+    """One page of this owner's batches, newest first, and how many it has in all."""
+    key = ctx.gkeys.batches(owner)
+    total = ctx.redis.zcard(key)
+    ids = ctx.redis.zrevrange(key, page * PAGE, page * PAGE + PAGE - 1)
+    pipe = ctx.redis.pipeline(transaction=False)
+    for bid in ids:
+        pipe.hgetall(ctx.gkeys.batch(bid)).hgetall(ctx.keys.batch(bid))
+    raw = pipe.execute()
+    now, rows = time.time(), []
+    for gw_raw, core_raw in zip(raw[::2], raw[1::2], strict=True):
+        gw = _gateway_batch(gw_raw)
+        if gw is not None:  # deleted between the two reads
+            rows.append(batch_row(gw, BatchRecord.from_record(core_raw) if core_raw else None, now))
+    return rows, total
+
+
+def owned_batch(ctx: GatewayContext, owner: str, batch_id: str) -> BatchRow | None:
+    gw = GatewayBatch.load(ctx.redis, ctx.gkeys, batch_id)
+    if gw is None or gw.owner != owner:
+        return None
+    return batch_row(gw, load_core(ctx.redis, ctx.keys, batch_id), time.time())
+
+
+def batch_jobs(ctx: GatewayContext, batch_id: str, page: int) -> tuple[list[Job], int]:
+    """One page of a batch's jobs in input order (LRANGE of its job list: O(page), whatever its size)."""
+    key = ctx.keys.batch_jobs(batch_id)
+    total = ctx.redis.llen(key)
+    ids = ctx.redis.lrange(key, page * PAGE, page * PAGE + PAGE - 1)
+    return [j for j in ctx.client.get_many(ids) if j is not None], total
+
+
+def file_lines(ctx: GatewayContext, owner: str, file_id: str | None, limit: int = PAGE) -> list[dict[str, Any]]:
+    """The first lines of an output or error file (each parsed; a file is read only that far)."""
+    if not file_id or ctx.files.find(owner, file_id) is None:
+        return []
+    out: list[dict[str, Any]] = []
+    path = ctx.files.path(file_id)
+    if not path.is_file():
+        return []
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if len(out) >= limit:
+                break
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                out.append({"custom_id": None, "error": {"message": line[:500]}})
+    return out
+
+
+@dataclass
+class DeadLetter:
+    id: str  # the entry's id in {ns}:dead
+    job_id: str
+    reason: str
+    attempts: str
+    worker: str
+    at: float | None
+    request: str  # pretty JSON when it parses, else the raw text (cut at DEAD_PAYLOAD_CHARS)
+    cut: bool = False
+    fields: dict[str, str] = field(default_factory=dict)
+
+
+def _dead(entry_id: str, fields: dict[str, str]) -> DeadLetter:
+    raw = fields.get("request", "")
+    try:
+        text = json.dumps(json.loads(raw), indent=2, ensure_ascii=False)
+    except (ValueError, RecursionError):
+        text = raw
+    try:
+        at = float(fields.get("at", ""))
+    except ValueError:
+        at = None
+    return DeadLetter(entry_id, fields.get("job_id", ""), fields.get("reason", ""), fields.get("attempts", "0"),
+                      fields.get("worker", ""), at, text[:DEAD_PAYLOAD_CHARS], len(text) > DEAD_PAYLOAD_CHARS,
+                      fields)
+
+
+def dead_letters(ctx: GatewayContext, before: str | None) -> tuple[list[DeadLetter], int, str | None]:
+    """A page of dead letters, newest first (XREVRANGE from `before`, exclusive), the total, the next cursor."""
+    top = f"({before}" if before else "+"
+    entries = ctx.redis.xrevrange(ctx.keys.dead, top, "-", count=PAGE + 1)
+    more = len(entries) > PAGE
+    rows = [_dead(i, f) for i, f in entries[:PAGE]]
+    return rows, ctx.redis.xlen(ctx.keys.dead), rows[-1].id if more else None
+
+
+def dead_letter(ctx: GatewayContext, entry_id: str) -> DeadLetter | None:
+    entries = ctx.redis.xrange(ctx.keys.dead, entry_id, entry_id, count=1)
+    return _dead(*entries[0]) if entries else None
+
+
+def workers(info: QueueInfo) -> list[dict[str, Any]]:
+    """Each worker's heartbeat as the Workers page shows it (alive ones first)."""
+    now, rows = time.time(), []
+    for w in info.workers:
+        hb = w.heartbeat
+        used = hb.used_blocks if hb else None
+        free = hb.free_blocks if hb else None
+        rows.append({
+            "name": w.name, "alive": w.alive, "hb": hb,
+            "age_s": now - hb.last_seen if hb and hb.last_seen else None,
+            "blocks_total": (used or 0) + (free or 0) if used is not None and free is not None else None,
+            "hit_rate": hb.prefix_hit_rate if hb else None,
+        })
+    return sorted(rows, key=lambda r: (not r["alive"], r["name"]))
+
+
+def valid_job_id(job_id: str) -> bool:
+    return bool(JOB_ID_RE.match(job_id))

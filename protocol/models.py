@@ -1,0 +1,433 @@
+"""The wire protocol between producers and workers: statuses and pydantic models (key names and priorities
+in protocol/keys.py, re-exported here).
+
+This module is the source of truth for docs/protocol.md. It imports no torch: clients in other processes
+(and other languages, via the doc) only need Redis and these shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticSerializationError
+
+from protocol.constraints import check_choice, check_response_format, grammar_error, grammar_for
+from protocol.errors import InvalidJob
+from protocol.keys import DEFAULT_NAMESPACE, PRIORITIES, Keys, Priority, priority_rank  # noqa: F401  (part of the protocol)
+
+GROUP = "workers"  # the one consumer group, on every job queue
+DEFAULT_MAX_QUEUE_LEN = 1_000_000
+DEFAULT_RESULT_TTL = 7 * 24 * 3600  # seconds a finished job's record (and a batch) is kept
+EVENTS_MAXLEN = 100_000  # approximate cap of {ns}:events
+MAX_LOGPROBS = 20
+MAX_ID_LEN = 200
+# Job and batch ids. No ':' (the key separator): with it, job `V:tokens` would be job V's token stream and
+# batch `C:jobs` batch C's job list. \A...\Z: `$` would also match before a final newline.
+JOB_ID_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.@-]{0,199}\Z")
+ID_CHARS = "A-Z a-z 0-9 _ . @ -"
+# Size bounds of one request, checked by the client before writing and by workers on every entry.
+MAX_REQUEST_BYTES = 1 << 20  # the request JSON, UTF-8 bytes
+MAX_COUNT = 2**31 - 1  # max_tokens, min_tokens, top_k, token ids (any model's vocabulary is far smaller)
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what a torch generator accepts
+MAX_CHOICES = 32  # n: completions of one prompt
+
+
+class JobStatus(StrEnum):
+    queued = "queued"
+    running = "running"
+    finished = "finished"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+TERMINAL_STATUSES = frozenset({JobStatus.finished, JobStatus.failed, JobStatus.cancelled})
+
+
+class BatchStatus(StrEnum):
+    validating = "validating"  # record written, jobs being submitted
+    in_progress = "in_progress"
+    completed = "completed"
+    cancelling = "cancelling"
+    cancelled = "cancelled"
+
+
+TERMINAL_BATCH_STATUSES = frozenset({BatchStatus.completed, BatchStatus.cancelled})
+
+
+class ErrorCode(StrEnum):
+    """`error_code` values in a job record; workers may add others (clients must accept any string)."""
+
+    invalid_request = "invalid_request"  # failed the worker's re-validation or the engine's checks
+    model_mismatch = "model_mismatch"  # request.model is not the worker's model
+    worker_error = "worker_error"  # an exception while generating
+    max_attempts = "max_attempts"  # reclaimed too often (worker crashes); also dead-lettered
+    cancelled = "cancelled"
+
+
+# Wire models are strict: "64" is not an int and 1 is not a bool, so a typo fails at submit, not on a GPU.
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class GenerationParams(BaseModel):
+    """The generation fields of a job: their one definition. The engine's SamplingParams is this class plus
+    what it derives (worker/engine/sampling_params.py), so both sides accept and refuse the same values."""
+
+    model_config = _STRICT
+
+    max_tokens: int = Field(256, ge=1, le=MAX_COUNT)
+    min_tokens: int = Field(0, ge=0, le=MAX_COUNT)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, le=MAX_COUNT)  # 0 = off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)  # choice i of n draws with seed + i
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # completions of the prompt (OpenAI `n`), sharing its KV blocks
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    skip_special_tokens: bool = True
+    # structured output, at most one per job (protocol/constraints.py): OpenAI's {"type": "json_object"} or
+    # {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}; a regex the output must match
+    # as a whole; or a list of strings the output must be one of
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_response_format(v)
+
+    @field_validator("choice")
+    @classmethod
+    def _choice(cls, v: list[str] | None) -> list[str] | None:
+        return check_choice(v)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
+        for s in [v] if isinstance(v, str) else v or []:
+            if s == "":
+                raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _ids_not_negative(cls, v: list[int] | None) -> list[int] | None:
+        if v and min(v) < 0:
+            raise ValueError("token ids must be >= 0")
+        if v and max(v) > MAX_COUNT:
+            raise ValueError(f"token ids must be <= {MAX_COUNT} (and below the model's vocabulary size)")
+        return v
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> GenerationParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
+            raise ValueError(f"seed + n - 1 must be <= {MAX_SEED}: choice i uses seed + i")
+        grammar = grammar_for(self.response_format, self.regex, self.choice)
+        if grammar is not None:
+            # the grammar decides where the output may end: forcing it on would contradict the grammar
+            if self.min_tokens or self.ignore_eos:
+                raise ValueError("min_tokens and ignore_eos cannot be combined with response_format, regex or choice")
+            error = grammar_error(grammar)
+            if error:
+                what = "regex" if self.regex is not None else "choice" if self.choice is not None else \
+                    "response_format JSON schema"
+                raise ValueError(f"the {what} cannot be compiled: {' '.join(error.split())[:400]}")
+        return self
+
+    def constraint_grammar(self) -> str | None:
+        """The llguidance grammar text of this job's constraint (protocol/constraints.py), None without one."""
+        return grammar_for(self.response_format, self.regex, self.choice)
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """kwargs for worker SamplingParams(**...): only the generation fields."""
+        return {name: getattr(self, name) for name in GenerationParams.model_fields}
+
+
+class Message(BaseModel):
+    model_config = _STRICT
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+    name: str | None = None
+
+
+class JobRequest(GenerationParams):
+    """One job: exactly one of prompt / messages / prompt_token_ids, plus generation fields."""
+
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    prompt_token_ids: list[int] | None = None
+    model: str | None = None  # checked against the worker's model when given
+    stream: bool = False  # publish partial tokens (worker option)
+    # the queue it waits on: every worker's intake serves interactive, then default, then bulk
+    priority: Literal["interactive", "default", "bulk"] = "default"
+    metadata: dict[str, str] | None = None  # caller's labels, returned untouched
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> JobRequest:
+        given = [n for n in ("prompt", "messages", "prompt_token_ids") if getattr(self, n) is not None]
+        if len(given) != 1:
+            what = "none" if not given else " and ".join(given)
+            raise ValueError(f"give exactly one of prompt, messages, prompt_token_ids (got {what})")
+        if self.prompt is not None and self.prompt == "":
+            raise ValueError("prompt must not be empty")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        if self.prompt_token_ids is not None:
+            if not self.prompt_token_ids:
+                raise ValueError("prompt_token_ids must not be empty")
+            if min(self.prompt_token_ids) < 0:
+                raise ValueError("prompt_token_ids must be >= 0")
+            if max(self.prompt_token_ids) > MAX_COUNT:
+                raise ValueError(f"prompt_token_ids must be <= {MAX_COUNT} (and below the model's vocabulary size)")
+        return self
+
+    def engine_prompt(self) -> str | list[int] | list[dict[str, str]]:
+        """What Engine.add_request takes as its prompt."""
+        if self.prompt is not None:
+            return self.prompt
+        if self.prompt_token_ids is not None:
+            return list(self.prompt_token_ids)
+        return [m.model_dump(exclude_none=True) for m in self.messages or []]
+
+    def to_json(self) -> str:
+        """The request JSON; InvalidJob if it is not valid UTF-8 text or larger than MAX_REQUEST_BYTES."""
+        # Defaults are left out: the record stays small and a reader applies the same defaults.
+        try:
+            text = self.model_dump_json(exclude_defaults=True)
+        except PydanticSerializationError as err:  # e.g. a lone surrogate ("\ud800"): not encodable as UTF-8
+            raise InvalidJob(f"invalid job: a text field is not valid Unicode text ({err})") from None
+        check_request_size(len(text.encode()))
+        return text
+
+
+class Usage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class TokenText(BaseModel):
+    """One token on its own: its text (U+FFFD where it holds part of a character) and its exact bytes."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str
+    bytes: list[int]
+
+
+class ResultChoice(BaseModel):
+    """One of a job's n completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+class JobResult(BaseModel):
+    """The `result` field of a finished job (JSON). text, token_ids, finish_reason and logprobs are choice 0's;
+    `choices` holds every one of the n (usage.completion_tokens counts them all)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    usage: Usage = Field(default_factory=Usage)
+    logprobs: list[dict[int, float]] | None = None  # per generated token: {token_id: logprob}
+    # with logprobs: every token id they name (sampled and top candidates) -> its text and bytes
+    logprob_tokens: dict[int, TokenText] | None = None
+    model: str | None = None  # the worker's model name
+    choices: list[ResultChoice] = Field(default_factory=list)  # empty from a worker that wrote none
+
+    def all_choices(self) -> list[ResultChoice]:
+        """The n choices; for a result without `choices`, the one its own fields describe."""
+        return self.choices or [ResultChoice(index=0, text=self.text, token_ids=self.token_ids,
+                                             finish_reason=self.finish_reason, logprobs=self.logprobs)]
+
+
+class Job(BaseModel):
+    """A job record as read back from `{ns}:job:{id}`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    status: JobStatus
+    request: dict[str, Any] | None = None
+    created_at: float | None = None  # queued
+    started_at: float | None = None  # latest attempt started running
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    attempts: int = 0
+    worker: str | None = None
+    result: JobResult | None = None
+    error: str | None = None
+    error_code: str | None = None
+    batch_id: str | None = None
+    custom_id: str | None = None
+    entry_id: str | None = None  # id of its entry in its queue
+    queue: str | None = None  # the stream it waits on: {ns}:q:{priority}[:{batch_id}]
+    priority: str | None = None  # interactive | default | bulk (None: written before priorities)
+
+    @classmethod
+    def from_record(cls, fields: dict[str, str]) -> Job:
+        data: dict[str, Any] = dict(fields)
+        for key in ("request", "result"):
+            if data.get(key):
+                try:
+                    value = json.loads(data[key])
+                except (ValueError, RecursionError):  # not JSON, a huge integer, deep nesting
+                    value = None
+                if not isinstance(value, dict):
+                    value = None if key == "result" else {"_unparsed": data[key]}
+                data[key] = value
+            else:
+                data.pop(key, None)
+        return cls.model_validate({k: v for k, v in data.items() if v != ""})
+
+    @property
+    def done(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+    @property
+    def queue_seconds(self) -> float | None:
+        return _span(self.created_at, self.started_at)
+
+    @property
+    def ttft_seconds(self) -> float | None:
+        return _span(self.started_at, self.first_token_at)
+
+    @property
+    def latency_seconds(self) -> float | None:
+        return _span(self.created_at, self.finished_at)
+
+
+def _span(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else b - a
+
+
+def is_valid_id(value: object) -> bool:
+    """A job or batch id: 1-200 of A-Z a-z 0-9 _ . @ -, starting with a letter or digit (no ':')."""
+    return isinstance(value, str) and JOB_ID_RE.fullmatch(value) is not None
+
+
+def check_job_id(job_id: str, what: str = "job id") -> str:
+    if not is_valid_id(job_id):
+        raise InvalidJob(
+            f"invalid {what} {_short(job_id)}: use 1-{MAX_ID_LEN} characters from {ID_CHARS} "
+            "(starting with a letter or digit; no ':', which separates the parts of Redis keys)"
+        )
+    return job_id
+
+
+def batch_job_id(batch_id: str, index: int) -> str:
+    """The id of a batch's job: `{batch_id}-{index}`, index from 0 in input order."""
+    return f"{batch_id}-{index}"
+
+
+def check_batch_id(batch_id: str, total: int) -> str:
+    """A batch id whose every job id `{batch_id}-{i}` (i < total) is a valid job id, or InvalidJob."""
+    check_job_id(batch_id, "batch id")
+    longest = batch_job_id(batch_id, max(total - 1, 0))
+    if not is_valid_id(longest):
+        room = MAX_ID_LEN - len(longest) + len(batch_id)
+        raise InvalidJob(
+            f"batch id {batch_id!r} is too long for {total} requests: its last job id {longest!r} would have "
+            f"{len(longest)} characters (at most {MAX_ID_LEN}); use a batch id of at most {room} characters"
+        )
+    return batch_id
+
+
+def check_request_size(size: int) -> None:
+    if size > MAX_REQUEST_BYTES:
+        raise InvalidJob(
+            f"invalid job: the request is {size} bytes of JSON, more than the limit of {MAX_REQUEST_BYTES} "
+            "(MAX_REQUEST_BYTES); shorten the prompt or split the work into several jobs"
+        )
+
+
+def describe_validation_error(err: ValidationError) -> str:
+    """One line per problem: `field: what is wrong (got value)`."""
+    allowed = ", ".join(JobRequest.model_fields)
+    lines = []
+    for e in err.errors(include_url=False):
+        loc = ".".join(str(p) for p in e["loc"]) or "request"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{loc}: unknown field (allowed: {allowed})")
+            continue
+        msg = e["msg"].removeprefix("Value error, ")
+        got = e.get("input")
+        shown = "" if isinstance(got, dict) else f" (got {_short(got)})"
+        lines.append(f"{loc}: {msg}{shown}")
+    return "; ".join(lines)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # a huge int nested somewhere, or a very deep structure
+        return f"a {type(value).__name__} too large to show"
+    if isinstance(value, float) and not math.isfinite(value):
+        return text
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def validate_request(data: dict[str, Any] | JobRequest) -> JobRequest:
+    """A JobRequest from a dict, or InvalidJob saying every field that is wrong."""
+    if isinstance(data, JobRequest):
+        return data
+    if not isinstance(data, dict):
+        raise InvalidJob(f"invalid job: a request must be a JSON object / dict, got {type(data).__name__}")
+    try:
+        return JobRequest.model_validate(data)
+    except ValidationError as err:
+        raise InvalidJob(f"invalid job: {describe_validation_error(err)}") from None
+
+
+def parse_request(raw: str | bytes) -> JobRequest:
+    """What a worker calls on an entry's `request` field: JSON text -> JobRequest or InvalidJob.
+
+    Whatever the text holds, the only exception is InvalidJob: a huge integer (ValueError from the int
+    digits limit), deep nesting (RecursionError) or bad UTF-8 fail this request, never its reader."""
+    size = len(raw) if isinstance(raw, bytes) else len(raw.encode("utf-8", "surrogatepass"))
+    check_request_size(size)
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise InvalidJob(f"invalid job: request is not valid UTF-8 ({err})") from None
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise InvalidJob("invalid job: request JSON is nested too deeply (a request has 3 levels: request, "
+                         "messages, message; only a response_format JSON schema nests further)") from None
+    except ValueError as err:  # JSONDecodeError, and an integer past Python's digits limit
+        raise InvalidJob(f"invalid job: request is not valid JSON ({err})") from None
+    request = validate_request(data)
+    try:
+        request.model_dump_json()
+    except PydanticSerializationError:
+        raise InvalidJob("invalid job: a text field holds a lone surrogate (\\ud800-\\udfff escape): "
+                         "not valid Unicode text") from None
+    return request

@@ -1,0 +1,92 @@
+"""Records of the queue's state as Redis holds them: a worker's heartbeat, a batch's record, and the summary
+`Client.info()` builds from them. Part of the wire protocol (docs/protocol.md)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from protocol.models import TERMINAL_BATCH_STATUSES, BatchStatus, Priority
+
+
+class Heartbeat(BaseModel):
+    """The JSON value of `{ns}:worker:{name}` (kept alive by a TTL the worker refreshes)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    model: str | None = None
+    model_path: str | None = None  # "native" (tokenbus's own model code) or "transformers" (the fallback)
+    started_at: float | None = None
+    last_seen: float | None = None
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int | None = None
+    used_blocks: int | None = None
+    jobs_done: int = 0
+    serving_path: str | None = None  # the engine's backend and device, e.g. "cpu-cpp on cpu", "triton on cuda:0"
+    generated_tokens: int = 0  # since the engine started (the dashboard's tokens/s is its rate)
+    step_ms: list[float] = Field(default_factory=list)  # the latest steps' wall times, oldest first (<= 32)
+    # the prefix cache since the worker's engine started: prompt tokens / full blocks looked up and found
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_queried_blocks: int = 0
+    prefix_hit_blocks: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """Share of looked-up prompt tokens served from the prefix cache (None before any lookup)."""
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else None
+
+
+class WorkerInfo(BaseModel):
+    name: str
+    alive: bool  # its heartbeat key still exists
+    heartbeat: Heartbeat | None = None
+
+
+class QueueInfo(BaseModel):
+    namespace: str
+    queue_depth: int  # XLEN summed over every queue: queued + running entries (ended ones are XDELed)
+    pending: int  # delivered to a worker, not acked yet (XPENDING, summed)
+    waiting: int  # queue_depth - pending: not picked up yet
+    by_priority: dict[str, int] = Field(default_factory=dict)  # queue_depth of each priority
+    queues: int = 0  # streams that hold entries (loose queues, batch queues, the pre-priority {ns}:jobs)
+    consumers: int
+    workers: list[WorkerInfo]
+    dead_letters: int
+    cancel_requested: int
+    max_queue_len: int
+    result_ttl: int
+
+
+class BatchRecord(BaseModel):
+    """`{ns}:batch:{id}` hash."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    status: BatchStatus
+    endpoint: str
+    total: int
+    finished: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    created_at: float | None = None
+    in_progress_at: float | None = None
+    completed_at: float | None = None
+    cancelled_at: float | None = None  # when cancel was requested
+    input_file: str | None = None
+    priority: str = Priority.default.value  # of every job of the batch (batches.submit_batch: bulk)
+    queue: str | None = None  # its jobs' stream, {ns}:q:{priority}:{id}; leaves the registry when it ends
+
+    @property
+    def done(self) -> int:
+        return self.finished + self.failed + self.cancelled
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL_BATCH_STATUSES
+
+    @classmethod
+    def from_record(cls, fields: dict[str, str]) -> BatchRecord:
+        return cls.model_validate({k: v for k, v in fields.items() if v != ""})

@@ -1,0 +1,141 @@
+"""The tree says what each part is: no import cycle, each part imports only the parts below it on the data path,
+and docs/architecture.md names every module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("protocol", "producer", "gateway", "worker", "kernels", "benchmarks")
+# who may import whom: the contract is at the bottom; the client, the gateway and the worker sit on it side by
+# side; kernels know nothing of the rest; benchmarks may use anything (and the tests' support code)
+ALLOWED = {
+    "protocol": {"protocol"},
+    "producer": {"protocol", "producer"},
+    "gateway": {"protocol", "producer", "gateway"},
+    "worker": {"protocol", "worker", "kernels"},
+    "kernels": {"kernels"},
+    "benchmarks": {*PACKAGES, "tests"},
+}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+def imports(path: Path, name: str, known: dict[str, Path]) -> set[str]:
+    """Every project module `path` imports, anywhere in the file (a lazy import or one under TYPE_CHECKING
+    still ties the two modules together)."""
+    is_pkg = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_pkg else name.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                out.add(target)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(path, name, known) for name, path in known.items()}
+
+
+def test_no_import_cycle():
+    edges = graph()
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            # a package's own __init__ re-exporting its submodules is how packages work, not a cycle
+            if nxt == node.rpartition(".")[0] or node == nxt.rpartition(".")[0]:
+                continue
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join([*path[path.index(nxt):], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import cycles:\n  " + "\n  ".join(cycles)
+
+
+def test_each_part_imports_only_what_is_below_it():
+    wrong = [f"{name} imports {dep}" for name, deps in graph().items() for dep in sorted(deps)
+             if dep.split(".")[0] not in ALLOWED[name.split(".")[0]]]
+    assert not wrong, "\n".join(wrong)
+
+
+def rooms_tree() -> set[str]:
+    """The paths the tree in docs/architecture.md's "Rooms" section names: two spaces of indent per folder,
+    the names of a line before the first run of two spaces ("a.py, b.py" names both)."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    block = doc[doc.index("## Rooms"):].split("```")[1]
+    named, stack = set(), []  # stack: (indent, folder path)
+    for line in block.splitlines():
+        if not line.strip() or not (line.lstrip()[0].isalnum() or line.lstrip()[0] == "_"):
+            continue
+        indent = len(line) - len(line.lstrip())
+        head = line.strip().split("  ")[0]
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        folder = stack[-1][1] if stack else ""
+        for name in (n.strip() for n in head.split(",")):
+            path = folder + name
+            named.add(path.rstrip("/"))
+            if name.endswith("/"):
+                stack.append((indent, path))
+    return named
+
+
+def test_architecture_doc_names_every_module():
+    named = rooms_tree()
+    missing = [rel for path in modules().values()
+               if (rel := path.relative_to(ROOT).as_posix()).split("/")[0] != "benchmarks"
+               and path.name != "__init__.py" and rel not in named]
+    assert not missing, "docs/architecture.md's Rooms tree does not name: " + ", ".join(sorted(missing))
+
+
+def test_every_benchmark_starts_from_its_place():
+    """`python -m benchmarks.NAME --help` for every script under benchmarks/: each imports from the package
+    (no sys.path edits) and parses its arguments. The vLLM one runs in vLLM's own venv and is only imported."""
+    import subprocess
+    import sys
+
+    scripts = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if "__main__" in p.read_text())
+    assert len(scripts) >= 10, scripts
+    code = "\n".join([
+        "import importlib, runpy, sys",
+        f"for name in {scripts!r}:",
+        "    if name in ('bench_vllm_cpu', 'bench_queues'):",  # a foreign venv / a tree path as argv[1]
+        "        importlib.import_module('benchmarks.' + name); continue",
+        "    sys.argv = [name, '--help']",
+        "    try:",
+        "        runpy.run_module('benchmarks.' + name, run_name='__main__')",
+        "    except SystemExit as e:",
+        "        assert e.code in (0, None), (name, e.code)",
+    ])
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

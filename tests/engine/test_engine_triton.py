@@ -1,0 +1,137 @@
+"""The engine with the Triton kernels forced on (CPU, TRITON_INTERPRET=1) equals Hugging Face `generate`.
+
+The engine run happens in a child process because Triton reads TRITON_INTERPRET when the kernel modules
+are first imported (see tests/kernels/test_kernels.py); the child refuses the PyTorch references outright and
+counts every Triton kernel's calls, so a pass means every attention call, KV write, norm, RoPE and SiLU·mul
+went through the Triton kernels (none fell back silently). The HF reference runs here.
+Run directly, this file is the child: `python tests/engine/test_engine_triton.py MODEL_DIR` prints JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# chunked prefill (prompts longer than the 16-token step budget), block boundaries (block_size 16),
+# sequences joining and leaving a running decode batch; the last prompt starts with the second one's first
+# full block, so its prefill starts mid-sequence over a prefix-cache hit
+PROMPTS = [
+    "Hello there",
+    "The capital of France is a city that many people like to visit because of its museums and food",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,",
+    "def f(x):\n    return",
+    "The capital of France is a city that many people like to visit because of its museums and its old parks",
+]
+MAX_TOKENS = [20, 9, 14, 24, 11]  # at max_num_seqs 4 the decode batch runs at 3 (padded to 4) on its way out
+
+
+def run_engine_with_triton(directory: str, static_decode: bool = False) -> dict:
+    """Child side: the engine on CPU with the interpreted Triton kernels; the references would raise."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    import kernels.activation as activation
+    import kernels.decode_attention as decode
+    import kernels.norm as norm
+    import kernels.prefill_attention as prefill
+    import kernels.rope as rope
+    from worker import Engine, SamplingParams
+    from worker.engine.backends import reference
+
+    calls = {"rotary_write_kv": 0, "decode": 0, "prefill": 0, "rms_norm": 0, "add_rms_norm": 0, "silu_and_mul": 0}
+
+    def counted(module, attr, key):
+        inner = getattr(module, attr)
+
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            return inner(*args, **kwargs)
+
+        setattr(module, attr, wrapper)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a PyTorch reference ran although TRITON_INTERPRET=1")
+
+    for name in ("write_kv_ref", "paged_decode_attention_ref", "paged_prefill_attention_ref", "rms_norm_ref",
+                 "add_rms_norm_ref", "rotary_ref", "silu_and_mul_ref"):
+        setattr(reference, name, refuse)
+    counted(rope, "rotary_write_kv_triton", "rotary_write_kv")
+    counted(decode, "paged_decode_attention_triton", "decode")
+    counted(prefill, "paged_prefill_attention_triton", "prefill")
+    counted(norm, "rms_norm_triton", "rms_norm")
+    counted(norm, "add_rms_norm_triton", "add_rms_norm")
+    counted(activation, "silu_and_mul_triton", "silu_and_mul")
+
+    # static_decode: pure decode steps padded to buckets 1, 2, 4 with full-width tables (the graphs' path)
+    engine = Engine(directory, device="cpu", dtype="float32", block_size=16, max_num_seqs=4 if static_decode else 3,
+                    max_num_batched_tokens=16, kv_cache_gb=0.01, static_decode=static_decode)
+    padded = []
+    if static_decode:
+        run = engine.runner.static.run
+
+        def observed(batch):
+            hidden, step = run(batch)
+            padded.append(hidden.shape[0] > len(batch.seqs))
+            return hidden, step
+
+        engine.runner.static.run = observed
+    for i, (prompt, max_tokens) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = {"prompt": out.prompt_token_ids, "tokens": out.token_ids}
+    engine.block_manager.check_invariants([])
+    return {"outputs": outputs, "calls": calls, "steps": engine.steps, "layers": engine.model.arch.num_layers,
+            "prefix_hit_tokens": engine.block_manager.stats.hit_tokens, "padded_steps": sum(padded)}
+
+
+@pytest.mark.parametrize("static_decode", [False, True], ids=["eager", "static-decode"])
+def test_engine_with_triton_kernels_equals_hf(tmp_path, static_decode):
+    from tests.support.hf_reference import hf_greedy, load_hf
+    from tests.support.tiny_models import make_tiny_model
+
+    directory = make_tiny_model(str(tmp_path / "llama"), "llama")  # 4 q / 2 kv heads, head_dim 32
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "tests.engine.test_engine_triton", directory, str(static_decode)],
+                          cwd=root, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"engine child failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    calls, per_step = result["calls"], result["steps"] * result["layers"]
+    assert (result["padded_steps"] > 0) == static_decode, result["padded_steps"]
+    # every layer of every step: one fused RoPE + KV write, one SiLU·mul, two residual-add norms (the first
+    # layer's input norm is a plain one, the final norm an add); attention once or twice (prefill + decode)
+    assert calls["rotary_write_kv"] == calls["silu_and_mul"] == per_step, calls
+    assert calls["rms_norm"] == result["steps"] and calls["add_rms_norm"] == 2 * per_step, calls
+    assert calls["decode"] > 0 and calls["prefill"] > 0, calls
+    assert calls["decode"] + calls["prefill"] >= per_step, calls
+    assert result["prefix_hit_tokens"] >= 16, "the last prompt did not reuse the second one's cached block"
+
+    hf = load_hf(directory)
+    for i, max_tokens in enumerate(MAX_TOKENS):
+        out = result["outputs"][str(i)]
+        expected = hf_greedy(hf, out["prompt"], max_tokens, ignore_eos=True)
+        assert out["tokens"] == expected, f"prompt {PROMPTS[i]!r}: Triton engine {out['tokens']} != HF {expected}"
+
+
+def test_head_dim_the_kernels_cannot_serve_fails_at_start(tmp_path):
+    """head_dim 24 (not a power of two): Engine.__init__ refuses it on the Triton path, naming model and limit."""
+    from tests.support.tiny_models import make_tiny_model
+
+    directory = make_tiny_model(str(tmp_path / "odd"), "llama", hidden_size=96, head_dim=24)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    code = f"from worker import Engine; Engine({directory!r}, device='cpu', dtype='float32')"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert f"model {directory!r} has head_dim 24" in proc.stderr and "power of two >= 16" in proc.stderr, \
+        proc.stderr[-3000:]
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_engine_with_triton(sys.argv[1], sys.argv[2:] == ["True"])))

@@ -1,0 +1,111 @@
+"""Issue #22, Redis capacity: per-key and global byte limits checked before anything is queued; Redis running
+out of memory during an ingest fails that batch alone and frees what it wrote; the tasks process survives
+Redis refusing its own writes, and exits 1 (never 0) when that lasts."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+
+from gateway.capacity import estimate
+from tests.support.light_gateway import chat_line, wait_until
+
+
+def _set(r, **limits):
+    for k, v in limits.items():
+        if v is None:
+            r.hdel("tokenbus:gw:config", k)
+        else:
+            r.hset("tokenbus:gw:config", k, v)
+
+
+def test_byte_limits_refuse_before_anything_is_queued(light_stack, tmp_path):
+    r = light_stack.r()
+    line = chat_line("x", "Hello there")
+    one = estimate(1, len(line) + 1)
+    try:
+        _set(r, max_queued_bytes_per_key=3 * one, max_queued_bytes=5 * one)
+        a1 = light_stack.batch("alice", [chat_line(f"a{i}", "Hello there") for i in range(2)], tmp_path)
+        light_stack.wait_status("alice", a1.id, ("in_progress",))
+        with pytest.raises(openai.RateLimitError) as err:  # alice's 2 + 2 more > her 3
+            light_stack.batch("alice", [chat_line(f"b{i}", "Hello there") for i in range(2)], tmp_path)
+        assert err.value.code == "queued_bytes_per_key_exceeded" and err.value.response.headers["retry-after"]
+        b1 = light_stack.batch("bob", [chat_line(f"c{i}", "Hello there") for i in range(2)], tmp_path)
+        with pytest.raises(openai.RateLimitError) as err:  # 2 + 2 + 2 > 5 for everyone together
+            light_stack.batch("carol", [chat_line(f"d{i}", "Hello there") for i in range(2)], tmp_path)
+        assert err.value.code == "queued_bytes_exceeded"
+        assert len(r.keys("tokenbus:job:*")) == 4, "a refused batch wrote no job"
+        # An ended batch gives its bytes back: alice fits again.
+        light_stack.openai("alice").batches.cancel(a1.id)
+        light_stack.wait_status("alice", a1.id, ("cancelled",))
+        a2 = light_stack.batch("alice", [chat_line(f"e{i}", "Hello there") for i in range(2)], tmp_path)
+        # Redis itself: refused unless redis_reserve_bytes stay free under maxmemory.
+        used = int(r.info("memory")["used_memory"])
+        r.config_set("maxmemory", used + 32 * 1024 * 1024)
+        _set(r, max_queued_bytes_per_key=None, max_queued_bytes=None)  # the settings' large defaults again
+        with pytest.raises(openai.RateLimitError) as err:  # 64 MiB reserve by default > 32 MiB headroom
+            light_stack.batch("carol", [chat_line("f", "Hello there")], tmp_path)
+        assert err.value.code == "redis_capacity"
+    finally:
+        r.config_set("maxmemory", 0)
+        _set(r, max_queued_bytes_per_key=None, max_queued_bytes=None)
+    for who, b in (("bob", b1), ("alice", a2)):
+        light_stack.openai(who).batches.cancel(b.id)
+
+
+def test_redis_oom_during_ingest_fails_that_batch_only(light_stack, tmp_path):
+    r, big_text = light_stack.r(), "Tell me about the sea. " * 40
+    other = light_stack.batch("bob", [chat_line("keep", "Hi")], tmp_path)
+    light_stack.wait_status("bob", other.id, ("in_progress",))
+    light_stack.pause("tasks")  # the ingest runs after Redis has filled up meanwhile
+    try:
+        big = light_stack.batch("alice", [chat_line(f"o{i}", big_text) for i in range(2000)], tmp_path)
+        r.config_set("maxmemory", int(r.info("memory")["used_memory"]) + 1024 * 1024)
+    finally:
+        light_stack.resume("tasks")
+    try:
+        done = light_stack.wait_status("alice", big.id, ("failed",), timeout=20)
+        assert done.errors.data[0].code == "redis_out_of_memory", done.errors
+        used_after = int(r.info("memory")["used_memory"])
+        queued = [k for k in r.scan_iter(f"tokenbus:job:{big.id}-*", count=1000) if r.hget(k, "status") == "queued"]
+        assert not queued and r.xlen(f"tokenbus:q:bulk:{big.id}") == 0, "the failed ingest's jobs still hold memory"
+        assert used_after < int(r.config_get("maxmemory")["maxmemory"])
+    finally:
+        r.config_set("maxmemory", 0)
+    # bob's batch and its queued job are untouched; the tasks process is alive and submits the next batch.
+    assert light_stack.openai("bob").batches.retrieve(other.id).status == "in_progress"
+    assert r.hget(f"tokenbus:job:{other.id}-0", "status") == "queued"
+    light_stack.procs["tasks"].check_alive()
+    nxt = light_stack.batch("alice", [chat_line("n", "Hi")], tmp_path)
+    light_stack.wait_status("alice", nxt.id, ("in_progress",))
+    for who, b in (("bob", other), ("alice", nxt)):
+        light_stack.openai(who).batches.cancel(b.id)
+
+
+def test_tasks_process_survives_redis_refusing_writes_and_exits_1_when_it_lasts(light_stack, tmp_path):
+    r = light_stack.r()
+    light_stack.pause("tasks")
+    b = light_stack.batch("carol", [chat_line("w", "Hi")], tmp_path)
+    r.config_set("maxmemory", 1)  # every write refused: RQ cannot even mark the submit started
+    light_stack.resume("tasks")
+    time.sleep(0.5)  # a few of RQ's writes fail and its worker quits; ours restarts it
+    r.config_set("maxmemory", 0)
+    light_stack.procs["tasks"].check_alive()
+    light_stack.wait_status("carol", b.id, ("in_progress", "failed"), timeout=20)
+    light_stack.openai("carol").batches.cancel(b.id)
+    # Refused for longer than the restart backoff (4 x 0.3 s): the process gives up with exit code 1.
+    proc = light_stack.procs["tasks"].proc
+    light_stack.pause("tasks")
+    b2 = light_stack.batch("carol", [chat_line("w2", "Hi")], tmp_path)
+    r.config_set("maxmemory", 1)
+    light_stack.resume("tasks")
+    try:
+        wait_until(lambda: proc.poll() is not None, 30, "the tasks process to give up", every=0.1)
+    finally:
+        r.config_set("maxmemory", 0)
+    assert proc.returncode == 1, "Redis refusing writes for good must not look like a clean exit"
+    light_stack.start("tasks")  # its supervisor restarts it: the lost submit is queued again
+    light_stack.wait_status("carol", b2.id, ("in_progress",), timeout=20)
+    light_stack.openai("carol").batches.cancel(b2.id)
