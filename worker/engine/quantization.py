@@ -166,6 +166,7 @@ def _write_cache(path: str, quantized: dict[str, Int8Weight]) -> None:
         fd, staging = tempfile.mkstemp(prefix=".staging-", dir=os.path.dirname(path))
         os.close(fd)
         save_file(tensors, staging)
+        os.chmod(staging, 0o644)  # mkstemp makes it owner-only; a shared cache is read by other users' workers
         os.replace(staging, path)  # atomic: a concurrent reader sees the old file or the whole new one
     except OSError as err:  # read-only cache: quantize at each load instead
         log.warning("int8_cache_unavailable", error=str(err))
