@@ -8,7 +8,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio.to_thread
-import redis.asyncio as aioredis
 import structlog
 from fastapi import Depends, FastAPI, Request
 
@@ -20,6 +19,7 @@ from gateway.limits import BodyLimit
 from gateway.secrets import check_master, key_secret
 from gateway.settings import GatewaySettings
 from gateway.webhooks import parse_networks
+from protocol.connection import async_redis_from_url
 
 log = structlog.get_logger("tokenbus.gateway")
 
@@ -66,7 +66,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     # /healthz pings on its own connection, on the event loop: no pool, no thread, so a flood of other
     # requests cannot make it fail (compose's healthcheck allows 4 s).
-    health = aioredis.Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    health = async_redis_from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
     health_lock = asyncio.Lock()
 
     @app.get("/healthz", include_in_schema=False)

@@ -15,6 +15,7 @@ import redis
 import structlog
 
 from protocol import scripts
+from protocol.connection import redis_from_url
 from protocol.models import DEFAULT_RESULT_TTL, Keys
 
 log = structlog.get_logger("tokenbus.gateway")
@@ -23,7 +24,7 @@ GIVE_UP_S = 600.0
 
 class Canceller:
     def __init__(self, redis_url: str, keys: Keys) -> None:
-        self.redis = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=10,
+        self.redis = redis_from_url(redis_url, decode_responses=True, socket_timeout=10,
                                           socket_connect_timeout=5, max_connections=2)
         self.keys = keys
         self.result_ttl: int | None = None  # the namespace's, read on first use (as Client does)

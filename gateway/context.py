@@ -15,6 +15,7 @@ from gateway.settings import GatewaySettings
 from gateway.streams import StreamHub
 from gateway.waiter import JobWaiter
 from producer.client import Client
+from protocol.connection import is_sentinel_url, redis_from_url
 from protocol.models import Keys
 
 
@@ -24,12 +25,16 @@ class GatewayContext:
         self.keys = Keys(settings.namespace)
         self.gkeys = GatewayKeys(settings.namespace)
         # Blocking reads (XREAD BLOCK) stay under the socket timeout: Client.max_block_s reads it.
-        # A bounded pool that makes a request wait (redis_pool_timeout_s) for a connection when all are busy,
-        # instead of failing it; no request holds one while it waits on a job (waiter.py, streams.py).
-        pool = redis.BlockingConnectionPool.from_url(
-            settings.redis_url, max_connections=settings.redis_pool_size, timeout=settings.redis_pool_timeout_s,
-            decode_responses=True, socket_timeout=30, socket_connect_timeout=5, health_check_interval=30)
-        self.redis = redis.Redis(connection_pool=pool)
+        if is_sentinel_url(settings.redis_url):  # the sentinels' pool follows the primary (no bounded wait)
+            self.redis = redis_from_url(settings.redis_url, decode_responses=True, socket_timeout=30,
+                                        socket_connect_timeout=5, health_check_interval=30)
+        else:
+            # A bounded pool that makes a request wait (redis_pool_timeout_s) for a connection when all are busy,
+            # instead of failing it; no request holds one while it waits on a job (waiter.py, streams.py).
+            pool = redis.BlockingConnectionPool.from_url(
+                settings.redis_url, max_connections=settings.redis_pool_size, timeout=settings.redis_pool_timeout_s,
+                decode_responses=True, socket_timeout=30, socket_connect_timeout=5, health_check_interval=30)
+            self.redis = redis.Redis(connection_pool=pool)
         self.client = Client(redis_client=self.redis, namespace=settings.namespace)
         self.files = FileStore(self.redis, self.gkeys, settings.files_dir, settings.max_line_bytes,
                                settings.max_tokens_limit, settings.max_requests_per_file)
@@ -45,8 +50,8 @@ class GatewayContext:
     @cached_property
     def rq_redis(self) -> redis.Redis:
         # RQ stores pickled job data: it needs a connection that returns bytes.
-        return redis.Redis.from_url(self.settings.redis_url, socket_timeout=30, socket_connect_timeout=5,
-                                    health_check_interval=30)
+        return redis_from_url(self.settings.redis_url, socket_timeout=30, socket_connect_timeout=5,
+                              health_check_interval=30)
 
     @cached_property
     def queue(self) -> Queue:

@@ -22,6 +22,7 @@ import redis
 import structlog
 
 from producer.client import TokenChunk
+from protocol.connection import redis_from_url
 from protocol.models import TERMINAL_STATUSES, Keys
 
 log = structlog.get_logger("tokenbus.gateway")
@@ -46,7 +47,7 @@ class Subscription:
 class StreamHub:
     def __init__(self, redis_url: str, keys: Keys) -> None:
         # Its own connection: never one of the shared pool's, whatever the other requests do.
-        self.redis = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=30,
+        self.redis = redis_from_url(redis_url, decode_responses=True, socket_timeout=30,
                                           socket_connect_timeout=5, max_connections=2,
                                           encoding_errors="replace")
         self.keys = keys

@@ -1,5 +1,6 @@
 """The CPU serving path's C++ kernels, float32: csrc/cpu_kernels.cpp (write_kv and paged decode attention,
-RMSNorm, SiLU·mul, RoPE, a row-wise argmax and a panel GEMV) and csrc/decode_layers.cpp (a pure decode
+RMSNorm, SiLU·mul, RoPE, a row-wise argmax and a panel GEMV), csrc/cpu_quant.cpp (the panel GEMV with int8
+weights) and csrc/decode_layers.cpp (a pure decode
 step's decoder layers composed of those kernels in one call). worker/engine/backends/cpu.py is their user.
 
 Built once per machine with torch's cpp_extension (g++ and ninja; ~25 s) into the tokenbus cache directory
@@ -24,13 +25,15 @@ from types import ModuleType
 import structlog
 import torch
 
-# one translation unit, in this order: decode_layers.cpp calls cpu_kernels.cpp's functions
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.cpp", "decode_layers.cpp")]
+# one translation unit, in this order: decode_layers.cpp calls cpu_kernels.cpp's and cpu_quant.cpp's functions
+SOURCES = [Path(__file__).with_name("csrc") / name
+           for name in ("cpu_kernels.cpp", "cpu_quant.cpp", "decode_layers.cpp")]
 FUNCTIONS = [
     "write_kv_cpu", "paged_decode_attention_cpu",  # the CPU versions of two kernels/reference.py functions
     "add_rms_norm_cpu", "rms_norm_cpu", "silu_and_mul_cpu", "rotary_cpu",  # a decoder layer's elementwise ops
     "argmax_rows_cpu",  # greedy sampling
     "panel_linear_cpu",  # decode-sized linear layers (worker/engine/backends/cpu_linear.py)
+    "panel_linear_int8_cpu",  # the same with int8 weights (worker/engine/quantization.py)
     "decode_layers_cpu",  # a decode step's layers in one call (worker/engine/backends/cpu_decode.py)
 ]
 # -ffast-math lets g++ vectorise exp and the dot-product reductions (the kernels never rely on inf/NaN);
@@ -56,10 +59,12 @@ def cache_root(cache_dir: str | None = None) -> Path:
 
 
 @functools.cache
-def extension(cache_dir: str | None = None) -> ModuleType | None:
-    """The compiled module, or None (with one logged warning) where it cannot be built."""
+def extension(cache_dir: str | None = None, avx2_only: bool = False) -> ModuleType | None:
+    """The compiled module, or None (with one logged warning) where it cannot be built. avx2_only builds the
+    AVX2 paths on an AVX-512 machine (tests: both paths of each kernel with intrinsics run here)."""
     sources = [path.read_text() for path in SOURCES]
-    key = "\n".join([*sources, " ".join(CFLAGS), torch.__version__, cpu_flags()])
+    cflags = CFLAGS + (["-mno-avx512f"] if avx2_only else [])
+    key = "\n".join([*sources, " ".join(cflags), torch.__version__, cpu_flags()])
     name = "tokenbus_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:16]
     started = time.perf_counter()
     try:
@@ -72,7 +77,7 @@ def extension(cache_dir: str | None = None) -> ModuleType | None:
             # Holding our lock means no other build is running, so any baton here is such a leftover.
             (build_dir / "lock").unlink(missing_ok=True)
             module = load_inline(
-                name, cpp_sources=sources, functions=FUNCTIONS, extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                name, cpp_sources=sources, functions=FUNCTIONS, extra_cflags=cflags, extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
             )
     except Exception as err:  # noqa: BLE001 - any build failure means: serve with the references

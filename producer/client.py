@@ -15,6 +15,7 @@ import structlog
 
 from producer import batches
 from protocol import scripts
+from protocol.connection import redis_from_url
 from protocol.errors import InvalidJob, JobNotFound, QueueFull, TokenbusError, WaitTimeout, listing
 from protocol.models import (
     DEFAULT_MAX_QUEUE_LEN,
@@ -60,7 +61,7 @@ class Client:
     ) -> None:
         # encoding_errors="replace": a record holding bytes that are not UTF-8 (a raw submit that skipped this
         # client) still reads back, with U+FFFD, instead of raising UnicodeDecodeError.
-        self.redis = redis_client or redis.Redis.from_url(url, decode_responses=True, encoding_errors="replace")
+        self.redis = redis_client or redis_from_url(url, decode_responses=True, encoding_errors="replace")
         if not self.redis.get_encoder().decode_responses:
             raise TokenbusError("Client needs a redis client made with decode_responses=True")
         self.keys = Keys(namespace)

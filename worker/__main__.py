@@ -5,10 +5,10 @@ from __future__ import annotations
 import signal
 import sys
 
-import redis
 import structlog
 from pydantic import ValidationError
 
+from protocol.connection import redis_from_url
 from protocol.logs import configure_logging
 from protocol.redaction import redact_url, scrub
 from worker.settings import load_settings
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
              redis=redact_url(settings.redis_url))
 
     try:
-        client = redis.Redis.from_url(
+        client = redis_from_url(
             settings.redis_url, socket_timeout=10, socket_connect_timeout=3, health_check_interval=15
         )
     except ValueError as err:

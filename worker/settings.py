@@ -81,6 +81,10 @@ class WorkerSettings(BaseSettings):
         DEFAULT_MAX_QUEUE_LEN, gt=0,
         description="queue depth at which submits are refused (when set, published to {ns}:config for clients)",
     )
+    redis_min_replicas: int = Field(
+        0, ge=0, description="after writing results, WAIT until this many replicas have them; 0 = do not wait",
+    )
+    redis_wait_ms: int = Field(1000, gt=0, description="longest WAIT for --redis-min-replicas, in milliseconds")
     intake_lookahead: int = Field(4, ge=0, description="jobs read beyond the free seats, so none sit idle")
     drain_grace_s: float = Field(
         30.0, ge=0, description="on SIGTERM: seconds to finish in-flight jobs before handing them back"

@@ -12,6 +12,8 @@
 //   slot_mapping, block_tables, seq_lens: the decode part of the step's AttentionMetadata
 //   weights       7 per layer: input norm, qkv panels, qkv bias (or an empty tensor), o panels,
 //                 post-attention norm, gate_up panels, down panels (panels as cpu_linear.pack_panels makes them)
+//   scales        4 per layer, one per linear (qkv, o, gate_up, down): empty for fp32 panels, the per-channel
+//                 scales of int8 panels (kernels/csrc/cpu_quant.cpp)
 //   kv_caches     2 per layer: k_cache, v_cache
 //   window        every layer's sliding window (0 = none: Mistral, Qwen2 and Phi-3 use one for all layers)
 // Returns {x, residual}: the last layer's output and the residual stream before it (the final norm adds them).
@@ -19,13 +21,15 @@
 std::vector<torch::Tensor> decode_layers_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                                              torch::Tensor slot_mapping, torch::Tensor block_tables,
                                              torch::Tensor seq_lens, std::vector<torch::Tensor> weights,
-                                             std::vector<torch::Tensor> kv_caches, int64_t num_heads,
+                                             std::vector<torch::Tensor> kv_caches, std::vector<torch::Tensor> scales,
+                                             int64_t num_heads,
                                              int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
                                              double eps, double scale, int64_t window) {
   constexpr size_t kPerLayer = 7;
   TORCH_CHECK(weights.size() % kPerLayer == 0, "weights must hold 7 tensors per layer");
   const size_t num_layers = weights.size() / kPerLayer;
   TORCH_CHECK(kv_caches.size() == 2 * num_layers, "kv_caches must hold a k and a v cache per layer");
+  TORCH_CHECK(scales.size() == 4 * num_layers, "scales must hold 4 tensors per layer (empty for fp32 panels)");
   check_layout(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [num_tokens, hidden] tensor");
   // the ops below take no Python objects: the engine's helper threads may run meanwhile, as during torch ops
@@ -35,6 +39,7 @@ std::vector<torch::Tensor> decode_layers_cpu(torch::Tensor x, torch::Tensor cos,
   torch::Tensor residual;
   for (size_t layer = 0; layer < num_layers; ++layer) {
     const torch::Tensor* w = weights.data() + layer * kPerLayer;
+    const torch::Tensor* sc = scales.data() + layer * 4;
     const c10::optional<torch::Tensor> qkv_bias = w[2].numel() > 0 ? c10::optional<torch::Tensor>(w[2]) : c10::nullopt;
     const torch::Tensor& k_cache = kv_caches[2 * layer];
     const torch::Tensor& v_cache = kv_caches[2 * layer + 1];
@@ -46,17 +51,17 @@ std::vector<torch::Tensor> decode_layers_cpu(torch::Tensor x, torch::Tensor cos,
       add_rms_norm_cpu(x, residual, w[0], eps);  // x becomes the normed sum, residual the sum
       h = x;
     }
-    const torch::Tensor heads = panel_linear_cpu(h, w[1], qkv_size, qkv_bias).view({n, num_heads + 2 * num_kv_heads, head_dim});
+    const torch::Tensor heads = panel_linear_any_cpu(h, w[1], sc[0], qkv_size, qkv_bias).view({n, num_heads + 2 * num_kv_heads, head_dim});
     torch::Tensor q = heads.narrow(1, 0, num_heads);
     torch::Tensor k = heads.narrow(1, num_heads, num_kv_heads);
     torch::Tensor v = heads.narrow(1, num_heads + num_kv_heads, num_kv_heads);
     rotary_cpu(q, k, cos, sin);
     write_kv_cpu(k, v, k_cache, v_cache, slot_mapping);
     const torch::Tensor attn = paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, window, 0.0);
-    torch::Tensor o = panel_linear_cpu(attn.view({n, q_size}), w[3], hidden, c10::nullopt);
+    torch::Tensor o = panel_linear_any_cpu(attn.view({n, q_size}), w[3], sc[1], hidden, c10::nullopt);
     add_rms_norm_cpu(o, residual, w[4], eps);
-    const torch::Tensor act = silu_and_mul_cpu(panel_linear_cpu(o, w[5], 2 * intermediate_size, c10::nullopt));
-    x = panel_linear_cpu(act, w[6], hidden, c10::nullopt);
+    const torch::Tensor act = silu_and_mul_cpu(panel_linear_any_cpu(o, w[5], sc[2], 2 * intermediate_size, c10::nullopt));
+    x = panel_linear_any_cpu(act, w[6], sc[3], hidden, c10::nullopt);
   }
   return {x, residual};
 }

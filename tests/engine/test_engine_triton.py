@@ -70,14 +70,14 @@ def run_engine_with_triton(directory: str, static_decode: bool = False) -> dict:
                     max_num_batched_tokens=16, kv_cache_gb=0.01, static_decode=static_decode)
     padded = []
     if static_decode:
-        run = engine.runner.static.run
+        execute = engine.runner.static.execute  # with overlap on or off
 
-        def observed(batch):
-            hidden, step = run(batch)
-            padded.append(hidden.shape[0] > len(batch.seqs))
-            return hidden, step
+        def observed(step):
+            hidden = execute(step)
+            padded.append(hidden.shape[0] > len(step.order))
+            return hidden
 
-        engine.runner.static.run = observed
+        engine.runner.static.execute = observed
     for i, (prompt, max_tokens) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     outputs = {}

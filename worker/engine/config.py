@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
+QUANTIZATIONS = ("int8",)  # worker/engine/quantization.py (fp8: issue 24, not built yet)
 
 
 def bulk_min_seats(fraction: float, seats: int) -> int:
@@ -42,6 +43,10 @@ class EngineConfig:
     cuda_graphs: bool = True  # CUDA: replay captured graphs for pure decode steps (prefill/mixed stay eager)
     static_decode: bool | None = None  # the fixed-shape padded decode path graphs replay; None = on with graphs
     # (CUDA), off on the CPU; True on the CPU runs it eagerly (tests)
+    overlap: bool | None = None  # schedule and prepare step N+1 while step N runs (overlap.py); None = on for
+    # cuda, off on the cpu (there the forward and the host share the same cores)
+    quantization: str | None = None  # weights: None = as loaded; "int8" (CPU fp32, weight-only per-channel);
+    # worker/engine/quantization.py
 
     def __post_init__(self) -> None:
         problems = []
@@ -68,5 +73,7 @@ class EngineConfig:
             problems.append(f"model_impl must be 'auto', 'native' or 'transformers', got {self.model_impl!r}")
         if not 0 <= self.bulk_min_fraction <= 1:
             problems.append(f"bulk_min_fraction must be in [0, 1], got {self.bulk_min_fraction}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            problems.append(f"quantization must be unset or one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         if problems:
             raise ValueError("invalid engine config: " + "; ".join(problems))

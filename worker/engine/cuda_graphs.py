@@ -25,7 +25,7 @@ import torch
 from kernels.partitions import num_partitions, table_widths
 from worker.engine.attention_metadata import AttentionMetadata
 from worker.engine.scheduler import ScheduledBatch
-from worker.engine.step_inputs import PreparedStep, StepInputs
+from worker.engine.step_inputs import Ahead, PreparedStep, StepInputs
 
 log = structlog.get_logger("tokenbus.engine")
 
@@ -97,12 +97,22 @@ class StaticDecode:
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, PreparedStep]:
         """The padded step's final hidden states [bucket, hidden] (rows past the batch are padding)."""
+        step = self.prepare(batch)
+        return self.execute(step), step
+
+    def prepare(self, batch: ScheduledBatch, ahead: Ahead | None = None) -> PreparedStep:
         b = self.bucket(len(batch.seqs))
         w = self.widths.pick(b, max(len(s.block_table) for s in batch.seqs))
-        step = self.inputs.prepare(batch, pad_to=b, width=w)
+        step = self.inputs.prepare(batch, pad_to=b, width=w, ahead=ahead)
+        step.width = w
+        return step
+
+    def execute(self, step: PreparedStep) -> torch.Tensor:
+        b, w = step.bucket, step.width
+        assert b is not None and w is not None
         graph = self.graphs.get((b, w))
         if graph is None:
-            return self.model(step.input_ids, step.positions, self.kv_caches, step.meta), step
+            return self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         s, meta = self.static, step.meta
         s["ids"][:b].copy_(step.input_ids)
         s["positions"][:b].copy_(step.positions)
@@ -110,7 +120,7 @@ class StaticDecode:
         s["seq_lens"][:b].copy_(meta.decode_seq_lens)
         s["tables"][:b, :w].copy_(meta.decode_block_tables)
         graph[0].replay()
-        return graph[1], step
+        return graph[1]
 
     # ---- CUDA graphs ----------------------------------------------------------------------------------------
 

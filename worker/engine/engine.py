@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from typing import Any
 import structlog
 import torch
 
-from worker.engine import loader, warmup
+from worker.engine import loader, quantization, warmup
 from worker.engine.backends import select_backend
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig, bulk_min_seats
@@ -24,9 +25,10 @@ from worker.engine.errors import InvalidRequest
 from worker.engine.guided import GrammarError, GuidedDecoding
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_block
 from worker.engine.models import registry
+from worker.engine.overlap import Overlap
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.scheduler import Scheduler
+from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.stop_checker import StopChecker
 
@@ -115,6 +117,8 @@ class Engine:
         self.tokenizer = loader.load_tokenizer(source)
         self.eos_token_ids = loader.load_generation_eos(source, hf_config, self.tokenizer)
         self.max_model_len = min(cfg.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        quantization.check_scheme(cfg.quantization, self.device, self.dtype)
+        quantization.check_checkpoint(hf_config)
         self.backend = select_backend(self.device, self.dtype, cfg.cpu_kernels, cfg.cache_dir)
         self.backend.check_model(arch, cfg.model)
         self.max_num_seqs = cfg.max_num_seqs or (CUDA_MAX_NUM_SEQS if self.device.type == "cuda" else CPU_MAX_NUM_SEQS)
@@ -130,6 +134,10 @@ class Engine:
         static_decode = cfg.static_decode if cfg.static_decode is not None else self.cuda_graphs
         self.model = registry.build_model(arch, hf_config, source, self.backend, self.dtype, self.device,
                                           self.max_model_len, loader.iter_weights)
+        self.quantized_cache = None  # the int8 cache file this engine read or wrote
+        if cfg.quantization == "int8":
+            self.quantized_cache = quantization.apply_int8(self.model, source.directory, cfg.cache_dir)
+            self.model.eval().requires_grad_(False)
         self.backend.prepare(self.model)
         max_blocks_per_seq = -(-self.max_model_len // cfg.block_size)
         self.backend.reserve(arch, self.max_num_seqs, max_blocks_per_seq * cfg.block_size, self.device)
@@ -154,11 +162,15 @@ class Engine:
         self.rejected: dict[str, str] = {}  # request id -> why: left the engine in the last step, never ran
         self.generated_tokens = 0
         self.steps = 0
+        # overlap (overlap.py): the next step is scheduled and prepared while the device runs this one
+        overlap = cfg.overlap if cfg.overlap is not None else (
+            self.device.type == "cuda" or os.environ.get("TOKENBUS_OVERLAP") == "1")  # the env: test suites
+        self.overlap = Overlap(self) if overlap else None
         log.info(
             "engine_ready", model=cfg.model, device=str(self.device), dtype=str(self.dtype), kv_blocks=num_blocks,
             block_size=cfg.block_size, max_model_len=self.max_model_len, backend=self.backend.name,
             max_num_seqs=self.max_num_seqs, static_decode=static_decode, cuda_graphs=self.cuda_graphs,
-            serving_path=self.serving_path, load_s=round(time.perf_counter() - started, 2),
+            serving_path=self.serving_path, overlap=overlap, load_s=round(time.perf_counter() - started, 2),
         )
 
     def _num_kv_blocks(self) -> int:
@@ -307,7 +319,8 @@ class Engine:
     # ---- stepping -------------------------------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.forks)
+        in_flight = self.overlap is not None and self.overlap.busy()
+        return self.scheduler.has_unfinished() or bool(self.forks) or in_flight
 
     def step(self) -> list[RequestOutput]:
         """One forward pass. Returns the requests that ended in it; `deltas` holds what every request that
@@ -323,11 +336,18 @@ class Engine:
             for choice in seqs:
                 self.scheduler.remove(choice)
             self.rejected[seq.request_id] = why
+        if self.overlap is not None:
+            return self.overlap.step()
         batch = self.scheduler.schedule()
-        if not batch.seqs:
+        if batch is None or not batch.seqs:
             self.guided.wait(0.01)  # nothing runnable but grammars compiling: do not spin
             return []
         sampled, tokens, logprob_rows = self.runner.run(batch)
+        return self.finish_step(batch, sampled, tokens, logprob_rows)
+
+    def finish_step(self, batch: ScheduledBatch, sampled: list[Sequence], tokens: list[int],
+                    logprob_rows: list | None) -> list[RequestOutput]:
+        """After a step's forward pass: postprocess, deltas, forks, and the requests that ended."""
         finished = self.scheduler.postprocess(batch, sampled, tokens, logprob_rows, time.time())
         for seq, token in zip(sampled, tokens, strict=True):
             if seq.choice_index == 0:  # a stream carries choice 0

@@ -11,10 +11,10 @@ import torch
 from worker.engine.cuda_graphs import StaticDecode
 from worker.engine.guided import GuidedDecoding
 from worker.engine.models.llama import LlamaForCausalLM
-from worker.engine.sampler import Sampler
+from worker.engine.sampler import SampledStep, Sampler
 from worker.engine.scheduler import ScheduledBatch
 from worker.engine.sequence import Sequence
-from worker.engine.step_inputs import PreparedStep, StepInputs
+from worker.engine.step_inputs import Ahead, PreparedStep, StepInputs
 
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -55,14 +55,39 @@ class ModelRunner:
         """One forward pass. Returns the sequences that produced a token, their tokens and logprob rows."""
         if self.static is not None and self.static.serves(batch):
             hidden, step = self.static.run(batch)
+            sampled = self._sample(hidden, step, False)
         else:
             step = self.inputs.prepare(batch)
-            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
-        return self._sample(hidden, step)
-
-    def _sample(self, hidden: torch.Tensor, step: PreparedStep) -> tuple[list[Sequence], list[int], list | None]:
-        if not step.sampling_seqs:
+            sampled = self.execute(step)
+        if sampled is None:
             return [], [], None
+        tokens, logprobs = sampled.result()
+        return step.sampling_seqs, tokens, logprobs
+
+    def prepare(self, batch: ScheduledBatch, ahead: Ahead | None = None) -> PreparedStep:
+        """The step's inputs (host work, and their one copy to the device). ahead: the step in flight."""
+        if self.static is not None and self.static.serves(batch):
+            return self.static.prepare(batch, ahead)
+        return self.inputs.prepare(batch, ahead=ahead)
+
+    @torch.inference_mode()
+    def execute(self, step: PreparedStep, prev_tokens: torch.Tensor | None = None,
+                resolve_on_device: bool = False) -> SampledStep | None:
+        """The device work of a prepared step: forward and sampling, queued; None when no row samples.
+        prev_tokens: the device ids the previous step sampled, for the rows the step carries over (overlap)."""
+        if step.carry_rows is not None:
+            assert prev_tokens is not None, "a step that carries tokens over needs the previous step's ids"
+            step.input_ids.index_copy_(0, step.carry_rows, prev_tokens.index_select(0, step.carry_src))
+        if step.bucket is not None:
+            assert self.static is not None
+            hidden = self.static.execute(step)
+        else:
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        return self._sample(hidden, step, resolve_on_device)
+
+    def _sample(self, hidden: torch.Tensor, step: PreparedStep, resolve_on_device: bool) -> SampledStep | None:
+        if not step.sampling_seqs:
+            return None
         if step.sample_index is None:
             rows = hidden[: len(step.sampling_seqs)]
         else:
@@ -70,5 +95,4 @@ class ModelRunner:
         logits = self.model.compute_logits(rows)
         if self.guided is not None:  # structured output: forbidden tokens of constrained rows to -inf
             self.guided.apply(logits, step.sampling_seqs)
-        tokens, logprobs = self.sampler(logits, step.sampling_seqs).result()
-        return step.sampling_seqs, tokens, logprobs
+        return self.sampler(logits, step.sampling_seqs, resolve_on_device)

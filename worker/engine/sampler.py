@@ -56,7 +56,9 @@ class Sampler:
         self.unseeded.manual_seed(torch.seed() & 0xFFFF_FFFF)
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledStep:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], resolve_on_device: bool = False) -> SampledStep:
+        """resolve_on_device (overlap): rows top-p left unresolved are cut here, so the device ids are final
+        before the next step reads them (a sync on the forward thread, only on steps with top-p rows)."""
         logits = logits.float()
         self._ban_early_stops(logits, seqs)
         if any(s.params.has_penalties for s in seqs):
@@ -74,7 +76,13 @@ class Sampler:
             tokens = (filtered.logits - noise.log()).argmax(dim=-1)
             if any(greedy):
                 tokens = torch.where(self._to_device(greedy, torch.bool), self.argmax(logits), tokens)
-            if filtered.unresolved is not None:
+            if filtered.unresolved is not None and resolve_on_device:
+                late = filtered.unresolved.nonzero().flatten()
+                if late.numel():
+                    cut = resolve_top_p(filtered.after_top_k, fp, late)
+                    tokens[late] = (cut - noise[late].log()).argmax(dim=-1)
+                filtered = None
+            elif filtered.unresolved is not None:
                 tokens = tokens.masked_fill(filtered.unresolved, -1)  # the host cuts these rows in result()
         logprobs = self._top_logprobs(logits, tokens, seqs)
         host_tokens = self._to_host(tokens)
@@ -82,7 +90,7 @@ class Sampler:
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return SampledStep(host_tokens, ready, logprobs, filtered, fp, noise)
+        return SampledStep(host_tokens, ready, logprobs, filtered, fp, noise, tokens)
 
     def _noise(self, shape: torch.Size, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
         noise = torch.empty(shape, device=self.device).exponential_(generator=self.unseeded)
@@ -203,6 +211,7 @@ class SampledStep:
     filtered: Filtered | None
     filter_params: FilterParams | None
     noise: torch.Tensor | None
+    device_tokens: torch.Tensor | None = None  # [rows] int64 on the device: the next step's carried inputs
 
     def result(self) -> tuple[list[int], list | None]:
         if self.ready is not None:

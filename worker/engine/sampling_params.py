@@ -22,6 +22,11 @@ class SamplingParams(GenerationParams):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     @cached_property
+    def stop_hold(self) -> int:
+        """Characters of the output held back while a stop string could still begin in them."""
+        return max((len(s) for s in self.stop_strings), default=1) - 1
+
+    @cached_property
     def stop_ids(self) -> frozenset[int]:
         return frozenset(self.stop_token_ids or ())
 

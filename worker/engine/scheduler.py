@@ -21,6 +21,9 @@ from worker.engine.stop_checker import StopChecker
 if TYPE_CHECKING:
     from worker.engine.guided import GuidedDecoding
 
+# overlap: per sequence of the step in flight, (tokens it feeds, index among its sampled rows or -1)
+Ahead = dict[Sequence, tuple[int, int]]
+
 
 @dataclass
 class ScheduledBatch:
@@ -66,16 +69,35 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, ahead: Ahead | None = None) -> ScheduledBatch | None:
+        """The next step's batch. ahead (overlap): the step still in flight, whose tokens count as fed and
+        whose sampled tokens as pending; a sequence that ends in it for sure (length) is left out. With ahead,
+        None instead of a preemption: the caller finishes the step in flight first (blocks taken so far stay
+        with their sequences, which need them next)."""
         batch = ScheduledBatch([], [])
         budget = self.max_num_batched_tokens
         preempted = False
         # Oldest first; the victims of preemption are taken from the end, so none of them is in `batch`.
         i = 0
+        bs = self.block_manager.block_size
+        none = (0, -1)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_pending_tokens, budget)
-            while not self.block_manager.can_allocate(seq, n):
+            fed, src = ahead.get(seq, none) if ahead else none
+            if src >= 0 and self._ends_with_next_token(seq):
+                i += 1
+                continue
+            pending = 1 if src >= 0 else len(seq.token_ids) - seq.num_computed_tokens - fed
+            n = min(pending, budget)
+            if seq.num_computed_tokens + fed + n <= len(seq.block_table) * bs:  # room already (most decodes)
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+                continue
+            while not self.block_manager.can_allocate(seq, fed + n):
+                if ahead is not None:
+                    return None
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -83,7 +105,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break
-            self.block_manager.allocate(seq, n)
+            self.block_manager.allocate(seq, fed + n)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
@@ -118,18 +140,28 @@ class Scheduler:
         first = {id(s) for s in bulk}
         return bulk + [s for s in self.waiting if id(s) not in first]
 
+    def _ends_with_next_token(self, seq: Sequence) -> bool:
+        """Whether the token in flight ends seq whatever it is (max_tokens or the context)."""
+        return (seq.num_output_tokens + 1 >= seq.params.max_tokens
+                or seq.num_tokens + 1 >= self.stop_checker.max_model_len)
+
     def postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], tokens: list[int],
                     logprob_rows: list | None, now: float) -> list[Sequence]:
         """After the forward pass of `batch`: its tokens are in the KV cache; each sampled sequence takes its
         token (and logprobs, and text), and those that are done leave, their blocks freed. Returns those."""
+        bm = self.block_manager
+        bs = bm.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
+            if seq.num_computed_tokens // bs > len(seq.block_keys):  # a block filled up: key it
+                bm.commit(seq)
         finished = []
+        guided = self.guided if self.guided is not None and self.guided.matchers else None
+        check = self.stop_checker.check
         for i, (seq, token) in enumerate(zip(sampled, tokens, strict=True)):
             seq.token_ids.append(token)
-            if self.guided is not None:
-                self.guided.advance(seq, token)
+            if guided is not None:
+                guided.advance(seq, token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if logprob_rows is not None and logprob_rows[i] is not None:
@@ -138,8 +170,10 @@ class Scheduler:
                 entry[token] = token_logprob
                 seq.logprobs.append(entry)
             text_from = len(seq.output_text)
-            seq.output_text += seq.detokenizer.step(token)
-            reason = self.stop_checker.check(seq, text_from)
+            text = seq.detokenizer.step(token)
+            if text:
+                seq.output_text += text
+            reason = check(seq, text_from)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)

@@ -71,8 +71,10 @@ class Sequence:
         """Output text not handed out yet. While a stop string may still cut the text, its last
         len(longest stop) - 1 characters wait: they could be the start of one."""
         end = len(self.output_text)
+        if end <= self.text_taken:
+            return ""
         if self.status is not SequenceStatus.FINISHED and self.params.stop_strings:
-            end -= max(len(s) for s in self.params.stop_strings) - 1
+            end -= self.params.stop_hold
         if end <= self.text_taken:
             return ""
         text = self.output_text[self.text_taken : end]

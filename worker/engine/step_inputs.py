@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from worker.engine.attention_metadata import AttentionMetadata
-from worker.engine.scheduler import ScheduledBatch
+from worker.engine.scheduler import Ahead, ScheduledBatch
 from worker.engine.sequence import Sequence, SequenceStatus
 
 
@@ -43,6 +43,13 @@ class PreparedStep:
     sampling_seqs: list[Sequence]  # those whose last pending token is in this step (a mid-prompt chunk is not)
     sample_index: torch.Tensor | None  # int64 rows of the hidden states they sample from; None = the first
     # len(sampling_seqs) rows (a decode step)
+    # overlap (overlap.py): rows of input_ids whose token the step in flight samples, and which of its sampled
+    # rows each takes; the forward thread writes them on the device (carry_rows None: every id is known)
+    carry_rows: torch.Tensor | None = None
+    carry_src: torch.Tensor | None = None
+    bucket: int | None = None  # the padded decode bucket (StaticDecode), None for an eager step
+    width: int | None = None  # the padded decode step's table width (StaticDecode)
+
 
 
 class StepInputs:
@@ -60,9 +67,10 @@ class StepInputs:
         self.table[self.pad_row] = pad_block
         self.seats: dict[Sequence, _Seat] = {}
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
-        self._staging = torch.empty(0, dtype=torch.int64)
-        self._device_buf = torch.empty(0, dtype=torch.int64, device=device)
-        self._copied: torch.cuda.Event | None = None  # the last H2D copy out of the staging buffer
+        # (pinned staging, device buffer, the last H2D copy out of that staging) x 2, used in turn
+        empty = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64, device=device), None)
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = [empty, empty]
+        self._turn = 0
 
     # ---- seats ----------------------------------------------------------------------------------------------
 
@@ -94,9 +102,12 @@ class StepInputs:
 
     # ---- one step -------------------------------------------------------------------------------------------
 
-    def prepare(self, batch: ScheduledBatch, pad_to: int | None = None, width: int | None = None) -> PreparedStep:
+    def prepare(self, batch: ScheduledBatch, pad_to: int | None = None, width: int | None = None,
+                ahead: Ahead | None = None) -> PreparedStep:
         """The step's tensors. pad_to (pure decode steps only): pad to that many rows, tables `width` blocks
-        wide (default max_blocks_per_seq; at least the longest sequence's table)."""
+        wide (default max_blocks_per_seq; at least the longest sequence's table).
+        ahead: the step still in flight (overlap); its sequences start past the tokens it feeds, and a row
+        whose input is the token it samples gets a placeholder that the device fills (carry_rows)."""
         self._release_stopped()
         pairs = list(zip(batch.seqs, batch.num_new_tokens, strict=True))
         prefill = [(s, n) for s, n in pairs if n > 1]
@@ -113,19 +124,44 @@ class StepInputs:
         values: list[int] = []
         sample_rows: list[int] = []
         sampling_seqs: list[Sequence] = []
+        carry_rows: list[int] = []
+        carry_src: list[int] = []
+        starts: list[int] = []
+        seats = self.seats
+        none = (0, -1)
         for seq, n in order:
-            start = seq.num_computed_tokens
-            if start + n == seq.num_tokens:
-                sample_rows.append(len(ids) + n - 1)
+            start, end = seq.num_computed_tokens, len(seq.token_ids)
+            fed, src = ahead.get(seq, none) if ahead else none
+            start += fed
+            if src >= 0:  # the step in flight samples this sequence's next input
+                end += 1
+                carry_rows.append(len(ids))
+                carry_src.append(src)
+                ids.append(0)
+            elif n == 1:
+                ids.append(seq.token_ids[start])
+            else:
+                ids += seq.token_ids[start : start + n]
+            if start + n == end:
+                sample_rows.append(len(ids) - 1)
                 sampling_seqs.append(seq)
-            ids += seq.token_ids[start : start + n]
-            pos += range(start, start + n)
+            starts.append(start)
             table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            rows.append(self._seat(seq, updates, values))
-        prefill_lens = [s.num_computed_tokens + n for s, n in prefill]
+            if n == 1:
+                pos.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                pos += range(start, start + n)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            seat = seats.get(seq)
+            if seat is not None and seat.table is table and seat.synced == len(table):  # no new block
+                rows.append(seat.row)
+            else:
+                rows.append(self._seat(seq, updates, values))
+        p = len(prefill)
+        prefill_lens = [start + n for start, (_, n) in zip(starts[:p], prefill, strict=True)]
         cu = _cumsum([n for _, n in prefill]) if prefill else []
-        decode_lens = [s.num_computed_tokens + 1 for s, _ in decode]
+        decode_lens = [start + 1 for start in starts[p:]]
         if pad_to is not None:
             pad = pad_to - len(decode)
             ids += [0] * pad
@@ -137,8 +173,8 @@ class StepInputs:
             sample_rows = []  # the leading rows: a slice, no index needed
         # int64 segments start on 16 bytes, int32 ones too: Triton specialises a kernel on its pointers'
         # alignment, so unaligned views would compile new variants mid-serving
-        longs_part, (s_ids, s_pos, s_slots, s_rows, s_sample, s_upd) = _layout(
-            [ids, pos, slots, rows, sample_rows, updates], 2)
+        longs_part, (s_ids, s_pos, s_slots, s_rows, s_sample, s_upd, s_cdst, s_csrc) = _layout(
+            [ids, pos, slots, rows, sample_rows, updates, carry_rows, carry_src], 2)
         ints_part, (s_plens, s_cu, s_dlens, s_vals) = _layout([prefill_lens, cu, decode_lens, values], 4)
         buf = self._send(longs_part + ints_part)
         cut = len(longs_part)
@@ -146,7 +182,6 @@ class StepInputs:
         row_index = longs[s_rows]
         if updates:
             self.table.view(-1).index_copy_(0, longs[s_upd], ints[s_vals])
-        p = len(prefill)
         meta = AttentionMetadata(
             slot_mapping=longs[s_slots],
             num_prefill_tokens=sum(n for _, n in prefill),
@@ -160,7 +195,10 @@ class StepInputs:
         )
         sample_index = longs[s_sample] if sample_rows else None
         input_ids, positions = longs[s_ids], longs[s_pos]
-        return PreparedStep(input_ids, positions, meta, order, sampling_seqs, sample_index)
+        step = PreparedStep(input_ids, positions, meta, order, sampling_seqs, sample_index, bucket=pad_to)
+        if carry_rows:
+            step.carry_rows, step.carry_src = longs[s_cdst], longs[s_csrc]
+        return step
 
     def _tables(self, row_index: torch.Tensor, seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
         # entries past a sequence's last block are stale ids of the row's earlier users: valid blocks the
@@ -172,21 +210,26 @@ class StepInputs:
         return self.table.index_select(0, row_index)[:, :width]
 
     def _send(self, packed: list[int]) -> torch.Tensor:
-        """The packed values as one int64 tensor on the device: on CUDA through the pinned staging buffer."""
+        """The packed values as one int64 tensor on the device: on CUDA through a pinned staging buffer.
+        Two staging/device buffer pairs take turns: with overlap the step in flight may still be reading the
+        previous step's device buffer while this one is written."""
         if self.device.type == "cpu":
             return torch.tensor(packed, dtype=torch.int64)
         n = len(packed)
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy has left the staging buffer
-        if n > self._staging.numel():
-            size = max(n, 2 * self._staging.numel(), 4096)
-            self._staging = torch.empty(size, dtype=torch.int64, pin_memory=True)
-            self._device_buf = torch.empty(size, dtype=torch.int64, device=self.device)
-        self._staging.numpy()[:n] = np.asarray(packed, dtype=np.int64)
-        out = self._device_buf[:n]
-        out.copy_(self._staging[:n], non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
+        self._turn ^= 1
+        staging, device_buf, copied = self._buffers[self._turn]
+        if copied is not None:
+            copied.synchronize()  # the copy two steps ago has left this staging buffer
+        if n > staging.numel():
+            size = max(n, 2 * staging.numel(), 4096)
+            staging = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            device_buf = torch.empty(size, dtype=torch.int64, device=self.device)
+        staging.numpy()[:n] = np.asarray(packed, dtype=np.int64)
+        out = device_buf[:n]
+        out.copy_(staging[:n], non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self._buffers[self._turn] = (staging, device_buf, copied)
         return out
 
 

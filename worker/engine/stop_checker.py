@@ -15,24 +15,25 @@ class StopChecker:
         """The finish reason ("stop" | "length") once seq's newest token ends it, else None. new_text_from is
         where this token's text starts in seq.output_text."""
         params = seq.params
-        token = seq.token_ids[-1]
-        if seq.num_output_tokens >= params.min_tokens:
+        token_ids = seq.token_ids
+        token = token_ids[-1]
+        num_output = len(token_ids) - len(seq.prompt_token_ids)
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 return "stop"
             if token in params.stop_ids:
                 return "stop"
             if params.stop_strings and self._cut_at_stop_string(seq, new_text_from):
                 return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_output >= params.max_tokens or len(token_ids) >= self.max_model_len:
             return "length"
         return None
 
     @staticmethod
     def _cut_at_stop_string(seq: Sequence, new_text_from: int) -> bool:
         text = seq.output_text
-        longest = max(len(s) for s in seq.params.stop_strings)
         # a stop string completed by this token ends in the new text, so it starts at most this far back
-        window_start = max(0, new_text_from - longest + 1)
+        window_start = max(0, new_text_from - seq.params.stop_hold)
         hits = [i for s in seq.params.stop_strings if (i := text.find(s, window_start)) != -1]
         if not hits:
             return False

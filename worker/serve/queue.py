@@ -58,8 +58,14 @@ def tokens_key(keys: Keys, job_id: str) -> str:
 
 
 class JobQueue:
-    def __init__(self, client: redis.Redis, namespace: str, consumer: str, result_ttl_s: int) -> None:
+    def __init__(self, client: redis.Redis, namespace: str, consumer: str, result_ttl_s: int,
+                 min_replicas: int = 0, wait_ms: int = 1000) -> None:
         self.r = client
+        # Durability: a batch of endings is followed by WAIT min_replicas wait_ms, so a result a client can
+        # read has reached that many replicas and survives a failover (0 = the primary's word is enough).
+        self.min_replicas = min_replicas
+        self.wait_ms = wait_ms
+        self.replicas_short = 0  # WAITs that timed out with fewer replicas than asked
         self.keys = Keys(namespace)
         self.consumer = consumer
         self.result_ttl_s = result_ttl_s
@@ -226,6 +232,7 @@ class WriteBatch:
         self.jobs = jobs
         self.pipe = jobs.r.pipeline(transaction=False)
         self._replies = 0
+        self._endings = 0
 
     def _queued(self, replies: int) -> int:
         self._replies += replies
@@ -234,6 +241,7 @@ class WriteBatch:
     def finish(self, e: Ending) -> int:
         """The finish script's reply: 1 ended now, 0 ended before, -1 no record."""
         self.jobs.finish(self.pipe, e)
+        self._endings += 1
         return self._queued(1)
 
     def dead_letter(self, job_id: str, reason: str, attempts: int, request: str) -> None:
@@ -254,11 +262,24 @@ class WriteBatch:
 
     def execute(self) -> list[Any]:
         """Send everything. An outage raises (nothing is known to be written); a command Redis refuses comes
-        back as -2 in its place, logged, so one refused write never holds up the others."""
+        back as -2 in its place, logged, so one refused write never holds up the others.
+
+        With min_replicas, endings are followed by WAIT in the same round trip. A WAIT that times out short of
+        min_replicas is logged and counted, not retried: the results are on the primary (readable now), and
+        the replica catches up on its own unless the primary is lost in that window."""
+        wait = self.jobs.min_replicas > 0 and self._endings > 0
+        if wait:
+            self.pipe.execute_command("WAIT", self.jobs.min_replicas, self.jobs.wait_ms)
         replies = self.pipe.execute(raise_on_error=False)
         for reply in replies:
             if isinstance(reply, REDIS_DOWN):
                 raise reply
+        if wait:
+            acked = replies.pop()
+            if isinstance(acked, Exception) or int(acked) < self.jobs.min_replicas:
+                self.jobs.replicas_short += 1
+                log.warning("results_not_replicated", replicas=str(acked), wanted=self.jobs.min_replicas,
+                            wait_ms=self.jobs.wait_ms, endings=self._endings)
         for i, reply in enumerate(replies):
             if isinstance(reply, Exception):
                 log.error("write_refused", error=str(reply), reply_index=i)

