@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -25,6 +24,7 @@ from worker.engine.errors import InvalidRequest
 from worker.engine.guided import GrammarError, GuidedDecoding
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_block
 from worker.engine.models import registry
+from worker.engine.outputs import Choice, Delta, EngineStats, RequestOutput
 from worker.engine.overlap import Overlap
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_params import SamplingParams
@@ -38,61 +38,6 @@ Prompt = str | list[int] | list[dict[str, Any]]
 CUDA_MAX_NUM_SEQS = 256  # max_num_seqs when the config leaves it None: a GPU step is cheap per row
 CPU_MAX_NUM_SEQS = 64  # the CPU's panel linears serve up to 64 rows (backends/cpu_linear.py)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class Choice:
-    """One of a request's n completions."""
-
-    index: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    logprobs: list[dict[int, float]] | None
-
-
-@dataclass
-class RequestOutput:
-    """A finished request. token_ids, text, finish_reason and logprobs are choice 0's; `choices` holds all n."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" | "length" | "abort"
-    logprobs: list[dict[int, float]] | None
-    arrival_time: float
-    first_token_time: float | None
-    finish_time: float
-    num_preemptions: int
-    num_cached_tokens: int = 0  # prompt tokens its latest admission took from the prefix cache
-    choices: list[Choice] = field(default_factory=list)
-
-
-@dataclass
-class Delta:
-    """What one step added to a request's output: its new token ids and the text that is final now."""
-
-    token_ids: list[int]
-    text: str
-
-
-@dataclass
-class EngineStats:
-    running: int
-    waiting: int
-    free_blocks: int
-    used_blocks: int
-    total_blocks: int
-    preemptions: int
-    generated_tokens: int
-    steps: int
-    cached_blocks: int = 0  # blocks holding a reusable prefix (in use or in the LRU)
-    prefix_queried_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    prefix_queried_blocks: int = 0
-    prefix_hit_blocks: int = 0
-    prefix_evictions: int = 0
 
 
 class Engine:
@@ -165,7 +110,7 @@ class Engine:
         # overlap (overlap.py): the next step is scheduled and prepared while the device runs this one
         overlap = cfg.overlap if cfg.overlap is not None else (
             self.device.type == "cuda" or os.environ.get("TOKENBUS_OVERLAP") == "1")  # the env: test suites
-        self.overlap = Overlap(self) if overlap else None
+        self.overlap = Overlap(self.scheduler, self.runner, self.guided, self.finish_step) if overlap else None
         log.info(
             "engine_ready", model=cfg.model, device=str(self.device), dtype=str(self.dtype), kv_blocks=num_blocks,
             block_size=cfg.block_size, max_model_len=self.max_model_len, backend=self.backend.name,

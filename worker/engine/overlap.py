@@ -26,17 +26,20 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from worker.engine.guided import GuidedDecoding
+from worker.engine.model_runner import ModelRunner
+from worker.engine.outputs import RequestOutput
 from worker.engine.sampler import SampledStep
-from worker.engine.scheduler import Ahead, ScheduledBatch
+from worker.engine.scheduler import Ahead, ScheduledBatch, Scheduler
 from worker.engine.sequence import Sequence, SequenceStatus
 from worker.engine.step_inputs import PreparedStep
 
-if TYPE_CHECKING:
-    from worker.engine.engine import Engine, RequestOutput
+# Engine.finish_step: (batch, its sampled sequences, their tokens, logprob rows) -> the requests that ended
+FinishStep = Callable[[ScheduledBatch, list[Sequence], list[int], list | None], list[RequestOutput]]
 
 
 SWITCH_INTERVAL_S = 0.0002
@@ -51,8 +54,12 @@ class InFlight:
 
 
 class Overlap:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, guided: GuidedDecoding,
+                 finish_step: FinishStep) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.guided = guided
+        self.finish_step = finish_step
         # the forward thread needs the GIL for a moment between its device calls; the main thread holds it
         # through long stretches of host work, and by default gives it up only every 5 ms
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
@@ -67,9 +74,8 @@ class Overlap:
         return f is not None and any(s.status is SequenceStatus.RUNNING for s in f.batch.seqs)
 
     def step(self) -> list[RequestOutput]:
-        e = self.engine
         prev = self.inflight
-        batch = e.scheduler.schedule(prev.ahead) if prev is not None and self._may_overlap(prev) else None
+        batch = self.scheduler.schedule(prev.ahead) if prev is not None and self._may_overlap(prev) else None
         outputs: list[RequestOutput] = []
         if batch is None:
             if prev is not None:  # finish it first: the next schedule sees its results
@@ -77,7 +83,7 @@ class Overlap:
                 self.breaks += 1
                 outputs = self._finish(prev)
                 prev = None
-            batch = e.scheduler.schedule()
+            batch = self.scheduler.schedule()
             assert batch is not None
         if batch.seqs:
             try:
@@ -96,19 +102,19 @@ class Overlap:
                 self.inflight = None
                 raise
         elif not batch.seqs:
-            e.guided.wait(0.01)  # nothing runnable but grammars compiling: do not spin
+            self.guided.wait(0.01)  # nothing runnable but grammars compiling: do not spin
         return outputs
 
     def _may_overlap(self, prev: InFlight) -> bool:
         """False when a row sampled in the step in flight needs that token on the host before its next row
         is built: its grammar's mask, its penalties, its min_tokens ban (a row new in the next step reads
         only state that the postprocess of the step in flight does not touch)."""
-        matchers = self.engine.guided.matchers
+        matchers = self.guided.matchers
         return not any(s.params.has_penalties or s.params.min_tokens > s.num_output_tokens or s in matchers
                        for s in prev.step.sampling_seqs)
 
     def _launch(self, batch: ScheduledBatch, prev: InFlight | None) -> InFlight:
-        step = self.engine.runner.prepare(batch, prev.ahead if prev is not None else None)
+        step = self.runner.prepare(batch, prev.ahead if prev is not None else None)
         future = self.pool.submit(self._execute, step, prev.future if prev is not None else None)
         ahead: Ahead = {seq: (n, -1) for seq, n in step.order}
         for i, seq in enumerate(step.sampling_seqs):
@@ -123,7 +129,7 @@ class Overlap:
             sampled = prev.result()
             assert sampled is not None
             prev_tokens = sampled.device_tokens
-        return self.engine.runner.execute(step, prev_tokens, resolve_on_device=True)
+        return self.runner.execute(step, prev_tokens, resolve_on_device=True)
 
     def _finish(self, done: InFlight) -> list[RequestOutput]:
         started = time.perf_counter()
@@ -134,7 +140,7 @@ class Overlap:
         batch = done.batch
         if any(s.status is not SequenceStatus.RUNNING for s in batch.seqs):
             batch, seqs, tokens, logprob_rows = _drop_gone(batch, seqs, tokens, logprob_rows)
-        return self.engine.finish_step(batch, seqs, tokens, logprob_rows)
+        return self.finish_step(batch, seqs, tokens, logprob_rows)
 
     def close(self) -> None:
         _drain(self.inflight)
