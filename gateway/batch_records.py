@@ -54,7 +54,11 @@ class GatewayBatch(BaseModel):
 
     @classmethod
     def load(cls, r: redis.Redis, gkeys: GatewayKeys, batch_id: str) -> GatewayBatch | None:
-        raw = r.hgetall(gkeys.batch(batch_id))
+        return cls.from_hash(r.hgetall(gkeys.batch(batch_id)))
+
+    @classmethod
+    def from_hash(cls, raw: dict[str, str]) -> GatewayBatch | None:
+        """The record from its Redis hash (as HGETALL gives it, also from a pipeline); None when it is empty."""
         if not raw:
             return None
         data: dict[str, Any] = {k: v for k, v in raw.items() if v != ""}

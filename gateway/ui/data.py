@@ -27,17 +27,6 @@ class BatchRow:
     eta_s: float | None
 
 
-def _gateway_batch(raw: dict[str, str]) -> GatewayBatch | None:
-    """GatewayBatch.load's parsing, for a hash read in a pipeline."""
-    if not raw:
-        return None
-    data: dict[str, Any] = {k: v for k, v in raw.items() if v != ""}
-    for name in ("metadata", "errors"):
-        if name in data:
-            data[name] = json.loads(data[name])
-    return GatewayBatch.model_validate(data)
-
-
 def batch_row(gw: GatewayBatch, core: BatchRecord | None, now: float) -> BatchRow:
     obj = batch_object(gw, core)
     counts = obj["request_counts"]
@@ -62,7 +51,7 @@ def batches_page(ctx: GatewayContext, owner: str, page: int) -> tuple[list[Batch
     raw = pipe.execute()
     now, rows = time.time(), []
     for gw_raw, core_raw in zip(raw[::2], raw[1::2], strict=True):
-        gw = _gateway_batch(gw_raw)
+        gw = GatewayBatch.from_hash(gw_raw)
         if gw is not None:  # deleted between the two reads
             rows.append(batch_row(gw, BatchRecord.from_record(core_raw) if core_raw else None, now))
     return rows, total
