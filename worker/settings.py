@@ -40,6 +40,8 @@ ENGINE_HELP = {
     "enable_prefix_caching": "reuse cached KV blocks of a shared prompt prefix across jobs",
     "cuda_graphs": "CUDA: replay captured graphs for pure decode steps",
     "static_decode": "the fixed-shape padded decode path; unset = on with CUDA graphs, off on the CPU",
+    "overlap": "schedule and prepare step N+1 while step N runs; unset = on for cuda, off on the cpu",
+    "quantization": "weight quantization: unset = as loaded; 'int8' (CPU float32, per-channel weight-only)",
 }
 
 

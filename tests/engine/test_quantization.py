@@ -119,7 +119,7 @@ def test_quantization_setting_reaches_the_engine_config(monkeypatch):
     from worker.settings import WorkerSettings, load_settings
 
     monkeypatch.setenv("TOKENBUS_QUANTIZATION", "int8")
-    assert WorkerSettings().engine_config().quantization == "int8"
+    assert WorkerSettings().engine.quantization == "int8"
     monkeypatch.delenv("TOKENBUS_QUANTIZATION")
-    assert load_settings(["--quantization", "int8"]).engine_config().quantization == "int8"
-    assert load_settings([]).engine_config().quantization is None
+    assert load_settings(["--quantization", "int8"]).engine.quantization == "int8"
+    assert load_settings([]).engine.quantization is None
