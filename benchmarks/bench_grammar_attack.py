@@ -11,6 +11,7 @@ the attack fails alone, grammar_too_costly); attack with the budget off (what th
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import statistics
 import time
@@ -56,6 +57,7 @@ def victim_seconds(engine: Engine, attack: bool, tag: str) -> tuple[tuple[float,
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     engine = Engine("smollm2-135m", device="cpu", dtype="float32", max_num_seqs=8, kv_cache_gb=0.25)
     engine.generate([PROMPT], SamplingParams(max_tokens=2))  # warm-up
     rows = {"alone": [], "attack, mask budget on (now)": [], "attack, mask budget off (before)": []}

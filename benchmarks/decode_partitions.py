@@ -11,6 +11,7 @@ the engine captures at max_num_seqs 256.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -53,6 +54,7 @@ def graph_count(max_num_seqs: int, max_model_len: int, hk: int = SMOLLM2[1]) -> 
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     rows = []
     for max_len in (32768, 131072):
         for batch, context in ((256, 1024), (256, 1090), (64, 1024), (1, 1024), (256, 5000), (1, 20000)):

@@ -8,6 +8,7 @@ Prints the figures and writes docs/gateway-attacks.md; docs/reliability.md's gat
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -126,6 +127,7 @@ def slowloris(stack) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     figures: dict[str, object] = {"webhook_attempt_s": webhook_attempt()}
     lg.ENV["TOKENBUS_GATEWAY_WEBHOOK_TIMEOUT_S"] = str(WEBHOOK_TIMEOUT_S)
     lg.ENV["TOKENBUS_GATEWAY_HEADER_TIMEOUT_S"] = "10"
