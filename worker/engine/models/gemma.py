@@ -23,7 +23,15 @@ import torch
 from torch import nn
 
 from worker.engine.backends import Backend
-from worker.engine.models.llama import MLP, Attention, LlamaArch, LlamaForCausalLM, RMSNorm, RotaryEmbedding
+from worker.engine.models.llama import (
+    MLP,
+    Attention,
+    LlamaArch,
+    LlamaForCausalLM,
+    RMSNorm,
+    RotaryEmbedding,
+    shape_fields,
+)
 
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 
@@ -43,20 +51,10 @@ class GemmaArch(LlamaArch):
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
         if act != "gelu_pytorch_tanh":
             raise ValueError(f"Gemma activation {act!r} is not supported; only 'gelu_pytorch_tanh' (GeGLU)")
-        num_heads = config.num_attention_heads
         window = config.sliding_window or 0
         layer_types = list(config.layer_types)
         return cls(
-            model_type=model_type,
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=config.head_dim,
-            rms_norm_eps=config.rms_norm_eps,
-            max_position_embeddings=config.max_position_embeddings,
+            **shape_fields(config, model_type, config.head_dim),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
             qkv_bias=bool(getattr(config, "attention_bias", False)),
             qk_norm=model_type == "gemma3_text",

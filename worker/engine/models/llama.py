@@ -23,6 +23,23 @@ from worker.engine.backends import Backend
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+def shape_fields(config: Any, model_type: str, head_dim: int) -> dict[str, Any]:
+    """The LlamaArch fields every family reads from a Hugging Face config the same way (sizes, counts, eps)."""
+    num_heads = config.num_attention_heads
+    return dict(
+        model_type=model_type,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+    )
+
+
 def _rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
     # transformers >= 5 keeps rope settings in `rope_parameters` (per layer type for Gemma 3); 4.x in
     # rope_theta / rope_scaling
@@ -97,16 +114,7 @@ class LlamaArch:
         if window and layer_types and len(set(layer_types)) > 1:
             layer_windows = tuple(window if t == "sliding_attention" else 0 for t in layer_types)
         return cls(
-            model_type=model_type,
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=config.rms_norm_eps,
-            max_position_embeddings=config.max_position_embeddings,
+            **shape_fields(config, model_type, head_dim),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             qk_norm=model_type == "qwen3",

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.engine.models.llama import LlamaArch, LlamaForCausalLM, _rope_parameters, rope_inv_freq
+from worker.engine.models.llama import LlamaArch, LlamaForCausalLM, _rope_parameters, rope_inv_freq, shape_fields
 
 
 @dataclass
@@ -42,16 +42,7 @@ class Phi3Arch(LlamaArch):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         partial = _rope_parameters(config).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
         return cls(
-            model_type="phi3",
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=config.rms_norm_eps,
-            max_position_embeddings=config.max_position_embeddings,
+            **shape_fields(config, "phi3", head_dim),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=False,
             qk_norm=False,
