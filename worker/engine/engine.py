@@ -343,7 +343,7 @@ class Engine:
             generated_tokens=self.generated_tokens, steps=self.steps, cached_blocks=bm.num_cached,
             prefix_queried_tokens=pc.queried_tokens, prefix_hit_tokens=pc.hit_tokens,
             prefix_queried_blocks=pc.queried_blocks, prefix_hit_blocks=pc.hit_blocks,
-            prefix_evictions=pc.evictions,
+            prefix_evictions=pc.evictions, forking=sum(len(f) for f in self.forks.values()),
         )
 
     def generate(

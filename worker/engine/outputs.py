@@ -46,7 +46,7 @@ class Delta:
 @dataclass
 class EngineStats:
     running: int
-    waiting: int
+    waiting: int  # choices 1..n-1 waiting to fork are not here: see forking
     free_blocks: int
     used_blocks: int
     total_blocks: int
@@ -59,3 +59,4 @@ class EngineStats:
     prefix_queried_blocks: int = 0
     prefix_hit_blocks: int = 0
     prefix_evictions: int = 0
+    forking: int = 0  # choices 1..n-1 of n > 1 requests, waiting for choice 0's first token to fork

@@ -116,9 +116,8 @@ class Server:
                 self._step()
             stats = self.engine.stats()
             set_aside = len(self.suspects) + len(self.held)
-            # choices 1..n-1 of an n > 1 job wait in engine.forks for choice 0's first token: seats all the same
-            forking = sum(len(f) for f in getattr(self.engine, "forks", {}).values())
-            self.budget.set_room(self.capacity - stats.running - stats.waiting - forking - set_aside)
+            # choices waiting to fork take seats all the same
+            self.budget.set_room(self.capacity - stats.running - stats.waiting - stats.forking - set_aside)
             self._publish_stats(stats)
             if self.exit_code:
                 break
