@@ -73,12 +73,16 @@ w = json.load(open(sys.argv[1])); url, model, wrapper, out = sys.argv[2:6]; ns =
 env = dict(os.environ, PYTHONPATH=os.getcwd(), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", SPLIT_OUT=out)
 worker = subprocess.Popen([sys.executable, wrapper, "--redis-url", url, "--namespace", ns, "--model", model,
     "--device", "cpu", "--dtype", "float32", "--max-num-seqs", "64", "--max-num-batched-tokens", "512",
-    "--heartbeat-s", "1", "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    "--heartbeat-s", "1", "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=open(out + ".err", "w"), env=env)
 c, r = Client(url, namespace=ns), redis.Redis.from_url(url)
 def redis_cpu():
     i = r.info("cpu"); return i["used_cpu_user"] + i["used_cpu_sys"]
 try:
-    c.wait(c.submit(prompt_token_ids=w["prompts"][0], max_tokens=2, temperature=0.0), timeout=1800)
+    warm = c.submit(prompt_token_ids=w["prompts"][0], max_tokens=2, temperature=0.0)
+    while c.get(warm).status not in ("finished", "failed", "cancelled"):
+        if worker.poll() is not None:
+            sys.exit("worker exited: " + open(out + ".err").read()[-3000:])
+        time.sleep(0.5)
     reqs = [{"prompt_token_ids": p, "max_tokens": m, "temperature": 0.0, "ignore_eos": True}
             for p, m in zip(w["prompts"], w["max_tokens"])]
     worker.send_signal(signal.SIGUSR1); time.sleep(0.2)
@@ -103,7 +107,7 @@ def run_child(tree: Path, tmp: Path, wl: Path, url: str, model: str, tag: str) -
     out = tmp / f"{tag}.json"
     env = dict(os.environ, PYTHONPATH=str(tree), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(
-        [sys.executable, "-c", CLIENT, str(wl), url, model, str(tmp / "worker.py"), str(out)],
+        [sys.executable, "-c", CLIENT, str(wl), url, model, str(tmp / "split_worker.py"), str(out)],
         cwd=tree,
         env=env,
         capture_output=True,
@@ -135,7 +139,7 @@ def main() -> None:
     from tests.support.local_redis import RedisServer
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-split-"))
-    (tmp / "worker.py").write_text(WORKER)
+    (tmp / "split_worker.py").write_text(WORKER)  # not worker.py: it would shadow the package
     if a.tiny:
         from tests.support.tiny_models import make_tiny_model
 
