@@ -68,8 +68,8 @@ def _decode_partition_kernel(
     stride_bt,
     stride_os, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SINGLE_PARTITION: tl.constexpr, DOT_FP32: tl.constexpr, FP32_DOT: tl.constexpr,
-    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SINGLE_PARTITION: tl.constexpr, DOT_FP32: tl.constexpr,
+    FP32_DOT: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Grid (num_seqs, num_kv_heads, num_partitions): one context slice x one KV head x its GROUP q heads.
     Writes fp32 partials [num_seqs, num_q_heads, num_partitions(, HEAD_DIM)], or `out` if SINGLE_PARTITION.
@@ -278,7 +278,8 @@ def plan_decode(
         ),
         {
             "GROUP": group, "GROUP_PAD": group_pad, "HEAD_DIM": head_dim, "HEAD_PAD": head_pad(head_dim),
-            "BLOCK_N": min(128, 16384 // (head_pad(head_dim) * q.element_size())) if on_gpu else 64, "BLOCK_SIZE": block_size,
+            "BLOCK_N": min(128, 16384 // (head_pad(head_dim) * q.element_size())) if on_gpu else 64,
+            "BLOCK_SIZE": block_size,
             "SINGLE_PARTITION": single, "DOT_FP32": (not on_gpu) or q.dtype == torch.float32,
             "FP32_DOT": "tf32x3" if on_gpu else "ieee", "SLIDING": window > 0, "SOFTCAP": softcap > 0,
             "num_warps": 4, "num_stages": 3,

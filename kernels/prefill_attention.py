@@ -190,7 +190,8 @@ def plan_prefill(
         *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
     )
     meta = {
-        "GROUP": group, "HEAD_DIM": head_dim, "HEAD_PAD": head_pad(head_dim), "BLOCK_M": block_m, "BLOCK_Q": block_q, "BLOCK_N": block_n,
+        "GROUP": group, "HEAD_DIM": head_dim, "HEAD_PAD": head_pad(head_dim), "BLOCK_M": block_m, "BLOCK_Q": block_q,
+        "BLOCK_N": block_n,
         "BLOCK_SIZE": block_size, "DOT_FP32": (not on_gpu) or q.dtype == torch.float32,
         "FP32_DOT": "tf32x3" if on_gpu else "ieee", "SLIDING": window > 0, "SOFTCAP": softcap > 0,
         "num_warps": warps, "num_stages": 2,

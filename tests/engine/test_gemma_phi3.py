@@ -6,8 +6,8 @@ prefix-cache hit (the last prompt starts with the first one's full block).
 
 The tiny configs (tests/tiny_models.py) make each difference bite: Gemma 2's window of 7 (shorter than a
 block) and its soft-caps of 2 and 3, Gemma 3's window of 20 (longer than a block) with its two RoPE bases
-(the global one linearly scaled), Phi-3's head_dim 96, window of 24, half-rotary heads and longrope switching to the long
-factors at position 32, which the decodes cross. Phi-3's reference is HF's model stepped with its own cache
+(the global one linearly scaled), Phi-3's head_dim 96, window of 24, half-rotary heads and longrope switching
+to the long factors at position 32, which the decodes cross. Phi-3's reference is HF's model stepped with its own cache
 (hf_stepwise): HF `generate` alone recomputes a Phi-3 sequence's whole cache with the long factors when it
 first crosses the original context, which tokenbus does not (docs/architecture.md, "Phi-3 longrope").
 
