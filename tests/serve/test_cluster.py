@@ -1,14 +1,17 @@
 """Redis Cluster: two namespaces on a real 3-shard cluster on loopback (three redis-server processes with
 `--cluster-enabled yes`), each served end to end by its own worker (the real serve loop in a thread, tiny
 random-weight model) through a redis+cluster:// client. Every key of a namespace lands on the one shard that
-owns its hash tag `{ns}`, the two namespaces on different shards, and the results are HF's greedy tokens."""
+owns its hash tag `{ns}`, the two namespaces on different shards, and the results are HF's greedy tokens; a
+batch (its own queue, registry entry and counters, a MULTI on submit) completes there too."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 
+from producer import batches
 from producer.client import Client
 from protocol import scripts
 from protocol.connection import is_cluster, on_shard, redis_from_url
@@ -56,7 +59,14 @@ def test_two_namespaces_end_to_end_on_their_own_shards(cluster, serve_model_dir)
         started = time.monotonic()
         ids = {ns: c.submit_many([{"prompt_token_ids": p, "max_tokens": MAX_TOKENS, "temperature": 0.0,
                                    "ignore_eos": True} for p in PROMPTS]) for ns, c in clients.items()}
+        # and a batch in beta: its own queue and registry entry, its counters bumped by the finish script
+        lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                             "body": {"prompt": f"batch {i}", "max_tokens": 2}}) for i in range(3)]
+        batch = batches.submit_batch(clients["beta"], lines, batch_id="cluster-batch")
+        assert batch.queue == "{beta}:q:bulk:cluster-batch"
         done = {ns: {j.id: j for j in clients[ns].as_completed(ids[ns], timeout=60)} for ns in NAMESPACES}
+        ended = batches.wait_batch(clients["beta"], "cluster-batch", timeout=60)
+        assert (ended.status, ended.finished, ended.total) == ("completed", 3, 3), ended
         print(f"\n{len(NAMESPACES) * len(PROMPTS)} jobs in two namespaces: {time.monotonic() - started:.2f} s")
 
         hf = load_hf(serve_model_dir)
