@@ -4,6 +4,7 @@ life (submit, intake, finish, read back), for the sizing worked out in docs/depl
     .venv/bin/python -m benchmarks.bench_redis_cost                 # starts its own redis-server on a free port
     .venv/bin/python -m benchmarks.bench_redis_cost --jobs 50000 --prompt-bytes 2000
     .venv/bin/python -m benchmarks.bench_redis_cost --cluster      # the same on a local 3-shard Redis Cluster
+    .venv/bin/python -m benchmarks.bench_redis_cost --compare 3    # + single Redis vs a cluster shard, in turns
 
 The phases run the real code paths with no model: Client.submit_many (SUBMIT_JOB, pipelined), the worker's
 JobQueue.read_new + start (READ, START_JOB), one WriteBatch per read with first_token + finish (FIRST_TOKEN,
@@ -94,6 +95,38 @@ def run(url: str, n: int, prompt_bytes: int, read_count: int, output_tokens: int
     return phases
 
 
+def whole_life_cpu(phases: list[tuple[str, dict]]) -> float:
+    return sum(ph["cpu"] for _, ph in phases)
+
+
+def compare(rounds: int, n: int, prompt_bytes: int, read_count: int, output_tokens: int) -> list[str]:
+    """Whole-life Redis CPU per job on a single Redis and on a cluster shard, alternating in one process."""
+    from tests.support.local_redis import RedisServer
+    from tests.support.redis_cluster import RedisCluster
+
+    single, cluster = RedisServer().start(), RedisCluster(3).start()
+    rows = []
+    try:
+        for i in range(rounds):
+            pair = {}
+            for name, url in (("single", single.url), ("cluster", cluster.url))[:: 1 if i % 2 == 0 else -1]:
+                pair[name] = whole_life_cpu(run(url, n, prompt_bytes, read_count, output_tokens)) * 1e6
+            rows.append((pair["single"], pair["cluster"]))
+            print(f"round {i + 1}: single {pair['single']:.1f} µs, cluster shard {pair['cluster']:.1f} µs")
+    finally:
+        single.cleanup()
+        cluster.cleanup()
+    ratios = sorted(c / s for s, c in rows)
+    out = ["", "## A single Redis against a cluster shard, side by side", "",
+           f"`--compare {rounds}`: {rounds} rounds of {n:,} jobs in one process, the two alternating (first one, then "
+           "the other first); Redis CPU µs per job's whole life. On the shard pipelined scripts go as EVAL with "
+           "their text (redis-py refuses EVALSHA in a cluster pipeline).", "",
+           "| round | single Redis | cluster shard | shard / single |", "|---:|---:|---:|---:|"]
+    out += [f"| {i + 1} | {s:.1f} | {c:.1f} | {c / s:.2f} |" for i, (s, c) in enumerate(rows)]
+    out += ["", f"Median ratio: **{ratios[len(ratios) // 2]:.2f}**.", ""]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="an existing, otherwise idle Redis (default: start a temporary redis-server)")
@@ -103,9 +136,12 @@ def main() -> None:
     p.add_argument("--read-count", type=int, default=64, help="entries per READ and endings per result pipeline")
     p.add_argument("--cluster", action="store_true", help="start a local 3-shard Redis Cluster instead (scripts "
                                                           "in pipelines go as EVAL there: see docs/deployment.md)")
-    p.add_argument("--out", default=None, help="default docs/bench_redis_cost.md (--cluster: ..._cluster.md)")
+    p.add_argument("--compare", type=int, default=0, metavar="ROUNDS",
+                   help="then ROUNDS rounds of a single Redis against a cluster shard, in turns (needs no --url)")
+    p.add_argument("--out", default=None, help="default docs/bench_redis_cost.md (--cluster: a file in /tmp)")
     a = p.parse_args()
-    out = a.out or str(ROOT / "docs" / ("bench_redis_cost_cluster.md" if a.cluster else "bench_redis_cost.md"))
+    # --cluster alone is a check; the cluster figures in docs come from --compare, side by side
+    out = a.out or ("/tmp/bench_redis_cost_cluster.md" if a.cluster else str(ROOT / "docs" / "bench_redis_cost.md"))
 
     server = None
     url = a.url
@@ -157,6 +193,8 @@ def main() -> None:
         "holds (its request included), after finish what an ended job holds until its result_ttl.",
         "",
     ])
+    if a.compare:
+        text += "\n".join(compare(a.compare, a.jobs, a.prompt_bytes, a.read_count, a.output_tokens))
     print("\n".join(table))
     print(f"\none core: ~{per_core:,.0f} jobs/s")
     Path(out).write_text(text)
