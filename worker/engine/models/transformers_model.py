@@ -45,7 +45,7 @@ class FallbackArch:
     tie_word_embeddings: bool
     sliding_window: int | None = None
     qk_norm: bool = False
-    serving_path: str = "transformers"
+    model_path: str = "transformers"
 
     @classmethod
     def from_hf_config(cls, config: Any, model_name: str = "") -> FallbackArch:
