@@ -11,14 +11,21 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from tests.support.gateway_harness import KEYS, WEBHOOK_SECRET, Proc, chat_line, wait_until, write_jsonl
+from tests.support.gateway_harness import (
+    KEYS,
+    WEBHOOK_SECRET,
+    Deployment,
+    Proc,
+    chat_line,
+    healthy,
+    wait_until,
+    write_jsonl,
+)
 from tests.support.local_redis import RedisServer, free_port
 
 __all__ = ["KEYS", "WEBHOOK_SECRET", "chat_line", "write_jsonl", "wait_until", "LightStack", "TrickleReceiver"]
@@ -34,31 +41,17 @@ ENV = {  # short deadlines: each attack resolves in a few seconds
 }
 
 
-@dataclass
-class LightStack:
-    redis: RedisServer
-    base_url: str
+@dataclass(kw_only=True)
+class LightStack(Deployment):
     env: dict[str, str]
     log_dir: Path
-    procs: dict[str, Proc] = field(default_factory=dict)
+    timeout: float = 30
 
     def start(self, name: str) -> Proc:
         cmd = {"gateway": "serve", "tasks": "tasks", "webhooks": "webhooks"}[name]
         self.procs[name] = Proc(f"{name}-{time.monotonic_ns()}", ["-m", "gateway", cmd], self.env,
                                 self.log_dir)
         return self.procs[name]
-
-    def all(self) -> list[Proc]:
-        return list(self.procs.values())
-
-    def openai(self, who: str = "alice"):
-        from openai import OpenAI
-
-        return OpenAI(api_key=KEYS[who], base_url=self.base_url + "/v1", max_retries=0, timeout=30)
-
-    def http(self, who: str | None = "alice") -> httpx.Client:
-        headers = {"authorization": f"Bearer {KEYS[who]}"} if who else {}
-        return httpx.Client(base_url=self.base_url, headers=headers, timeout=30)
 
     def r(self):
         return self.redis.client(decode_responses=True)
@@ -102,13 +95,6 @@ class LightStack:
                                result={"text": text, "finish_reason": "stop", "model": "smollm2-135m"})
 
 
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(url + "/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def start_light_stack(tmp: Path) -> LightStack:
     srv = RedisServer().start()
     port = free_port()
@@ -121,7 +107,7 @@ def start_light_stack(tmp: Path) -> LightStack:
     try:
         for name in ("gateway", "tasks", "webhooks"):
             stack.start(name)
-        wait_until(lambda: _ready(stack.base_url), 60, "the gateway's /healthz", stack.all(), every=0.1)
+        wait_until(lambda: healthy(stack.base_url), 60, "the gateway's /healthz", stack.all(), every=0.1)
         r = srv.client()
         wait_until(lambda: r.scard("rq:workers") >= 2, 60, "the two RQ workers", stack.all(), every=0.1)
     except BaseException:
