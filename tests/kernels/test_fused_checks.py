@@ -11,17 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
-from tests.kernels.fused_inputs import (
-    DTYPES,
-    EPS,
-    check_close,
-    check_equal,
-    norm_inputs,
-    qkv_inputs,
-    rope_tables,
-    split,
-    wide_rows,
-)
+from tests.kernels import fused_inputs as inputs
+from tests.kernels.fused_inputs import DTYPES, EPS, norm_inputs, qkv_inputs, rope_tables, split, wide_rows
 from tests.support.kernel_cases import INTERPRETED, case_id, generator, parent_only
 from tests.support.sm90_compile import compile_for_sm90, stack_bytes
 
@@ -60,32 +51,32 @@ def test_checks_catch_wrong_kernels(dtype):
     n, hidden = 37, 576
     _, x, _, residual, weight = norm_inputs(n, hidden, dtype, "add", "cpu")
     right = rms_norm_ref(residual + x, weight, EPS)
-    assert _raises(check_close, rms_norm_ref(residual + x, weight, 10 * EPS), right), "eps x10 not caught"
-    assert _raises(check_close, rms_norm_ref(residual + x, weight, EPS / 10), right), "eps / 10 not caught"
-    assert _raises(check_close, rms_norm_ref(x, weight, EPS), right), "missing residual not caught"
-    assert _raises(check_close, rms_norm_ref(residual + x, torch.ones_like(weight), EPS), right), "no weight"
+    assert _raises(inputs.check_close, rms_norm_ref(residual + x, weight, 10 * EPS), right), "eps x10 not caught"
+    assert _raises(inputs.check_close, rms_norm_ref(residual + x, weight, EPS / 10), right), "eps / 10 not caught"
+    assert _raises(inputs.check_close, rms_norm_ref(x, weight, EPS), right), "missing residual not caught"
+    assert _raises(inputs.check_close, rms_norm_ref(residual + x, torch.ones_like(weight), EPS), right), "no weight"
     h = (residual + x).float()
     fused = (weight.float() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(dtype)
     if dtype != torch.float32:  # one rounding instead of LlamaRMSNorm's two
-        assert _raises(check_close, fused, right), "missed rounding not caught"
+        assert _raises(inputs.check_close, fused, right), "missed rounding not caught"
 
     qkv, cos, sin, _ = qkv_inputs(5, 6, 2, 128, dtype, "random", "checks", "cpu")
     q, k, _ = split(qkv, 6, 2, 128)
     right_q = rotary_ref(q.clone(), k.clone(), cos, sin)[0]
-    assert _raises(check_equal, rotary_ref(q.clone(), k.clone(), sin, cos)[0], right_q), "cos/sin swapped"
-    assert _raises(check_equal, rotary_ref(q.clone(), k.clone(), cos, -sin)[0], right_q), "rotation sign"
+    assert _raises(inputs.check_equal, rotary_ref(q.clone(), k.clone(), sin, cos)[0], right_q), "cos/sin swapped"
+    assert _raises(inputs.check_equal, rotary_ref(q.clone(), k.clone(), cos, -sin)[0], right_q), "rotation sign"
     half = cos.shape[-1] // 2
     first_half = torch.cat((cos[..., :half], cos[..., :half]), -1)
-    assert _raises(check_equal, rotary_ref(q.clone(), k.clone(), first_half, sin)[0], right_q), "cos halves"
+    assert _raises(inputs.check_equal, rotary_ref(q.clone(), k.clone(), first_half, sin)[0], right_q), "cos halves"
 
     _, gate_up = wide_rows(n, 2 * hidden, generator("checks", case_id(dtype)), dtype, 4.0, "cpu")
     right = silu_and_mul_ref(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
-    assert _raises(check_close, F.silu(up) * gate, right), "gate/up swapped not caught"
-    assert _raises(check_close, torch.sigmoid(gate) * up, right), "sigmoid for silu not caught"
+    assert _raises(inputs.check_close, F.silu(up) * gate, right), "gate/up swapped not caught"
+    assert _raises(inputs.check_close, torch.sigmoid(gate) * up, right), "sigmoid for silu not caught"
     if dtype != torch.float32:
         one_rounding = (F.silu(gate.float()) * up.float()).to(dtype)
-        assert _raises(check_close, one_rounding, right), "missed rounding not caught"
+        assert _raises(inputs.check_close, one_rounding, right), "missed rounding not caught"
 
 
 @parent_only

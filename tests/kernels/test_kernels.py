@@ -24,7 +24,7 @@ import torch
 
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
 from tests.support.kernel_cases import DEVICE, INTERPRETED, attention_plan_inputs, case_id, needs_kernels
-from tests.support.sm90_compile import compile_for_sm90, stack_bytes
+from tests.support.sm90_compile import check_attention_compiles
 
 TOL = {
     torch.float32: dict(rtol=1e-5, atol=1e-5),
@@ -277,12 +277,7 @@ def test_gpu_plans_compile_for_sm90(dtype, hq, hk, head_dim, tmp_path):
         "_decode_partition_kernel", "_decode_partition_kernel", "_decode_reduce_kernel", "_prefill_kernel",
         "_write_kv_kernel",
     ]
-    for launch in launches:
-        compiled = compile_for_sm90(launch)
-        name = launch.kernel.__name__
-        assert stack_bytes(compiled.asm["cubin"], tmp_path) == 0, f"{name} spills registers"
-        if name in ("_decode_partition_kernel", "_prefill_kernel"):
-            assert "async_copy_global_to_local" in compiled.asm["ttgir"], f"{name}: K/V loop not pipelined"
+    check_attention_compiles(launches, tmp_path)
 
 
 

@@ -16,7 +16,7 @@ import torch
 
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
 from tests.support.kernel_cases import INTERPRETED, attention_plan_inputs
-from tests.support.sm90_compile import compile_for_sm90, stack_bytes
+from tests.support.sm90_compile import check_attention_compiles
 
 UNUSED_BLOCK = 2**30  # table entries past a sequence's blocks: any read of one would fault
 BLOCK = 16
@@ -159,10 +159,5 @@ def test_windowed_plans_compile_for_sm90(tmp_path):
         *plan_silu_and_mul(gate_up, torch.empty(8, 256).to(dtype), on_gpu=True, gelu=True),
     ]
     assert all(launch.meta.get("SLIDING", True) and launch.meta.get("GELU", True) for launch in launches)
-    for launch in launches:
-        compiled = compile_for_sm90(launch)
-        name = launch.kernel.__name__
-        assert stack_bytes(compiled.asm["cubin"], tmp_path) == 0, f"{name} spills registers"
-        if name in ("_decode_partition_kernel", "_prefill_kernel"):
-            assert "async_copy_global_to_local" in compiled.asm["ttgir"], f"{name}: K/V loop not pipelined"
+    check_attention_compiles(launches, tmp_path)
 

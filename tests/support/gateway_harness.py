@@ -214,42 +214,60 @@ def write_jsonl(path: Path, lines: list[str]) -> Path:
 
 # ---- webhook receiver ----------------------------------------------------------------------------------------
 
-class WebhookReceiver:
-    """A tiny HTTP server thread: answers 500 to the first `fail_first` attempts of each webhook-id, then 200."""
+class LoopbackReceiver:
+    """An HTTP server thread on 127.0.0.1 (a context manager) whose POSTs go to on_post(handler)."""
 
-    def __init__(self, fail_first: int = 2) -> None:
-        self.fail_first = fail_first
-        self.attempts: list[dict[str, Any]] = []  # every request: headers, body, answered status
+    path = "/hook"
+
+    def __init__(self) -> None:
         self.lock = threading.Lock()
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-                body = self.rfile.read(int(self.headers.get("content-length", 0)))
-                with receiver.lock:
-                    msg_id = self.headers.get("webhook-id")
-                    seen = sum(1 for a in receiver.attempts if a["headers"].get("webhook-id") == msg_id)
-                    status = 500 if seen < receiver.fail_first else 200
-                    receiver.attempts.append({"headers": {k.lower(): v for k, v in self.headers.items()},
-                                              "body": body, "status": status, "at": time.time()})
-                self.send_response(status)
-                self.send_header("content-length", "0")
-                self.end_headers()
+                receiver.on_post(self)
 
             def log_message(self, *args: Any) -> None:
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/tokenbus"
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}{self.path}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def __enter__(self) -> WebhookReceiver:
+    def on_post(self, handler: BaseHTTPRequestHandler) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
         self.thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class WebhookReceiver(LoopbackReceiver):
+    """Answers 500 to the first `fail_first` attempts of each webhook-id, then 200."""
+
+    path = "/hooks/tokenbus"
+
+    def __init__(self, fail_first: int = 2) -> None:
+        self.fail_first = fail_first
+        self.attempts: list[dict[str, Any]] = []  # every request: headers, body, answered status
+        super().__init__()
+
+    def on_post(self, handler: BaseHTTPRequestHandler) -> None:
+        body = handler.rfile.read(int(handler.headers.get("content-length", 0)))
+        with self.lock:
+            msg_id = handler.headers.get("webhook-id")
+            seen = sum(1 for a in self.attempts if a["headers"].get("webhook-id") == msg_id)
+            status = 500 if seen < self.fail_first else 200
+            self.attempts.append({"headers": {k.lower(): v for k, v in handler.headers.items()},
+                                  "body": body, "status": status, "at": time.time()})
+        handler.send_response(status)
+        handler.send_header("content-length", "0")
+        handler.end_headers()
 
     def delivered(self) -> list[dict[str, Any]]:
         with self.lock:
