@@ -68,25 +68,9 @@ def spool_batch(
     reader = BatchFileReader(
         max_errors=MAX_LINE_ERRORS, on_request=keep, overrides=openai_batch.submit_fields(model, Priority(priority))
     )
-    name: str | None = None
     try:
-        if isinstance(source, str | Path):
-            path = Path(source)
-            if not path.is_file():
-                raise InvalidBatch(f"batch input file {str(path)!r} does not exist or is not a file")
-            size = path.stat().st_size
-            with path.open("rb") as f:
-                for chunk in iter(lambda: f.read(READ_BYTES), b""):
-                    reader.feed(chunk)
-                    if on_progress is not None:
-                        on_progress("validate", len(chunk), size)
-            name = str(path)
-        else:
-            for text in source:  # one line each (a line may keep its newline)
-                reader.feed(text.encode("utf-8", "surrogatepass"))
-                if not text.endswith("\n"):
-                    reader.feed(b"\n")
-        reader.close()
+        for _ in feed(reader, source, on_progress):
+            pass
         problem = reader.problem("nothing was submitted")
         if problem:
             raise InvalidBatch(problem, line_errors=reader.errors)
@@ -94,4 +78,75 @@ def spool_batch(
         spool.close()
         raise
     spool.flush()
-    return Spooled(reader.endpoint or "", reader.requests, name, spool)
+    return Spooled(reader.endpoint or "", reader.requests, name_of(source), spool)
+
+
+def name_of(source: str | Path | Iterable[str]) -> str | None:
+    return str(source) if isinstance(source, str | Path) else None
+
+
+def feed(
+    reader: BatchFileReader,
+    source: str | Path | Iterable[str],
+    on_progress: Progress | None = None,
+) -> Iterator[None]:
+    """Feed `source` (a path, or lines) to the reader, yielding after each chunk; closes the reader at the end."""
+    if isinstance(source, str | Path):
+        path = Path(source)
+        if not path.is_file():
+            raise InvalidBatch(f"batch input file {str(path)!r} does not exist or is not a file")
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(READ_BYTES), b""):
+                reader.feed(chunk)
+                if on_progress is not None:
+                    on_progress("validate", len(chunk), size)
+                yield
+    else:
+        for text in source:  # one line each (a line may keep its newline)
+            reader.feed(text.encode("utf-8", "surrogatepass"))
+            if not text.endswith("\n"):
+                reader.feed(b"\n")
+            yield
+    reader.close()
+    yield
+
+
+@dataclass
+class Validated:
+    """A batch file validated already (the gateway's upload checked every line as it streamed in): read in one
+    pass, each line's request handed on as soon as it is validated again, with no spool. Should the file have
+    changed since (a line now invalid, another count or endpoint), requests() raises InvalidBatch at the end,
+    after the lines before were handed on: the caller removes what it wrote (gateway/ingest.py)."""
+
+    endpoint: str
+    total: int
+    source: str | Path
+    model: str | None
+    priority: str
+
+    @property
+    def input_file(self) -> str | None:
+        return name_of(self.source)
+
+    def requests(self) -> Iterator[tuple[str, str]]:
+        ready: list[tuple[str, str]] = []
+        reader = BatchFileReader(
+            max_errors=MAX_LINE_ERRORS,
+            on_request=lambda _n, cid, _r, request_json: ready.append((cid, request_json)),
+            overrides=openai_batch.submit_fields(self.model, Priority(self.priority)),
+        )
+        for _ in feed(reader, self.source):
+            yield from ready
+            ready.clear()
+        problem = reader.problem("the jobs written before it are removed")
+        if not problem and (reader.requests, reader.endpoint) != (self.total, self.endpoint):
+            problem = (
+                f"the file changed since it was validated: it has {reader.requests} {reader.endpoint} "
+                f"requests, not {self.total} {self.endpoint}"
+            )
+        if problem:
+            raise InvalidBatch(problem, line_errors=reader.errors)
+
+    def close(self) -> None:
+        pass

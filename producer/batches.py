@@ -15,7 +15,7 @@ import structlog
 
 from producer import openai_batch
 from producer.batch_file import BatchFileReader
-from producer.batch_spool import Progress, Spooled, spool_batch
+from producer.batch_spool import Progress, Spooled, Validated, spool_batch
 from producer.submit_pipe import SubmitPipe
 from protocol import scripts
 from protocol.errors import BatchNotFound, InvalidBatch, TokenbusError, WaitTimeout
@@ -81,6 +81,7 @@ def submit_batch(
     priority: str = Priority.bulk,
     on_progress: Progress | None = None,
     spool_dir: str | Path | None = None,
+    validated: tuple[str, int] | None = None,
 ) -> BatchRecord:
     """Validate the whole input, then write the batch record and one job per line (ids `{batch_id}-{i}`).
 
@@ -92,20 +93,26 @@ def submit_batch(
     Memory stays flat in the file's size: pass 1 validates the input into a spool file on disk (spool_dir,
     default the system's temporary directory; producer/batch_spool.py), pass 2 streams it to Redis with chunks
     in flight (producer/submit_pipe.py). on_progress(stage, done, total): "validate" in bytes, "enqueue" in jobs.
+    validated: (endpoint, requests) of a file checked already (the gateway's upload): one pass, each line sent
+    as soon as it is validated again; a line that has become invalid raises InvalidBatch after the jobs
+    before it were written (batch_spool.Validated).
     """
     priority = Priority(priority).value
     k = client.keys
     existing = client.redis.hgetall(k.batch(check_job_id(batch_id, "batch id"))) if batch_id else {}
     if existing:
         priority = existing.get("priority") or priority
-    spooled = spool_batch(source, model, priority, on_progress, spool_dir)
+    if validated is not None and isinstance(source, str | Path):
+        spooled: Spooled | Validated = Validated(validated[0], validated[1], source, model, priority)
+    else:
+        spooled = spool_batch(source, model, priority, on_progress, spool_dir)
     try:
         return _submit_spooled(client, spooled, batch_id, existing, priority, on_progress)
     finally:
         spooled.close()
 
 
-def _submit_spooled(client: Client, spooled: Spooled, batch_id: str | None, existing: dict[str, str],
+def _submit_spooled(client: Client, spooled: Spooled | Validated, batch_id: str | None, existing: dict[str, str],
                     priority: str, on_progress: Progress | None) -> BatchRecord:
     k, total, endpoint = client.keys, spooled.total, spooled.endpoint
     batch_id = check_batch_id(batch_id, total) if batch_id else f"batch_{uuid.uuid4().hex}"

@@ -136,7 +136,7 @@ class SubmitPipe:
         """Read the replies of the oldest chunk in flight."""
         jobs, data = self._flight.popleft()
         replies = self._read(len(jobs))
-        if not retried and any(isinstance(x, redis.ResponseError) and str(x).startswith("NOSCRIPT") for x in replies):
+        if not retried and any(isinstance(x, redis.exceptions.NoScriptError) for x in replies):
             # Redis forgot the script (restarted): the chunks behind failed alike, or ran; send them all again
             # once it is loaded (SUBMIT_JOB is idempotent: a job written already answers {0, status}).
             rest = list(self._flight)
