@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -66,8 +67,8 @@ def hwm_mb(pid: int) -> float:
     return 0.0
 
 
-def run_cli(args: list[str], env: dict[str, str]) -> tuple[float, float, str]:
-    """(seconds, peak RSS MB, stdout) of `python -m producer ARGS`; the peak is sampled until it exits."""
+def run_cli(args: list[str], env: dict[str, str]) -> tuple[float, float, float, str, str]:
+    """(seconds, peak RSS MB, CPU seconds, stdout, stderr) of `python -m producer ARGS` (wait4: its rusage)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-m", "producer", *args],
@@ -77,17 +78,24 @@ def run_cli(args: list[str], env: dict[str, str]) -> tuple[float, float, str]:
         stderr=subprocess.PIPE,
         text=True,
     )
-    peak = 0.0
-    while proc.poll() is None:
-        try:
-            peak = max(peak, hwm_mb(proc.pid))
-        except (FileNotFoundError, ProcessLookupError):
-            break
-        time.sleep(0.1)
-    out, err = proc.communicate()
+    _, status, usage = os.wait4(proc.pid, 0)  # its output is a few lines: the pipes never fill
+    secs = time.perf_counter() - t0
+    out, err = proc.stdout.read(), proc.stderr.read()
+    proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode:
         raise RuntimeError(f"tokenbus {' '.join(args)} failed ({proc.returncode}):\n{err[-3000:]}")
-    return time.perf_counter() - t0, peak, out
+    return secs, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime, out, err
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a live process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def redis_cpu(r: redis.Redis) -> float:
+    info = r.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def finish_all(r: redis.Redis, keys: Keys, batch_id: str, n: int) -> float:
@@ -142,10 +150,18 @@ def cli_route(path: Path, n: int, tmp: Path) -> dict:
     with RedisServer() as srv:
         r, keys = redis.Redis.from_url(srv.url), Keys()
         env = dict(os.environ, TOKENBUS_REDIS_URL=srv.url, PYTHONPATH=str(ROOT))
-        before = int(r.info("memory")["used_memory"])
-        secs, peak, stdout = run_cli(["batch", "submit", str(path)], env)
+        before, rcpu = int(r.info("memory")["used_memory"]), redis_cpu(r)
+        secs, peak, cpu, stdout, log = run_cli(["-v", "batch", "submit", str(path)], env)
+        stages = {k: float(v) for k, v in re.findall(r"(validate_s|enqueue_s)=([0-9.]+)", log)}
         bid = stdout.split()[-1]  # a generated id, batch_<32 hex> as the gateway's: ids as long as in use
-        out["submit"] = {"seconds": secs, "lines_per_s": n / secs, "peak_rss_mb": peak}
+        out["submit"] = {
+            "seconds": secs,
+            "lines_per_s": n / secs,
+            "peak_rss_mb": peak,
+            "cpu_us_per_line": cpu / n * 1e6,
+            "redis_cpu_us_per_line": (redis_cpu(r) - rcpu) / n * 1e6,
+            **stages,  # pass 1 (validate into the spool) and pass 2 (enqueue), seconds
+        }
         out["redis"] = redis_bytes(r, keys, bid, before, n)
         print(
             f"cli submit: {n / secs:,.0f} lines/s, peak RSS {peak:.0f} MB, {out['redis']['bytes_per_job']:.0f} B/job",
@@ -153,10 +169,18 @@ def cli_route(path: Path, n: int, tmp: Path) -> dict:
         )
         out["old_layout_extra_per_job"] = old_layout_bytes(srv.url, keys, bid, min(n, OLD_SAMPLE))
         out["finish_s"] = finish_all(r, keys, bid, n)
-        secs, peak, _ = run_cli(["batch", "export", bid, str(tmp / "cli-out.jsonl")], env)
+        rcpu = redis_cpu(r)
+        secs, peak, cpu, _, _ = run_cli(["batch", "export", bid, str(tmp / "cli-out.jsonl")], env)
         with (tmp / "cli-out.jsonl").open("rb") as f:
             lines = sum(1 for _ in f)
-        out["export"] = {"seconds": secs, "lines_per_s": n / secs, "peak_rss_mb": peak, "lines": lines}
+        out["export"] = {
+            "seconds": secs,
+            "lines_per_s": n / secs,
+            "peak_rss_mb": peak,
+            "lines": lines,
+            "cpu_us_per_line": cpu / n * 1e6,
+            "redis_cpu_us_per_line": (redis_cpu(r) - rcpu) / n * 1e6,
+        }
         print(f"cli export: {n / secs:,.0f} lines/s, peak RSS {peak:.0f} MB", flush=True)
     return out
 
@@ -203,6 +227,9 @@ class Gateway:
                 raise RuntimeError("the gateway did not start: see its log")
             time.sleep(0.2)
 
+    def cpu(self) -> dict[str, float]:
+        return {name: cpu_s(p.pid) for name, p in self.procs.items()}
+
     def peaks(self) -> dict[str, float]:
         return {name: hwm_mb(p.pid) for name, p in self.procs.items()}
 
@@ -235,6 +262,7 @@ def gateway_route(path: Path, n: int, tmp: Path) -> dict:
         gw = Gateway(srv, tmp)
         try:
             out["idle_rss_mb"] = gw.peaks()
+            cpu0 = gw.cpu()
             t0 = time.perf_counter()
             with path.open("rb") as f:
                 meta = (
@@ -245,9 +273,14 @@ def gateway_route(path: Path, n: int, tmp: Path) -> dict:
                     .json()
                 )
             secs = time.perf_counter() - t0
-            out["upload"] = {"seconds": secs, "lines_per_s": n / secs}
+            cpu1 = gw.cpu()
+            out["upload"] = {
+                "seconds": secs,
+                "lines_per_s": n / secs,
+                "cpu_us_per_line": (cpu1["serve"] - cpu0["serve"]) / n * 1e6,
+            }
             print(f"gateway upload: {n / secs:,.0f} lines/s", flush=True)
-            before = int(r.info("memory")["used_memory"])
+            before, rcpu = int(r.info("memory")["used_memory"]), redis_cpu(r)
             t0 = time.perf_counter()
             batch = (
                 gw.http.post(
@@ -259,14 +292,26 @@ def gateway_route(path: Path, n: int, tmp: Path) -> dict:
             )
             gw.wait(batch["id"], lambda b: b["status"] != "validating")
             secs = time.perf_counter() - t0
-            out["submit"] = {"seconds": secs, "lines_per_s": n / secs}
+            cpu2 = gw.cpu()
+            out["submit"] = {
+                "seconds": secs,
+                "lines_per_s": n / secs,
+                "cpu_us_per_line": (cpu2["tasks"] - cpu1["tasks"]) / n * 1e6,
+                "redis_cpu_us_per_line": (redis_cpu(r) - rcpu) / n * 1e6,
+            }
             out["redis"] = redis_bytes(r, keys, batch["id"], before, n)
             print(f"gateway submit: {n / secs:,.0f} lines/s, {out['redis']['bytes_per_job']:.0f} B/job", flush=True)
             out["finish_s"] = finish_all(r, keys, batch["id"], n)
+            cpu3 = gw.cpu()
             t0 = time.perf_counter()
             done = gw.wait(batch["id"], lambda b: b["status"] in ("completed", "failed", "cancelled", "expired"))
             secs = time.perf_counter() - t0
-            out["finalize"] = {"seconds": secs, "lines_per_s": n / secs, "status": done["status"]}
+            out["finalize"] = {
+                "seconds": secs,
+                "lines_per_s": n / secs,
+                "status": done["status"],
+                "cpu_us_per_line": (gw.cpu()["tasks"] - cpu3["tasks"]) / n * 1e6,
+            }
             t0 = time.perf_counter()
             lines = 0
             with gw.http.stream("GET", f"/v1/files/{done['output_file_id']}/content") as resp:
@@ -282,29 +327,38 @@ def gateway_route(path: Path, n: int, tmp: Path) -> dict:
 
 def report(res: dict) -> str:
     n, c, g = res["lines"], res.get("cli"), res.get("gateway")
-    rows = ["| route | step | lines/s | seconds | peak RSS MB |", "|---|---|---:|---:|---:|"]
+    rows = [
+        "| route | step | lines/s | seconds | peak RSS MB | process CPU µs/line | Redis CPU µs/line |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+
+    def cpu(step: dict) -> str:
+        redis_us = step.get("redis_cpu_us_per_line")
+        return f" {step['cpu_us_per_line']:.0f} | {'' if redis_us is None else f'{redis_us:.0f}'} |"
+
     if c:
         rows.append(
             f"| CLI | `tokenbus batch submit` | {c['submit']['lines_per_s']:,.0f} | "
-            f"{c['submit']['seconds']:.1f} | {c['submit']['peak_rss_mb']:.0f} |"
+            f"{c['submit']['seconds']:.1f} | {c['submit']['peak_rss_mb']:.0f} |" + cpu(c["submit"])
         )
         rows.append(
             f"| CLI | `tokenbus batch export` | {c['export']['lines_per_s']:,.0f} | "
-            f"{c['export']['seconds']:.1f} | {c['export']['peak_rss_mb']:.0f} |"
+            f"{c['export']['seconds']:.1f} | {c['export']['peak_rss_mb']:.0f} |" + cpu(c["export"])
         )
     if g:
         p = g["peak_rss_mb"]
         rows.append(
             f"| gateway | upload (POST /v1/files, validated as it streams) | {g['upload']['lines_per_s']:,.0f} "
-            f"| {g['upload']['seconds']:.1f} | serve {p['serve']:.0f} |"
+            f"| {g['upload']['seconds']:.1f} | serve {p['serve']:.0f} |" + cpu(g["upload"])
         )
         rows.append(
             f"| gateway | submit (POST /v1/batches to in_progress: the tasks process) | "
             f"{g['submit']['lines_per_s']:,.0f} | {g['submit']['seconds']:.1f} | tasks {p['tasks']:.0f} |"
+            + cpu(g["submit"])
         )
         rows.append(
             f"| gateway | finalisation (batch ended to output file) | {g['finalize']['lines_per_s']:,.0f} | "
-            f"{g['finalize']['seconds']:.1f} | tasks {p['tasks']:.0f} |"
+            f"{g['finalize']['seconds']:.1f} | tasks {p['tasks']:.0f} |" + cpu(g["finalize"])
         )
     mem = [
         "| route | Redis B/job | request B | B/job beyond the request | record B (encoding) | stream B/job "
@@ -320,6 +374,13 @@ def report(res: dict) -> str:
                 f"| {m['id_list_bytes_per_job']:.1f} | {m['redis_mb']:.0f} |"
             )
     old = f"{c['old_layout_extra_per_job']:.0f}" if c else "?"
+    split = ""
+    if c and "validate_s" in c["submit"]:
+        v, e = c["submit"]["validate_s"], c["submit"]["enqueue_s"]
+        split = (
+            f"The CLI's submit: pass 1 (validate into the spool) {v:.0f} s = {n / v:,.0f} lines/s, pass 2 (enqueue) "
+            f"{e:.0f} s = {n / e:,.0f} lines/s; the rest is the process's start and the id list.\n"
+        )
     return f"""# A million-line batch: ingest, export, memory
 
 `python -m benchmarks.bench_million --lines {n}` on {res["machine"]}; each route against its own
@@ -327,10 +388,13 @@ redis-server {res["redis_version"]}, the input {n:,} chat lines of {res["line_by
 ({res["file_mb"]:.0f} MB).
 No worker ran: ingest was measured with every job left queued, then every job was ended by FINISH_JOB (the
 script a worker ends a job with; pipelined from the benchmark, a fixed one-token result) and the export
-measured on those. Peak RSS is each process's VmHWM. hiredis installed: {res["hiredis"]}.
+measured on those. Peak RSS is each process's VmHWM (the CLI's: its rusage). CPU µs/line: the process's
+own CPU time (user + system) over the step, and Redis's (INFO cpu), per line: what the step costs whatever else
+the machine runs. hiredis installed: {res["hiredis"]}.
 
 {chr(10).join(rows)}
 
+{split}
 Redis, per queued job (INFO used_memory growth over the submit / jobs; MEMORY USAGE of sample keys):
 
 {chr(10).join(mem)}

@@ -102,18 +102,21 @@ def submit_batch(
     existing = client.redis.hgetall(k.batch(check_job_id(batch_id, "batch id"))) if batch_id else {}
     if existing:
         priority = existing.get("priority") or priority
+    started = time.perf_counter()
     if validated is not None and isinstance(source, str | Path):
         spooled: Spooled | Validated = Validated(validated[0], validated[1], source, model, priority)
     else:
         spooled = spool_batch(source, model, priority, on_progress, spool_dir)
     try:
-        return _submit_spooled(client, spooled, batch_id, existing, priority, on_progress)
+        return _submit_spooled(client, spooled, batch_id, existing, priority, on_progress,
+                               validate_s=time.perf_counter() - started)
     finally:
         spooled.close()
 
 
 def _submit_spooled(client: Client, spooled: Spooled | Validated, batch_id: str | None, existing: dict[str, str],
-                    priority: str, on_progress: Progress | None) -> BatchRecord:
+                    priority: str, on_progress: Progress | None, validate_s: float) -> BatchRecord:
+    started = time.perf_counter()
     k, total, endpoint = client.keys, spooled.total, spooled.endpoint
     batch_id = check_batch_id(batch_id, total) if batch_id else f"batch_{uuid.uuid4().hex}"
     if existing:
@@ -145,7 +148,8 @@ def _submit_spooled(client: Client, spooled: Spooled | Validated, batch_id: str 
             pipe.add(PendingJob(batch_job_id(batch_id, i), request_json, batch_id, custom_id, priority))
         pipe.close()
     scripts.script(scripts.START_BATCH)(keys=[k.batch(batch_id)], args=[time.time()], client=client.redis)
-    log.info("batch_submitted", batch_id=batch_id, endpoint=endpoint, total=total, input_file=spooled.input_file)
+    log.info("batch_submitted", batch_id=batch_id, endpoint=endpoint, total=total, input_file=spooled.input_file,
+             validate_s=round(validate_s, 2), enqueue_s=round(time.perf_counter() - started, 2))
     return get_batch(client, batch_id)
 
 
