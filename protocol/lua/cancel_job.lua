@@ -6,7 +6,6 @@
 --       | its terminal status (no-op) | '' no such job
 -- #include _is_terminal.lua
 -- #include _bump_batch.lua
--- #include _keep_request.lua
 local cur = redis.call('HMGET', KEYS[1], 'status', 'entry_id', 'result_ttl', 'batch_id', 'queue')
 if not cur[1] then return '' end
 if is_terminal(cur[1]) then return cur[1] end
@@ -20,7 +19,6 @@ local ttl = tonumber(cur[3] or ARGV[4])
 if ttl and ttl > 0 then redis.call('EXPIRE', KEYS[1], ttl) end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'job_id', ARGV[2], 'status', 'cancelled')
 if cur[2] and cur[5] then
-  keep_request(KEYS[1], cur[5], cur[2])
   redis.call('XACK', cur[5], ARGV[1], cur[2])
   redis.call('XDEL', cur[5], cur[2])
 end
