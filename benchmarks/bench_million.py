@@ -374,6 +374,23 @@ def report(res: dict) -> str:
                 f"| {m['id_list_bytes_per_job']:.1f} | {m['redis_mb']:.0f} |"
             )
     old = f"{c['old_layout_extra_per_job']:.0f}" if c else "?"
+    idle = []
+    for name, step in (("CLI submit", c and c["submit"]), ("gateway submit", g and g["submit"])):
+        if step:
+            proc, red = step["cpu_us_per_line"], step["redis_cpu_us_per_line"]
+            idle.append(
+                f"{name}: {1e6 / (proc + red):,.0f} lines/s with no overlap at all, {1e6 / max(proc, red):,.0f} "
+                f"with the client and Redis each busy on its own core the whole time"
+            )
+    idle_text = (
+        (
+            "On two idle cores, the CPU per line bounds ingest at: " + "; ".join(idle) + ". The gateway's submit "
+            "overlaps the two (one pass); the CLI's overlaps them only in pass 2 (pass 1 must see every line "
+            "before anything is written)."
+        )
+        if idle
+        else ""
+    )
     split = ""
     if c and "validate_s" in c["submit"]:
         v, e = c["submit"]["validate_s"], c["submit"]["enqueue_s"]
@@ -395,20 +412,22 @@ the machine runs. hiredis installed: {res["hiredis"]}.
 {chr(10).join(rows)}
 
 {split}
+{idle_text}
+
 Redis, per queued job (INFO used_memory growth over the submit / jobs; MEMORY USAGE of sample keys):
 
 {chr(10).join(mem)}
 
 The record holds no copy of the request while the job waits or runs (docs/protocol.md, "Stream entry"): it
 stays a listpack hash of short fields. The same jobs' records given their request back, as the record was
-before, grow Redis by a further {old} bytes a job (measured in this run on up to {OLD_SAMPLE:,} of the CLI
-route's jobs; main before
-this change measured 1,291 B/job beyond a 158-byte request at 20,000 lines, and the issue 1,350).
+before, grow Redis by a further {old} bytes a job (measured in this run on up to {OLD_SAMPLE:,} of the CLI route's
+jobs). Main before this change measured 1,291 B/job beyond a 158-byte request at 20,000 lines; the issue 1,350.
 
 How the submit streams (producer/batch_spool.py, producer/submit_pipe.py): pass 1 validates each line and
 writes its final request JSON to a spool file on disk (the custom_ids checked for repeats in ~12 bytes each,
 producer/seen_ids.py); pass 2 streams the spool to Redis, SUBMIT_JOB in chunks of 1,000 with two chunks in
-flight while the next is packed. Export and finalisation read the records 1,000 at a time.
+flight while the next is packed. The gateway's tasks process reads a file its upload validated in one pass,
+each line sent as it is validated again (no spool). Export and finalisation read the records 1,000 at a time.
 The machine is shared (load average during the run: {res["load"]}): lines/s are lower bounds.
 """
 
@@ -419,7 +438,13 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="20,000 lines, results to a temporary folder (not docs/)")
     p.add_argument("--routes", default="cli,gateway", help="comma-separated: cli, gateway")
     p.add_argument("--out", type=Path, help="folder for bench_million.md/.json (default docs/; --quick: a temp dir)")
+    p.add_argument("--from-json", type=Path, help="only write the report again from a run's bench_million.json")
     a = p.parse_args()
+    if a.from_json:
+        text = report(json.loads(a.from_json.read_text()))
+        (a.out or ROOT / "docs").joinpath("bench_million.md").write_text(text)
+        print(text)
+        return
     n = 20_000 if a.quick else a.lines
     out_dir = a.out or (Path(tempfile.mkdtemp(prefix="bench-million-")) if a.quick else ROOT / "docs")
     routes = a.routes.split(",")
