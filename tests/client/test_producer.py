@@ -93,7 +93,7 @@ def test_invalid_jobs_are_refused_and_nothing_is_written(client, fields, expect)
     with pytest.raises(InvalidJob) as err:
         client.submit(**fields)
     assert expect in str(err.value)
-    assert client.redis.keys(f"{client.keys.ns}:job:*") == []
+    assert client.redis.keys(f"{client.keys.prefix}:job:*") == []
     assert client.redis.exists(client.keys.queue()) == 0 or client.redis.xlen(client.keys.queue()) == 0
 
 
@@ -102,7 +102,7 @@ def test_submit_many_validates_all_before_writing(client):
     reqs[3] = {"prompt": "p3", "bogus": 1}
     with pytest.raises(InvalidJob, match=r"1 of 5 requests are invalid; nothing was submitted:\n  request 3"):
         client.submit_many(reqs)
-    assert client.redis.keys(f"{client.keys.ns}:job:*") == []
+    assert client.redis.keys(f"{client.keys.prefix}:job:*") == []
     with pytest.raises(InvalidJob, match="invalid job id"):
         client.submit("x", job_id="has space")
 
