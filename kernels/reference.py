@@ -34,8 +34,9 @@ def write_kv_ref(
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    if is_quantized(k_cache):
-        k, v = quantize(k, k_cache.dtype), quantize(v, v_cache.dtype)
+    if is_quantized(k_cache):  # packed rows, copied as bytes (index_copy_ has no fp8 kernel)
+        k, v = quantize(k, k_cache.dtype).view(torch.uint8), quantize(v, v_cache.dtype).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 

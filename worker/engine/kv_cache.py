@@ -33,6 +33,9 @@ def storage_dtype(name: str, device: torch.device, model_dtype: torch.dtype, bac
                 f"kv_cache_dtype 'fp8' is the CUDA Triton kernels' (sm_89+); this engine runs {backend_name} on "
                 f"{device.type}: on the CPU use --kv-cache-dtype int8 (or bfloat16)"
             )
+        if device.type == "cuda" and model_dtype == torch.float32:
+            raise ValueError("kv_cache_dtype 'fp8' on CUDA serves bfloat16 / float16 models (the tiles dequantize to "
+                             "the model dtype): use --dtype bfloat16, or --kv-cache-dtype auto")
         if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
             major, minor = torch.cuda.get_device_capability(device)
             raise ValueError(
