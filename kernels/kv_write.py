@@ -16,7 +16,6 @@ import triton.language as tl
 
 from kernels.launch import Launch, check_launchable
 
-
 FP8_MAX = tl.constexpr(448.0)  # e4m3's largest finite value (constexpr: a jit function may read it)
 
 
