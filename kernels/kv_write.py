@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import Launch, check_launchable
+from kernels.launch import Launch, check_head_dim, check_launchable, head_pad
 
 FP8_MAX = tl.constexpr(448.0)  # e4m3's largest finite value (constexpr: a jit function may read it)
 
@@ -49,7 +49,7 @@ def _write_kv_kernel(
     stride_vt, stride_vh, stride_vd,
     stride_cb, stride_co, stride_ch, stride_cd,
     num_kv_heads, block_size,
-    BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, KV_FP8: tl.constexpr,
+    BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Grid (num_tokens,): token i's k, v [num_kv_heads, HEAD_DIM] -> caches[slot // block_size, slot % block_size]."""
     token = tl.program_id(0)
@@ -59,11 +59,14 @@ def _write_kv_kernel(
     block = slot // block_size
     offset = slot % block_size
     heads = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, HEAD_DIM)
-    mask = (heads < num_kv_heads)[:, None]
+    dims = tl.arange(0, HEAD_PAD)
+    mask = (heads < num_kv_heads)[:, None] & (dims < HEAD_DIM)[None, :]
 
-    k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :] * stride_kd, mask=mask)
-    v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd, mask=mask)
+    # padded lanes read 0: an fp8 row's max|x| spans them
+    k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :] * stride_kd, mask=mask,
+                other=0.0)
+    v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd, mask=mask,
+                other=0.0)
     dst = block * stride_cb + offset * stride_co + heads[:, None] * stride_ch + dims[None, :] * stride_cd
     if KV_FP8:
         # the scales go through float32 views of the caches: element (row start + HEAD_DIM) // 4
@@ -90,8 +93,7 @@ def plan_write_kv(
         raise ValueError("write_kv: an fp8 cache must be contiguous (kernels/kv_quant.py)")
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"write_kv: slot_mapping {tuple(slot_mapping.shape)} for {num_tokens} tokens")
-    if head_dim & (head_dim - 1):
-        raise ValueError(f"write_kv: head_dim {head_dim} must be a power of two")
+    check_head_dim("write_kv", head_dim)
     if num_tokens == 0:
         return []
     scales = (k_cache.view(torch.float32), v_cache.view(torch.float32)) if fp8 else (k_cache, v_cache)
@@ -100,7 +102,8 @@ def plan_write_kv(
         *k.stride(), *v.stride(), *k_cache.stride(),
         num_kv_heads, k_cache.shape[1],
     )
-    meta = {"BLOCK_H": triton.next_power_of_2(num_kv_heads), "HEAD_DIM": head_dim, "KV_FP8": fp8, "num_warps": 2}
+    meta = {"BLOCK_H": triton.next_power_of_2(num_kv_heads), "HEAD_DIM": head_dim, "HEAD_PAD": head_pad(head_dim),
+            "KV_FP8": fp8, "num_warps": 2}
     return [Launch(_write_kv_kernel, (num_tokens,), args, meta)]
 
 
