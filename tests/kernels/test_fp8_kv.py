@@ -51,7 +51,7 @@ def test_write_kv_quantizes_like_the_reference(block_size, hk, head_dim):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("block_size,hq,hk,head_dim,partition", [
-    (16, 4, 4, 64, None), (16, 6, 2, 32, 32), (32, 8, 1, 128, 64),
+    (16, 4, 4, 64, None), (16, 6, 2, 32, 32), (32, 8, 1, 128, 64), (16, 6, 2, 80, 32),  # 80: padded lanes
 ])
 def test_decode_over_fp8_equals_reference_dequantized(dtype, block_size, hq, hk, head_dim, partition):
     from kernels.decode_attention import paged_decode_attention_triton
