@@ -265,7 +265,7 @@ def stage_decode(ctx: Ctx) -> None:
             step_ms = 1000 * statistics.median(times)
             launches, syncs = profile_counts(ctx, engine, 3)
             weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-            kv = batch * (context + 30) * kv_bytes_per_block(engine.model, 1, engine.dtype)
+            kv = batch * (context + 30) * kv_bytes_per_block(engine.model, 1, engine.kv_dtype)
             floor_ms = 1000 * (weights + kv) / bw
             ratio = step_ms / floor_ms
             mode = f"batch {batch} ctx {context} graphs {'on' if graphs else 'off'}"
