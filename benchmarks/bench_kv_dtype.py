@@ -14,6 +14,12 @@ a row only where .venv-vllm exists (scripts/setup_vllm_cpu); otherwise the table
 
     .venv/bin/python -m benchmarks.bench_kv_dtype               # ~20 min on 2 quiet cores; docs/quantization.md
     .venv/bin/python -m benchmarks.bench_kv_dtype --num-prompts 4 --max-tokens 8 --rounds 1 --no-write  # smoke
+    .venv/bin/python -m benchmarks.bench_kv_dtype --kernel-only   # the C++ attention alone, ~1 min
+
+--kernel-only times the C++ paged decode attention alone (one layer's call, SmolLM2's heads) over the same
+K/V in each dtype, in interleaved rounds, for the workload's shape (16 sequences of 560 tokens whose first 496
+sit in blocks every sequence shares, as the prefix cache leaves them) and for unshared contexts of the same
+length: with the shared prefix the K/V a step reads is mostly cache-resident, without it the step streams it.
 """
 
 from __future__ import annotations
@@ -75,6 +81,40 @@ def end_to_end(kv: str, redis_url: str, prompt_ids, max_tokens, log_dir: str) ->
     return {"tok/s": tokens / timed.seconds, "seconds": timed.seconds, "outputs": [list(t) for t in timed.outputs]}
 
 
+def kernel_rows(rounds: int) -> list[str]:
+    from kernels import cpu
+    from kernels.kv_quant import quantize
+
+    ext = cpu.extension()
+    gen = torch.Generator().manual_seed(0)
+    seqs, hq, hk, d, bs, length, shared = 16, 9, 3, 64, 16, 560, 496
+    rows = []
+    for layout in ("shared prefix", "unshared"):
+        prefix = shared // bs if layout == "shared prefix" else 0
+        own = -(-length // bs) - prefix
+        blocks = prefix + seqs * own
+        k, v = torch.randn(blocks, bs, hk, d, generator=gen), torch.randn(blocks, bs, hk, d, generator=gen)
+        perm = torch.randperm(blocks, generator=gen).int()
+        table = torch.cat([perm[:prefix].repeat(seqs, 1), perm[prefix:].view(seqs, own)], 1)
+        lens = torch.full((seqs,), length, dtype=torch.int32)
+        q = torch.randn(seqs, hq, d, generator=gen)
+        caches = {"float32": (k, v), "bfloat16": (k.bfloat16(), v.bfloat16()),
+                  "int8": (quantize(k, torch.int8), quantize(v, torch.int8))}
+        times: dict[str, list[float]] = {name: [] for name in caches}
+        for _ in range(rounds):
+            for name, (kc, vc) in caches.items():
+                ext.paged_decode_attention_cpu(q, kc, vc, table, lens, 0.125, 0, 0.0)
+                start = time.perf_counter()
+                for _ in range(10):
+                    ext.paged_decode_attention_cpu(q, kc, vc, table, lens, 0.125, 0, 0.0)
+                times[name].append((time.perf_counter() - start) / 10 * 1e3)
+        base = statistics.median(times["float32"])
+        for name, ts in times.items():
+            ms = statistics.median(ts)
+            rows.append(f"| {layout} | {name} | {ms:.2f} | ×{base / ms:.2f} | {', '.join(f'{t:.1f}' for t in ts)} |")
+    return rows
+
+
 def same_share(outputs, reference) -> str:
     same = sum(a == b for a, b in zip(outputs, reference, strict=True))
     return f"{same}/{len(reference)}"
@@ -88,8 +128,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--kernel-only", action="store_true", help="time the C++ attention alone (see above)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.kernel_only:
+        load = os.getloadavg()[0]
+        body = "\n".join([
+            f"The C++ paged decode attention alone, one layer's call: 16 sequences × 560 tokens, SmolLM2's heads "
+            f"(9 q, 3 KV, head_dim 64), block 16; {args.rounds * 2 + 1} interleaved rounds of 10 calls, medians; "
+            f"{cpu_name()}, {args.threads} threads, 1-min load average {load:.1f} at the start; run "
+            f"{time.strftime('%Y-%m-%d %H:%M')} with `python -m benchmarks.bench_kv_dtype --kernel-only`.",
+            "",
+            "| context | KV dtype | ms per call | × fp32 | rounds ms |",
+            "|---|---|---|---|---|",
+            *kernel_rows(args.rounds * 2 + 1),
+        ])
+        print(body)
+        if not args.no_write:
+            write_section("quantization.md", "kv-kernel", body)
+        return
     from tests.support.local_redis import RedisServer
     from worker.engine import loader
 

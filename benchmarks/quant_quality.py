@@ -112,6 +112,7 @@ def main() -> None:
     parser.add_argument("--no-perplexity", action="store_true", help="greedy agreement only (a loaded machine)")
     parser.add_argument("--schemes", default=",".join(SCHEMES), help=f"a comma-separated subset of {SCHEMES}")
     parser.add_argument("--section", default="quality", help="the docs/quantization.md section to write")
+    parser.add_argument("--heldout-tokens", type=int, default=0, help="score only the first N tokens (0 = all)")
     args = parser.parse_args()
     schemes_run = tuple(s for s in args.schemes.split(",") if s)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -120,6 +121,7 @@ def main() -> None:
     source = loader.resolve("smollm2-135m")
     tokenizer = loader.load_tokenizer(source)
     ids = tokenizer(open(HELDOUT).read())["input_ids"]
+    ids = ids[: args.heldout_tokens] if args.heldout_tokens else ids
     prompts = [list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                   return_dict=True)["input_ids"])
                for messages, _ in workload(args.num_prompts)]
