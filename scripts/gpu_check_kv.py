@@ -23,7 +23,7 @@ def stage_kv_fp8(ctx) -> None:
 
 
 def kernel_rows(ctx) -> None:
-    from gpu_check_stages import row, time_ms
+    from gpu_check_measure import row, time_ms
 
     from kernels.decode_attention import paged_decode_attention_triton
     from kernels.kv_quant import dequantize, quantize
@@ -56,7 +56,7 @@ def kernel_rows(ctx) -> None:
 
 
 def engine_rows(ctx) -> None:
-    from gpu_check_stages import checkpoint, model_name, row, sync
+    from gpu_check_measure import checkpoint, model_name, row, sync
 
     from worker import Engine, SamplingParams
 
