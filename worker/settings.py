@@ -42,6 +42,8 @@ ENGINE_HELP = {
     "static_decode": "the fixed-shape padded decode path; unset = on with CUDA graphs, off on the CPU",
     "overlap": "schedule and prepare step N+1 while step N runs; unset = on for cuda, off on the cpu",
     "quantization": "weight quantization: unset = as loaded; 'int8' (CPU float32, per-channel weight-only)",
+    "kv_cache_dtype": "KV-cache dtype: 'auto' (the model's), 'bfloat16', 'float32', 'int8' (CPU, scaled per "
+    "token and head: ~3.8x the tokens of float32), 'fp8' (CUDA sm_89+, e4m3 with the same scales)",
 }
 
 

@@ -69,7 +69,11 @@ def test_submit_get_and_stream_entry(client):
     ids = client.submit(prompt_token_ids=[1, 2, 3], seed=7, logprobs=2)
     assert chat == "chat-1"
     assert client.get(chat).request["messages"] == [{"role": "user", "content": "hi"}]
-    assert parse_request(client.redis.hget(client.keys.job(ids), "request")).engine_prompt() == [1, 2, 3]
+    # the request is stored once, in the entry (Client.get reads it from there); the record holds short fields
+    record = client.redis.hgetall(client.keys.job(ids))
+    assert "request" not in record and "id" not in record and record["status"] == "queued"
+    entry = client.redis.xrange(record["queue"], record["entry_id"], record["entry_id"])[0][1]
+    assert parse_request(entry["request"]).engine_prompt() == [1, 2, 3] == client.get(ids).request["prompt_token_ids"]
 
 
 @pytest.mark.parametrize("fields, expect", [
