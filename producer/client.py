@@ -22,7 +22,7 @@ from protocol.models import (
     DEFAULT_NAMESPACE,
     DEFAULT_REDIS_URL,
     DEFAULT_RESULT_TTL,
-    GROUP,
+    PRIORITIES,
     TERMINAL_STATUSES,
     Job,
     JobRequest,
@@ -311,27 +311,17 @@ class Client:
 
     # ---- info ----------------------------------------------------------------------------------
     def info(self) -> QueueInfo:
+        """The namespace at a glance, in a fixed number of round trips whatever the number of batches and jobs:
+        the depth counter, the registries' sizes, the workers' heartbeats."""
         k = self.keys
+        counts = scripts.depth(self.redis, k)
         pipe = self.redis.pipeline(transaction=False)
         pipe.xlen(k.dead).scard(k.cancel).smembers(k.workers)
-        dead, cancel_requested, names = pipe.execute()
-        depth = pending = consumers = queues = 0
-        by_priority: dict[str, int] = {}
-        for priority, streams in scripts.queue_streams(self.redis, k).items():
-            pipe = self.redis.pipeline(transaction=False)
-            for stream in streams:
-                pipe.xlen(stream).xinfo_groups(stream)
-            replies = pipe.execute(raise_on_error=False)  # a missing stream has no groups: an error here
-            by_priority[priority] = 0
-            for n, groups in zip(replies[::2], replies[1::2], strict=True):
-                n = n if isinstance(n, int) else 0
-                by_priority[priority] += n
-                queues += n > 0
-                for group in groups if isinstance(groups, list) else []:
-                    if group["name"] == GROUP:
-                        pending += int(group["pending"])
-                        consumers = max(consumers, int(group["consumers"]))
-        depth = sum(by_priority.values())
+        for p in PRIORITIES:
+            pipe.xlen(k.queue(p)).zcard(k.registry(p))
+        dead, cancel_requested, names, *sizes = pipe.execute()
+        queues = sum(1 for n in sizes[::2] if n) + sum(sizes[1::2])  # non-empty loose queues + live batch queues
+        depth, pending, by_priority = counts.total, counts.pending, counts.by_priority
         names = sorted(names)
         beats = self.redis.mget([k.worker(n) for n in names]) if names else []
         workers = [
@@ -340,7 +330,7 @@ class Client:
         ]
         return QueueInfo(namespace=k.ns, queue_depth=depth, pending=pending, waiting=max(0, depth - pending),
                          by_priority=by_priority, queues=queues,
-                         consumers=consumers, workers=workers, dead_letters=dead,
+                         consumers=sum(w.alive for w in workers), workers=workers, dead_letters=dead,
                          cancel_requested=cancel_requested, max_queue_len=self.max_queue_len,
                          result_ttl=self.result_ttl)
 

@@ -49,7 +49,8 @@ def layout() -> str:
         return {p: fmt.format(p=p) for p in PRIORITIES}
     return json.dumps({"priorities": list(PRIORITIES), "default_priority": "default",
                        "queue": each(NS + ":q:{p}"), "registry": each(NS + ":queues:{p}"),
-                       "turn": each(NS + ":turn:{p}"),
+                       "turn": each(NS + ":turn:{p}"), "ready": each(NS + ":ready:{p}"),
+                       "depth": f"{NS}:depth", "wake": f"{NS}:wake",
                        "batch_queue": {p: [f"{NS}:q:{p}:", ""] for p in PRIORITIES},
                        "batch": [f"{NS}:batch:", ""], "batch_jobs": [f"{NS}:batch:", ":jobs"]})
 
@@ -83,10 +84,10 @@ class DocClient:
                           priority, layout(), GROUP])
 
     def depth(self) -> int:
-        return self.eval("QUEUE_DEPTH", [], [layout()])
+        return self.eval("QUEUE_DEPTH", [], [layout()])[0]
 
     def submit_plain(self, job_id: str, request: dict, result_ttl: int = 60) -> bool:
-        """WATCH / EXISTS / XLEN / MULTI XADD HSET / EXEC, as the doc spells it out."""
+        """WATCH / EXISTS / QUEUE_DEPTH / MULTI XADD HINCRBY HSET / EXEC, as the doc spells it out."""
         key = f"{NS}:job:{job_id}"
         with self.r.pipeline(transaction=True) as pipe:
             while True:
@@ -95,9 +96,10 @@ class DocClient:
                     if pipe.exists(key):
                         pipe.unwatch()
                         return False
-                    pipe.xlen(f"{NS}:q:default")
+                    self.depth()  # makes the counter if it is missing (and is the max_queue_len check)
                     pipe.multi()
                     pipe.xadd(f"{NS}:q:default", {"job_id": job_id, "request": json.dumps(request)})
+                    pipe.hincrby(f"{NS}:depth", "default", 1)
                     pipe.hset(key, mapping={"id": job_id, "status": "queued", "request": json.dumps(request),
                                             "created_at": time.time(), "attempts": 0, "result_ttl": result_ttl,
                                             "priority": "default", "queue": f"{NS}:q:default"})
