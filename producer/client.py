@@ -217,8 +217,9 @@ class Client:
     ) -> Iterator[Job]:
         """Yield each job once it has ended, in the order they end (already-ended ones first).
 
-        Blocks on XREAD of `{ns}:events`, not by polling records; every `resync_every` seconds it also
-        re-reads the statuses, in case events were trimmed before it read them.
+        Blocks on XREAD of `{ns}:events`, not by polling records, so each job costs O(1) however many wait.
+        Every `resync_every` seconds it checks whether events it has not read were trimmed (the stream's
+        oldest entry is past its position, or the stream is gone) and only then re-reads the statuses.
         """
         remaining = dict.fromkeys(job_ids)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -242,7 +243,8 @@ class Client:
                     if fields.get("job_id") in remaining:
                         ended.append(fields["job_id"])
             if time.monotonic() >= next_resync:
-                ended = list(remaining)
+                if self._events_lost(last_id):
+                    ended = list(remaining)
                 next_resync = time.monotonic() + resync_every
             yield from self._collect_ended(remaining, list(dict.fromkeys(ended)))
 
@@ -257,6 +259,14 @@ class Client:
             if job.status in TERMINAL_STATUSES and jid in remaining:
                 del remaining[jid]
                 yield job
+
+    def _events_lost(self, last_id: str) -> bool:
+        """Whether events after `last_id` may be gone unread: the stream is missing (deleted, or nothing ended
+        yet) or its oldest entry is newer than the next one this reader would read (MAXLEN trimmed past it)."""
+        oldest = self.redis.xrange(self.keys.events, count=1)
+        if not oldest:
+            return True
+        return _stream_id(oldest[0][0]) > _stream_id(last_id)
 
     @property
     def max_block_s(self) -> float:
@@ -355,6 +365,11 @@ class Client:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _stream_id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def _heartbeat(raw: str | None) -> Heartbeat | None:
