@@ -121,7 +121,13 @@ def produce(client, n: int, chunk: int, out: queue.Queue, run: Run, max_seconds:
 def run_system(args, model_dir: str, log_dir: str) -> Run:
     from producer import Client
     from protocol import scripts
+    from protocol.connection import redis_from_url
     from tests.support.local_redis import RedisServer, free_port
+
+    def client_of(url: str) -> Client:  # a long socket timeout: the machine is shared, a reply can take seconds
+        r = redis_from_url(url, decode_responses=True, encoding_errors="replace", socket_timeout=300)
+        return Client(url, namespace=NAMESPACE, max_queue_len=args.backlog, result_ttl=args.result_ttl,
+                      redis_client=r)
 
     run = Run(args.jobs, args.workers)
     server = RedisServer().start()
@@ -131,7 +137,7 @@ def run_system(args, model_dir: str, log_dir: str) -> Run:
             ports.append(free_port())
             workers.append(start_worker(server.url, model_dir, i, args.max_num_seqs, ports[-1], log_dir,
                                         args.cpu_kernels))
-        client = Client(server.url, namespace=NAMESPACE, max_queue_len=args.backlog, result_ttl=args.result_ttl)
+        client = client_of(server.url)
         deadline = time.monotonic() + 600
         while sum(w.alive for w in client.info().workers) < args.workers:
             if any(w.poll() is not None for w in workers) or time.monotonic() > deadline:
@@ -140,9 +146,8 @@ def run_system(args, model_dir: str, log_dir: str) -> Run:
         client.wait(client.submit(prompt_token_ids=PROMPT, max_tokens=1), timeout=300)  # warm-up
         steps0, stepping0 = step_totals(ports)
         chunks: queue.Queue = queue.Queue()
-        producer = threading.Thread(target=produce, args=(Client(server.url, namespace=NAMESPACE,
-                                    max_queue_len=args.backlog, result_ttl=args.result_ttl), args.jobs,
-                                    args.chunk, chunks, run, args.max_seconds), daemon=True)
+        producer = threading.Thread(target=produce, args=(client_of(server.url), args.jobs, args.chunk, chunks, run,
+                                                          args.max_seconds), daemon=True)
         start = time.perf_counter()
         producer.start()
         next_report = start + 10
