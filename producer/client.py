@@ -15,7 +15,7 @@ import structlog
 
 from producer import batches
 from protocol import scripts
-from protocol.connection import redis_from_url
+from protocol.connection import redis_from_url, socket_timeout
 from protocol.errors import InvalidJob, JobNotFound, QueueFull, TokenbusError, WaitTimeout, listing
 from protocol.models import (
     DEFAULT_MAX_QUEUE_LEN,
@@ -198,8 +198,26 @@ class Client:
             pipe = self.redis.pipeline(transaction=False)
             for jid in job_ids[start:start + scripts.CHUNK]:
                 pipe.hgetall(self.keys.job(jid))
-            out.extend(Job.from_record(rec) if rec else None for rec in pipe.execute())
+            records = pipe.execute()
+            for jid, rec in zip(job_ids[start:start + scripts.CHUNK], records, strict=True):
+                if rec:
+                    rec.setdefault("id", jid)  # the key names the job: SUBMIT_JOB writes no `id` field
+            self._add_requests(records)
+            out.extend(Job.from_record(rec) if rec else None for rec in records)
         return out
+
+    def _add_requests(self, records: list[dict[str, str]]) -> None:
+        """A job that has not ended keeps its request in its queue entry only (docs/protocol.md, "Job record"):
+        read it from there (one XRANGE each, pipelined) for the records that hold none."""
+        need = [rec for rec in records if rec and not rec.get("request") and rec.get("entry_id") and rec.get("queue")]
+        if not need:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for rec in need:
+            pipe.xrange(rec["queue"], rec["entry_id"], rec["entry_id"])
+        for rec, found in zip(need, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(found, list) and found:
+                rec["request"] = found[0][1].get("request", "")
 
     def _not_found(self, job_id: str) -> str:
         return (f"job {job_id!r} not found in namespace {self.keys.ns!r}: it was never submitted, "
@@ -271,7 +289,7 @@ class Client:
     @property
     def max_block_s(self) -> float:
         """Longest XREAD BLOCK: under the socket timeout (redis-py 8 defaults to 5 s), at most 1 s."""
-        timeout = self.redis.connection_pool.connection_kwargs.get("socket_timeout")
+        timeout = socket_timeout(self.redis)
         return 1.0 if timeout is None else max(0.01, min(1.0, 0.5 * timeout))
 
     def events_last_id(self) -> str:

@@ -11,6 +11,7 @@
 -- #include _is_terminal.lua
 -- #include _bump_batch.lua
 -- #include _queue_depth.lua
+-- #include _keep_request.lua
 local st = ARGV[4]
 if not is_terminal(st) then
   return redis.error_reply('ERR finish: status must be finished, failed or cancelled, got ' .. st)
@@ -33,6 +34,7 @@ if ARGV[7] ~= '' then redis.call('HSET', KEYS[1], 'error_code', ARGV[7]) end
 local ttl = tonumber(cur[3] or ARGV[9])
 if ttl and ttl > 0 then redis.call('EXPIRE', KEYS[1], ttl) end
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[11], '*', 'job_id', ARGV[3], 'status', st)
+keep_request(KEYS[1], stream, entry)  -- before the entry goes
 ack()  -- before bump_batch: the batch's last entry gone, its ended queue can be deleted
 bump_batch(L, cur[4], st, ARGV[8], ttl)
 return 1

@@ -8,6 +8,9 @@
 --       | {-2, its batch_id} a batch job (ARGV 6 set) whose id is taken by a job outside that batch
 --       | an error reply: a priority not in the layout, or KEYS 2-3 not its queue and registry
 -- Any existing key refuses the submit (EXISTS, not HGET status): a job is never reset or overwritten.
+-- The request is written once, into the queue entry; the record gets it when the job ends (_keep_request.lua).
+-- The record holds only short fields (a compact listpack hash), none that its key or its entry already holds:
+-- no `id` (its key names it), no `request`, no `attempts` until a worker starts it (absent = 0).
 -- A new queue gets the consumer group; a batch queue joins its priority's registry and, when it was not there
 -- already, its ready set (intake reads from there; an entry in {ns}:wake wakes idle workers). The depth counter
 -- counts the entry (_queue_depth.lua).
@@ -40,8 +43,8 @@ if ARGV[6] ~= '' then
     redis.call('XADD', L.wake, 'MAXLEN', '~', 100, '*', 'queue', KEYS[2])
   end
 end
-redis.call('HSET', KEYS[1], 'id', ARGV[1], 'status', 'queued', 'request', ARGV[2], 'created_at', ARGV[3],
-           'attempts', 0, 'result_ttl', ARGV[5], 'entry_id', entry, 'queue', KEYS[2], 'priority', prio)
+redis.call('HSET', KEYS[1], 'status', 'queued', 'created_at', ARGV[3], 'result_ttl', ARGV[5], 'entry_id', entry,
+           'queue', KEYS[2], 'priority', prio)
 if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'batch_id', ARGV[6]) end
 if ARGV[7] ~= '' then redis.call('HSET', KEYS[1], 'custom_id', ARGV[7]) end
 return {1, entry}
