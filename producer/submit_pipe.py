@@ -18,6 +18,7 @@ import redis
 import structlog
 
 from protocol import scripts
+from protocol.connection import shard_client
 from protocol.errors import InvalidJob, QueueFull
 from protocol.keys import Keys
 from protocol.models import GROUP, Priority
@@ -46,7 +47,8 @@ class SubmitPipe:
         depth: int = 2,
         on_chunk: Callable[[int], None] | None = None,
     ) -> None:
-        self.r, self.keys = r, keys
+        # the raw pipelined socket below needs one node: a cluster's namespace lives on one shard
+        self.r, self.keys = shard_client(r, keys.routing_key), keys
         self.limit, self.ttl = max_queue_len, result_ttl
         self.chunk_size, self.depth, self.on_chunk = chunk_size, depth, on_chunk
         self.sha = scripts.script(scripts.SUBMIT_JOB).sha
@@ -54,7 +56,7 @@ class SubmitPipe:
         self._jobs: list[PendingJob] = []
         self._packed: list[bytes] = []
         self._flight: deque[tuple[list[PendingJob], bytes]] = deque()
-        self._conn = r.connection_pool.get_connection()
+        self._conn = self.r.connection_pool.get_connection()
         self._layout = keys.layout
         self._queues: dict[tuple[str, str], tuple[str, str, str]] = {}
         self._loaded = False

@@ -204,6 +204,14 @@ def on_shard(r: Any, key: str) -> dict[str, Any]:
     return {"target_nodes": r.nodes_manager.get_node_from_slot(r.keyslot(key))}
 
 
+def shard_client(r: Any, key: str) -> Any:
+    """A plain client of the shard that owns `key` (all of a namespace's keys share its slot), for code that
+    drives a connection itself (SubmitPipe's pipelined raw replies); `r` itself when it is not a cluster."""
+    if not is_cluster(r):
+        return r
+    return r.nodes_manager.get_node_from_slot(r.keyslot(key)).redis_connection
+
+
 def socket_timeout(r: Any) -> float | None:
     """The socket timeout `r`'s connections were made with (None: none)."""
     kwargs = r.nodes_manager.connection_kwargs if is_cluster(r) else r.connection_pool.connection_kwargs

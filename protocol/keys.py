@@ -81,6 +81,9 @@ class Keys:
             "batch_queue": {p.value: _template(self.queue(p, "\0")) for p in PRIORITIES},
             "registry": {p.value: self.registry(p) for p in PRIORITIES},
             "turn": {p.value: self.turn(p) for p in PRIORITIES},
+            "ready": {p.value: self.ready(p) for p in PRIORITIES},
+            "depth": self.depth,
+            "wake": self.wake,
             "batch": _template(self.batch("\0")),
             "batch_jobs": _template(self.batch_jobs("\0")),
         }, separators=(",", ":"))
@@ -98,6 +101,24 @@ class Keys:
     def turn(self, priority: str) -> str:
         """The queue of this priority that intake read from last (round-robin position, shared by workers)."""
         return f"{self.prefix}:turn:{Priority(priority).value}"
+
+    def ready(self, priority: str) -> str:
+        """Sorted set of the batch queues of one priority that may hold entries no worker has read yet (member:
+        stream key, score: its registry score). Intake visits only these, so a read costs the same with 1 or
+        1,000 live batches; a queue found empty leaves it, the next submit to it puts it back."""
+        return f"{self.prefix}:ready:{Priority(priority).value}"
+
+    @property
+    def depth(self) -> str:
+        """Hash of counters kept exact by the scripts that write queue entries: field <priority> = entries in
+        that priority's queues (queued + running), field `pending` = entries READ delivered, not acked yet."""
+        return f"{self.prefix}:depth"
+
+    @property
+    def wake(self) -> str:
+        """Stream with an entry each time a batch queue becomes ready: an idle worker's XREAD BLOCK waits on it
+        (and on the loose queues) instead of on every batch queue."""
+        return f"{self.prefix}:wake"
 
     @property
     def events(self) -> str:

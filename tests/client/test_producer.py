@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from producer import Client, InvalidJob, JobNotFound, QueueFull, WaitTimeout
+from protocol import scripts
 from protocol.models import GROUP, JobResult, JobStatus, parse_request
 from protocol.scripts import finish_job, mark_first_token, start_job
 
@@ -256,7 +257,9 @@ def test_as_completed_resyncs_when_events_are_lost(client):
 
 def test_info_reports_queue_workers_and_dead_letters(client):
     client.submit_many([{"prompt": f"p{i}"} for i in range(4)])
-    client.redis.xreadgroup(GROUP, "w1", {client.keys.queue(): ">"}, count=1)
+    # a worker reads one (READ counts it in the depth counter's pending)
+    scripts.script(scripts.lua("read"))(keys=[client.keys.routing_key], args=[client.keys.layout, GROUP, "w1", 1],
+                                        client=client.redis)
     client.redis.sadd(client.keys.workers, "w1", "w-old")
     beat = {"name": "w1", "model": "smollm2-135m", "started_at": time.time() - 60, "last_seen": time.time(),
             "running": 1, "waiting": 0, "free_blocks": 100, "jobs_done": 7, "model_path": "transformers",
@@ -270,7 +273,7 @@ def test_info_reports_queue_workers_and_dead_letters(client):
     client.redis.xadd(client.keys.dead, dead)
     info = client.info()
     assert (info.queue_depth, info.pending, info.waiting, info.dead_letters) == (4, 1, 3, 1)
-    assert info.consumers == 1
+    assert info.consumers == 2, "the workers whose heartbeat is live (w1 and w-020; w-old's expired)"
     assert [(w.name, w.alive) for w in info.workers] == [("w-020", True), ("w-old", False), ("w1", True)]
     assert (info.workers[0].heartbeat.backend, info.workers[0].heartbeat.device) == ("cpu-cpp", "cpu")
     assert info.workers[2].heartbeat.jobs_done == 7 and info.workers[2].heartbeat.model == "smollm2-135m"

@@ -50,7 +50,8 @@ def layout() -> str:
         return {p: fmt.replace("{p}", p) for p in PRIORITIES}
     return json.dumps({"priorities": list(PRIORITIES), "default_priority": "default",
                        "queue": each(P + ":q:{p}"), "registry": each(P + ":queues:{p}"),
-                       "turn": each(P + ":turn:{p}"),
+                       "turn": each(P + ":turn:{p}"), "ready": each(P + ":ready:{p}"),
+                       "depth": f"{P}:depth", "wake": f"{P}:wake",
                        "batch_queue": {p: [f"{P}:q:{p}:", ""] for p in PRIORITIES},
                        "batch": [f"{P}:batch:", ""], "batch_jobs": [f"{P}:batch:", ":jobs"]})
 
@@ -84,10 +85,10 @@ class DocClient:
                           priority, layout(), GROUP])
 
     def depth(self) -> int:
-        return self.eval("QUEUE_DEPTH", [f"{P}:config"], [layout()])  # KEYS only route it (the doc)
+        return self.eval("QUEUE_DEPTH", [f"{P}:config"], [layout()])[0]  # KEYS only route it (the doc)
 
     def submit_plain(self, job_id: str, request: dict, result_ttl: int = 60) -> bool:
-        """WATCH / EXISTS / XLEN / MULTI XADD HSET / EXEC, as the doc spells it out."""
+        """WATCH / EXISTS / QUEUE_DEPTH / MULTI XADD HINCRBY HSET / EXEC, as the doc spells it out."""
         key = f"{P}:job:{job_id}"
         with self.r.pipeline(transaction=True) as pipe:
             while True:
@@ -96,9 +97,10 @@ class DocClient:
                     if pipe.exists(key):
                         pipe.unwatch()
                         return False
-                    pipe.xlen(f"{P}:q:default")
+                    self.depth()  # makes the counter if it is missing (and is the max_queue_len check)
                     pipe.multi()
                     pipe.xadd(f"{P}:q:default", {"job_id": job_id, "request": json.dumps(request)})
+                    pipe.hincrby(f"{P}:depth", "default", 1)
                     pipe.hset(key, mapping={"id": job_id, "status": "queued", "request": json.dumps(request),
                                             "created_at": time.time(), "attempts": 0, "result_ttl": result_ttl,
                                             "priority": "default", "queue": f"{P}:q:default"})
