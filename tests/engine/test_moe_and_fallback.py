@@ -136,3 +136,26 @@ def _child(directories: list[str]) -> None:
 
 if __name__ == "__main__":
     _child(sys.argv[1:])
+
+
+def test_only_llama_form_rms_norms_go_to_the_backend():
+    """The fallback's norm swap is decided by running each module: Llama's form moves to the backend kernel
+    (same output), Gemma's (1 + w) form and a LayerNorm stay transformers' own."""
+    import torch
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from worker.engine.backends.reference import ReferenceBackend
+    from worker.engine.models.fallback_norms import BackendRMSNorm, swap_rms_norms
+
+    model = torch.nn.ModuleDict({"llama": LlamaRMSNorm(24, eps=1e-5), "gemma": GemmaRMSNorm(24, eps=1e-6),
+                                 "layer": torch.nn.LayerNorm(24)})
+    for p in model.parameters():
+        torch.nn.init.normal_(p, 0.5, 0.3)
+    x = torch.randn(2, 5, 24)
+    before = {name: module(x) for name, module in model.items()}
+    assert swap_rms_norms(model, ReferenceBackend()) == 1
+    assert isinstance(model["llama"], BackendRMSNorm)
+    assert isinstance(model["gemma"], GemmaRMSNorm) and isinstance(model["layer"], torch.nn.LayerNorm)
+    for name, module in model.items():
+        torch.testing.assert_close(module(x), before[name])
