@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
-QUANTIZATIONS = ("int8",)  # worker/engine/quantization.py (fp8: issue 24, not built yet)
+QUANTIZATIONS = ("int8", "fp8")  # worker/engine/quantization.py
 
 
 def bulk_min_seats(fraction: float, seats: int) -> int:
@@ -46,7 +46,7 @@ class EngineConfig:
     overlap: bool | None = None  # schedule and prepare step N+1 while step N runs (overlap.py); None = on for
     # cuda, off on the cpu (there the forward and the host share the same cores)
     quantization: str | None = None  # weights: None = as loaded; "int8" (CPU fp32, weight-only per-channel);
-    # worker/engine/quantization.py
+    # "fp8" (CUDA sm_89+, e4m3 per-channel through torch._scaled_mm); worker/engine/quantization.py
 
     def __post_init__(self) -> None:
         problems = []

@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 import torch
 
-from worker.engine import loader, quantization, warmup
+from worker.engine import fp8, fp8_checkpoint, loader, quantization, warmup
 from worker.engine.backends import select_backend
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig, bulk_min_seats
@@ -63,7 +63,7 @@ class Engine:
         self.eos_token_ids = loader.load_generation_eos(source, hf_config, self.tokenizer)
         self.max_model_len = min(cfg.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
         quantization.check_scheme(cfg.quantization, self.device, self.dtype)
-        quantization.check_checkpoint(hf_config)
+        fp8_loading = self._fp8_loading(hf_config, source)
         self.backend = select_backend(self.device, self.dtype, cfg.cpu_kernels, cfg.cache_dir)
         self.backend.check_model(arch, cfg.model)
         self.max_num_seqs = cfg.max_num_seqs or (CUDA_MAX_NUM_SEQS if self.device.type == "cuda" else CPU_MAX_NUM_SEQS)
@@ -78,7 +78,9 @@ class Engine:
         self.cuda_graphs = self.cuda_graphs and self.serving_path == "native"
         static_decode = cfg.static_decode if cfg.static_decode is not None else self.cuda_graphs
         self.model = registry.build_model(arch, hf_config, source, self.backend, self.dtype, self.device,
-                                          self.max_model_len, loader.iter_weights)
+                                          self.max_model_len, fp8_loading.weights(loader.iter_weights),
+                                          prepare=fp8_loading.prepare)
+        fp8_loading.finish(self.model, self.device)
         self.quantized_cache = None  # the int8 cache file this engine read or wrote
         if cfg.quantization == "int8":
             self.quantized_cache = quantization.apply_int8(self.model, source.directory, cfg.cache_dir)
@@ -117,6 +119,21 @@ class Engine:
             max_num_seqs=self.max_num_seqs, static_decode=static_decode, cuda_graphs=self.cuda_graphs,
             serving_path=self.serving_path, overlap=overlap, load_s=round(time.perf_counter() - started, 2),
         )
+
+    def _fp8_loading(self, hf_config: Any, source: loader.ModelSource) -> fp8.Fp8Loading:
+        """How FP8 enters the model (fp8.py): an FP8 checkpoint's format checked (a clear error for any other
+        quantized one) and its scales read from the headers, before any weight is."""
+        fmt = fp8_checkpoint.read_format(hf_config)
+        if fmt is not None and self.serving_path == "transformers":
+            raise ValueError(f"model {self.config.model!r} is an FP8 checkpoint of a type tokenbus serves through "
+                             "transformers' modeling code, which does not take its FP8 weights: load the "
+                             "unquantized checkpoint")
+        checkpoint = fp8_checkpoint.scan(source.directory, fmt) if fmt is not None else None
+        # an FP8 checkpoint serves FP8 where the GEMM has tensor cores for it, unless int8 was asked for
+        serve = self.config.quantization == "fp8" or (
+            fmt is not None and self.config.quantization is None and self.device.type == "cuda"
+            and quantization.fp8_gemm_available(self.device))
+        return fp8.Fp8Loading(checkpoint, serve)
 
     def _num_kv_blocks(self) -> int:
         """Blocks for the sequences (the runner adds one pad block): a fixed count, kv_cache_gb, or on CUDA
