@@ -46,8 +46,9 @@ def dequantize_weight(qweight: torch.Tensor, w_scale: torch.Tensor) -> torch.Ten
     return qweight.float() * w_scale.float().view(-1, 1)
 
 
-def fp8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear_reference(
+    x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """fp8_linear's arithmetic in fp32: dequantize the per-token e4m3 of x and the weight, multiply."""
     xq, x_scale = quantize_rows(x)
     y = (xq.float() * x_scale) @ dequantize_weight(qweight, w_scale).t()
@@ -56,18 +57,16 @@ def fp8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.
     return y.to(x.dtype)
 
 
-def scaled_mm_takes(x: torch.Tensor, qweight: torch.Tensor) -> bool:
-    """Whether torch._scaled_mm serves these shapes here: on CUDA, K and N multiples of 16."""
-    if x.device.type != "cuda":
-        return True
-    n, k = qweight.shape
-    return k % 16 == 0 and n % 16 == 0
+def scaled_mm_takes(device_type: str, n: int, k: int) -> bool:
+    """Whether torch._scaled_mm serves an [N, K] weight on this device: on CUDA, K and N multiples of 16."""
+    return device_type != "cuda" or (k % 16 == 0 and n % 16 == 0)
 
 
-def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """y = x · (qweight · w_scale)ᵀ + bias through torch._scaled_mm, x quantized per token (module docstring)."""
-    if not scaled_mm_takes(x, qweight):
+    if not scaled_mm_takes(x.device.type, *qweight.shape):
         return fp8_linear_reference(x, qweight, w_scale, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])

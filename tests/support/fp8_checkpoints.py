@@ -15,8 +15,7 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
-             "gate_up_proj")
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 
 
 def _quantize(w: torch.Tensor, strategy: str, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,7 +25,7 @@ def _quantize(w: torch.Tensor, strategy: str, block: tuple[int, int] | None) -> 
         scale = (w.abs().max() / FP8_MAX).reshape(1)
         full = scale.expand(n, k)
     elif strategy == "channel":
-        scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX)
+        scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
         full = scale.expand(n, k)
     else:
         bn, bk = block
@@ -39,8 +38,14 @@ def _quantize(w: torch.Tensor, strategy: str, block: tuple[int, int] | None) -> 
     return q, scale.float().contiguous()
 
 
-def write_fp8(source: str, target: str, method: str, strategy: str, block: tuple[int, int] | None = None,
-              input_scale: bool = False) -> tuple[str, str]:
+def write_fp8(
+    source: str,
+    target: str,
+    method: str,
+    strategy: str,
+    block: tuple[int, int] | None = None,
+    input_scale: bool = False,
+) -> tuple[str, str]:
     """An FP8 copy of the checkpoint `source` in `target` (method 'compressed-tensors' or 'fp8'), and its
     dequantized fp32 twin in `target`-dequantized. Returns (fp8 dir, dequantized dir)."""
     from safetensors.torch import load_file, save_file
@@ -63,8 +68,11 @@ def write_fp8(source: str, target: str, method: str, strategy: str, block: tuple
             fp8_tensors[name], fp8_tensors[f"{prefix}.{scale_name}"] = q, scale
             if input_scale:
                 fp8_tensors[f"{prefix}.input_scale"] = torch.tensor([0.05])
-            full = scale if strategy != "block" else \
-                scale.repeat_interleave(block[0], 0)[: t.shape[0]].repeat_interleave(block[1], 1)[:, : t.shape[1]]
+            full = (
+                scale
+                if strategy != "block"
+                else scale.repeat_interleave(block[0], 0)[: t.shape[0]].repeat_interleave(block[1], 1)[:, : t.shape[1]]
+            )
             dequantized[name] = q.float() * full
         else:
             fp8_tensors[name] = dequantized[name] = t
@@ -87,8 +95,16 @@ def quantization_config(method: str, strategy: str, block: tuple[int, int] | Non
     weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False}
     if strategy == "block":
         weights["block_structure"] = list(block)
-    activations = {"num_bits": 8, "type": "float", "strategy": "tensor" if input_scale else "token",
-                   "symmetric": True, "dynamic": not input_scale}
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": activations}}}
+    activations = {
+        "num_bits": 8,
+        "type": "float",
+        "strategy": "tensor" if input_scale else "token",
+        "symmetric": True,
+        "dynamic": not input_scale,
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}},
+    }

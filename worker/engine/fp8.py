@@ -1,14 +1,14 @@
 """FP8 weights in the model: Fp8Linear, which linears become one, and how an FP8 checkpoint is loaded.
 
-    serve FP8   (CUDA sm_89+ with an FP8 checkpoint, or --quantization fp8 anywhere): the decoder's linears
-                are Fp8Linear — e4m3 weight [N, K], one fp32 scale per output channel, the activations
-                quantized per token at each call, the GEMM through torch._scaled_mm (kernels/fp8_linear.py).
-                An FP8 checkpoint's weights are kept bit for bit (a per-tensor scale repeated per channel);
-                block-wise ones are dequantized and requantized per channel (logged: not the file's bits).
-                An unquantized checkpoint is quantized at load (dynamic). lm_head and MoE routers stay as
-                loaded; so does anything the checkpoint left unquantized.
-    otherwise   an FP8 checkpoint is dequantized at load to the model's dtype (the CPU's fp32 path, with
-                --quantization int8 quantizing that again for the C++ kernels), logged once.
+serve FP8   (CUDA sm_89+ with an FP8 checkpoint, or --quantization fp8 anywhere): the decoder's linears
+            are Fp8Linear — e4m3 weight [N, K], one fp32 scale per output channel, the activations
+            quantized per token at each call, the GEMM through torch._scaled_mm (kernels/fp8_linear.py).
+            An FP8 checkpoint's weights are kept bit for bit (a per-tensor scale repeated per channel);
+            block-wise ones are dequantized and requantized per channel (logged: not the file's bits).
+            An unquantized checkpoint is quantized at load (dynamic). lm_head and MoE routers stay as
+            loaded; so does anything the checkpoint left unquantized.
+otherwise   an FP8 checkpoint is dequantized at load to the model's dtype (the CPU's fp32 path, with
+            --quantization int8 quantizing that again for the C++ kernels), logged once.
 """
 
 from __future__ import annotations
@@ -24,24 +24,38 @@ from worker.engine.fp8_checkpoint import Fp8Checkpoint
 
 log = structlog.get_logger("tokenbus.quantization")
 UNQUANTIZED_LEAVES = ("lm_head", "gate")  # the logits and an MoE router: small, and the most sensitive
-FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-         "up_proj": "gate_up_proj"}  # checkpoint linears the native models fuse (models/llama.py _FUSED)
+FUSED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}  # checkpoint linears the native models fuse (models/llama.py _FUSED)
 
 
 class Fp8Linear(nn.Module):
     """nn.Linear with an e4m3 weight and per-output-channel scales (kernels/fp8_linear.py has the shapes)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         # parameters, so the models' load_weights fills them (fused shards row by row) like any weight
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8, device=device),
-                                   requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32, device=device),
-                                         requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) \
-            if bias else None
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=FP8, device=device), requires_grad=False
+        )
+        self.weight_scale = nn.Parameter(
+            torch.empty(out_features, dtype=torch.float32, device=device), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
 
     @classmethod
     def quantized(cls, linear: nn.Linear) -> Fp8Linear:
@@ -116,8 +130,11 @@ class Fp8Loading:
                 continue
             self.keep.update(prefixes)
             dtype = module.bias.dtype if module.bias is not None else torch.float32
-            _replace(model, target, Fp8Linear(module.in_features, module.out_features, module.bias is not None,
-                                               dtype, "meta"))
+            _replace(
+                model,
+                target,
+                Fp8Linear(module.in_features, module.out_features, module.bias is not None, dtype, "meta"),
+            )
 
     def weights(self, load: Any) -> Any:
         """`load` (the loader's iter_weights) with the checkpoint's FP8 tensors rewritten (Fp8Checkpoint)."""
@@ -130,11 +147,16 @@ class Fp8Loading:
         fmt = self.checkpoint.format if self.checkpoint else None
         if not self.serve_fp8:
             if fmt is not None:
-                log.info("fp8_checkpoint_dequantized", format=fmt.method, strategy=fmt.strategy,
-                         linears=len(self.checkpoint.linears), device=device.type,
-                         dtype=str(next(model.parameters()).dtype),
-                         why="no FP8 GEMM serves here (CPU, or a GPU before sm_89): the weights are the "
-                             "checkpoint's values, dequantized; --quantization fp8 keeps them FP8")
+                log.info(
+                    "fp8_checkpoint_dequantized",
+                    format=fmt.method,
+                    strategy=fmt.strategy,
+                    linears=len(self.checkpoint.linears),
+                    device=device.type,
+                    dtype=str(next(model.parameters()).dtype),
+                    why="no FP8 GEMM serves here (CPU, or a GPU before sm_89): the weights are the "
+                    "checkpoint's values, dequantized; --quantization fp8 keeps them FP8",
+                )
             return
         if fmt is None:
             swapped = quantize_model(model)
@@ -142,8 +164,18 @@ class Fp8Loading:
             return
         quantize_model(model, self.requantize)
         if self.requantize:
-            log.warning("fp8_block_scales_requantized", linears=len(self.requantize), block=list(fmt.block),
-                        why="the FP8 GEMM takes per-channel scales: block-wise weights were dequantized and "
-                            "quantized again per output channel, so they differ from the file's by e4m3 rounding")
-        log.info("fp8_checkpoint_loaded", format=fmt.method, strategy=fmt.strategy, kept_bits=len(self.keep),
-                 requantized=len(self.requantize), device=device.type)
+            log.warning(
+                "fp8_block_scales_requantized",
+                linears=len(self.requantize),
+                block=list(fmt.block),
+                why="the FP8 GEMM takes per-channel scales: block-wise weights were dequantized and "
+                "quantized again per output channel, so they differ from the file's by e4m3 rounding",
+            )
+        log.info(
+            "fp8_checkpoint_loaded",
+            format=fmt.method,
+            strategy=fmt.strategy,
+            kept_bits=len(self.keep),
+            requantized=len(self.requantize),
+            device=device.type,
+        )

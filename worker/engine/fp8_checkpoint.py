@@ -76,11 +76,14 @@ class Fp8Checkpoint:
                 yield from self._converted(linear, parts["weight"], parts[linear.scale_name], prefix in keep)
         if pending:
             prefix, parts = next(iter(pending.items()))
-            raise ValueError(f"the FP8 checkpoint has {prefix}.{next(iter(parts))} without its partner tensor "
-                             f"({len(pending)} linear(s) incomplete): the checkpoint's files are incomplete")
+            raise ValueError(
+                f"the FP8 checkpoint has {prefix}.{next(iter(parts))} without its partner tensor "
+                f"({len(pending)} linear(s) incomplete): the checkpoint's files are incomplete"
+            )
 
-    def _converted(self, linear: QuantizedLinear, weight: torch.Tensor, scale: torch.Tensor,
-                   keep: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    def _converted(
+        self, linear: QuantizedLinear, weight: torch.Tensor, scale: torch.Tensor, keep: bool
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         strategy, (n, k) = self.format.strategy, linear.shape
         scale = scale.float()
         if strategy == "block":
@@ -102,9 +105,11 @@ def _as_dict(qc: Any) -> dict[str, Any]:
     return qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
 
 
-UNQUANTIZED_HINT = ("tokenbus loads unquantized (fp32/bf16/fp16) checkpoints and FP8 ones (compressed-tensors "
-                    "float8, or quant_method 'fp8'): load one of those (on the CPU, --quantization int8 quantizes "
-                    "an unquantized one; on the GPU, --quantization fp8)")
+UNQUANTIZED_HINT = (
+    "tokenbus loads unquantized (fp32/bf16/fp16) checkpoints and FP8 ones (compressed-tensors "
+    "float8, or quant_method 'fp8'): load one of those (on the CPU, --quantization int8 quantizes "
+    "an unquantized one; on the GPU, --quantization fp8)"
+)
 
 
 def read_format(hf_config: Any) -> Fp8Format | None:
@@ -127,8 +132,10 @@ def read_format(hf_config: Any) -> Fp8Format | None:
         if block is not None:
             return Fp8Format("fp8", "block", _block(block, "weight_block_size"))
         return Fp8Format("fp8", "tensor")
-    raise ValueError(f"the checkpoint's weights are quantized with {method!r} (its quantization_config), which "
-                     f"tokenbus does not support; {UNQUANTIZED_HINT}")
+    raise ValueError(
+        f"the checkpoint's weights are quantized with {method!r} (its quantization_config), which "
+        f"tokenbus does not support; {UNQUANTIZED_HINT}"
+    )
 
 
 def _block(block: Any, what: str) -> tuple[int, int]:
@@ -144,17 +151,22 @@ def _compressed_tensors(qc: dict[str, Any]) -> Fp8Format:
         weights = (group or {}).get("weights") or {}
         kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
         if kind != "float" or bits != 8:
-            raise ValueError(f"compressed-tensors group {name!r} quantizes weights to {kind} {bits}-bit "
-                             f"(format {qc.get('format')!r}); tokenbus loads only float 8-bit (FP8 e4m3) "
-                             f"weights; {UNQUANTIZED_HINT}")
+            raise ValueError(
+                f"compressed-tensors group {name!r} quantizes weights to {kind} {bits}-bit "
+                f"(format {qc.get('format')!r}); tokenbus loads only float 8-bit (FP8 e4m3) "
+                f"weights; {UNQUANTIZED_HINT}"
+            )
         if strategy not in STRATEGIES:
-            raise ValueError(f"compressed-tensors group {name!r} has weight strategy {strategy!r}; tokenbus "
-                             f"loads {list(STRATEGIES)}")
+            raise ValueError(
+                f"compressed-tensors group {name!r} has weight strategy {strategy!r}; tokenbus loads {list(STRATEGIES)}"
+            )
         block = _block(weights.get("block_structure"), "block_structure") if strategy == "block" else None
         formats.add((strategy, block))
     if len(formats) != 1:
-        raise ValueError(f"compressed-tensors config_groups use {len(formats)} weight layouts {sorted(formats)}; "
-                         "tokenbus loads checkpoints whose quantized linears share one")
+        raise ValueError(
+            f"compressed-tensors config_groups use {len(formats)} weight layouts {sorted(formats)}; "
+            "tokenbus loads checkpoints whose quantized linears share one"
+        )
     strategy, block = formats.pop()
     return Fp8Format("compressed-tensors", strategy, block)
 
@@ -187,9 +199,11 @@ def scan(directory: str, fmt: Fp8Format) -> Fp8Checkpoint:
         prefix, _, leaf = name.rpartition(".")
         scale_name = next((s for s in SCALE_NAMES if f"{prefix}.{s}" in shapes), None)
         if leaf != "weight" or len(shapes[name]) != 2 or scale_name is None:
-            raise ValueError(f"the checkpoint's tensor {name!r} is float8_e4m3fn {list(shapes[name])} without a "
-                             f"weight scale ({prefix}.weight_scale or .weight_scale_inv): tokenbus reads FP8 "
-                             "linear weights [out, in] with their scales only")
+            raise ValueError(
+                f"the checkpoint's tensor {name!r} is float8_e4m3fn {list(shapes[name])} without a "
+                f"weight scale ({prefix}.weight_scale or .weight_scale_inv): tokenbus reads FP8 "
+                "linear weights [out, in] with their scales only"
+            )
         n, k = shapes[name]
         got, expected = shapes[f"{prefix}.{scale_name}"], expected_scale_shapes(fmt, n, k)
         if got not in expected:
@@ -197,11 +211,14 @@ def scan(directory: str, fmt: Fp8Format) -> Fp8Checkpoint:
             raise ValueError(
                 f"mismatched scale layout: {prefix}.{scale_name} is {list(got)} for the weight [{n}, {k}], but the "
                 f"checkpoint's {fmt.method} config says strategy {fmt.strategy!r}{block}, whose scale is "
-                f"{' or '.join(str(list(e)) for e in expected)}: the config and the files disagree")
+                f"{' or '.join(str(list(e)) for e in expected)}: the config and the files disagree"
+            )
         checkpoint.linears[prefix] = QuantizedLinear(prefix, (n, k), scale_name)
     if not checkpoint.linears:
-        raise ValueError(f"the checkpoint's config says {fmt.method} FP8, but no *.safetensors file in "
-                         f"{directory!r} holds a float8_e4m3fn weight")
+        raise ValueError(
+            f"the checkpoint's config says {fmt.method} FP8, but no *.safetensors file in "
+            f"{directory!r} holds a float8_e4m3fn weight"
+        )
     return checkpoint
 
 

@@ -85,11 +85,16 @@ def check_scheme(scheme: str | None, device: torch.device, dtype: torch.dtype) -
         )
     if scheme == "fp8" and device.type == "cuda" and not fp8_gemm_available(device):
         major, minor = torch.cuda.get_device_capability(device)
-        raise ValueError(f"quantization 'fp8' needs a GPU with FP8 tensor cores (sm_89+: Ada, Hopper); this one "
-                         f"is sm_{major}{minor}: leave --quantization unset to serve bf16")
+        raise ValueError(
+            f"quantization 'fp8' needs a GPU with FP8 tensor cores (sm_89+: Ada, Hopper); this one "
+            f"is sm_{major}{minor}: leave --quantization unset to serve bf16"
+        )
     if scheme == "fp8" and device.type == "cpu":
-        log.warning("fp8_on_cpu", why="--quantization fp8 is the GPU path: on the CPU it runs PyTorch's CPU "
-                    "_scaled_mm, slower than float32 (for checking); --quantization int8 is the CPU's scheme")
+        log.warning(
+            "fp8_on_cpu",
+            why="--quantization fp8 is the GPU path: on the CPU it runs PyTorch's CPU "
+            "_scaled_mm, slower than float32 (for checking); --quantization int8 is the CPU's scheme",
+        )
 
 
 def fp8_gemm_available(device: torch.device) -> bool:
