@@ -360,6 +360,8 @@ STAGE_IMPORTS = {
     "e": ("tests.support.tiny_models", "worker", "transformers", "gpu_check_graphs", "worker.engine.guided",
           "protocol.constraints"),
     "m": ("kernels.moe", "kernels.moe_reference", "triton.testing"),
+    "q": ("gpu_check_fp8", "kernels.fp8_linear", "worker.engine.fp8", "tests.support.fp8_checkpoints", "worker",
+          "triton.testing"),
 }
 
 
@@ -418,6 +420,13 @@ def stage_moe(ctx: Ctx) -> None:
                             f"relative error {err:.1e}"))
 
 
+def stage_fp8(ctx: Ctx) -> None:
+    """Stage q (issue 24, not in the default list): FP8 weights against bf16, in gpu_check_fp8.py."""
+    import gpu_check_fp8
+
+    gpu_check_fp8.stage_fp8_weights(ctx)
+
+
 # caps in seconds on the GPU with a cold Triton cache: 480 in all
 STAGES = {
     "a": ("kernels vs reference", stage_kernels, 70),
@@ -426,8 +435,9 @@ STAGES = {
     "d": ("engine vs transformers CB", stage_throughput, 115),
     "e": ("tokens vs HF generate; graphs on vs off", stage_parity, 105),
     "m": ("fused MoE vs reference", stage_moe, 20),
+    "q": ("FP8 weights vs bf16", stage_fp8, 150),
 }
-SMOKE_CAPS = {"a": 240, "b": 240, "c": 240, "d": 240, "e": 240, "m": 240, "z": 8}  # a loaded 2-core CI box
+SMOKE_CAPS = {"a": 240, "b": 240, "c": 240, "d": 240, "e": 240, "m": 240, "q": 240, "z": 8}  # a loaded 2-core CI box
 HIDDEN_STAGES = {"z": ("self-test: overrun", stage_overrun_selftest, 8)}
 
 
