@@ -86,6 +86,8 @@ DECODE_CASES = [
     (torch.bfloat16, 32, 8, 1, 128, 64),  # MQA, group 8
     (torch.float16, 64, 12, 4, 64, 128),
     (torch.bfloat16, 16, 16, 2, 256, None),  # group 8, head_dim 256
+    (torch.float32, 16, 6, 2, 96, 32),  # Phi-3's head_dim 96: padded to 128 lanes, split + reduce
+    (torch.bfloat16, 32, 4, 4, 80, None),  # head_dim 80 (Phi-2, StableLM), one partition
 ] + [  # every dtype x block size x GQA ratio 1/3/8, split into partitions
     (dtype, block_size, 2 * group, 2, 32, 24)
     for dtype, block_size, group in itertools.product(TOL, (16, 32, 64), (1, 3, 8))
@@ -143,6 +145,8 @@ PREFILL_CASES = [
     (torch.bfloat16, 32, 8, 1, 64),
     (torch.float16, 64, 24, 8, 32),
     (torch.bfloat16, 16, 3, 1, 128),
+    (torch.float32, 16, 6, 2, 96),  # Phi-3's head_dim 96: padded lanes masked
+    (torch.float16, 32, 4, 2, 24),
 ] + [
     (dtype, block_size, 2 * group, 2, 32)
     for dtype, block_size, group in itertools.product(TOL, (16, 32, 64), (1, 3, 8))
@@ -177,6 +181,7 @@ def test_prefill_matches_reference(dtype, block_size, hq, hk, head_dim):
 @needs_kernels
 @pytest.mark.parametrize("dtype,block_size,hk,head_dim", [
     (torch.float32, 16, 2, 32), (torch.bfloat16, 32, 3, 64), (torch.float16, 64, 8, 128),
+    (torch.float32, 16, 3, 96),  # padded lanes must not write past a head
 ], ids=case_id)
 def test_write_kv_matches_reference(dtype, block_size, hk, head_dim):
     from kernels.kv_write import write_kv_triton
@@ -262,7 +267,7 @@ def test_compiled_kernels_refuse_cpu_tensors_clearly():
 @pytest.mark.skipif(INTERPRETED, reason="compiles the GPU plans; the interpreter run has no compiler")
 @pytest.mark.parametrize("dtype,hq,hk,head_dim", [
     (torch.bfloat16, 14, 2, 64), (torch.bfloat16, 32, 8, 128), (torch.float16, 16, 1, 256),
-    (torch.float32, 12, 4, 32),
+    (torch.float32, 12, 4, 32), (torch.bfloat16, 32, 32, 96),  # Phi-3-mini: head_dim 96 on 128 lanes
 ])
 def test_gpu_plans_compile_for_sm90(dtype, hq, hk, head_dim, tmp_path):
     """Every launch the wrappers plan on a GPU compiles for sm_90 without register spills, and the K/V
