@@ -7,11 +7,12 @@ channel, the activations quantized to e4m3 per token at each call (dynamic).
     bias          [N] or None, in x's dtype
     -> y          [M, N]  x's dtype
 
-The GEMM is `torch._scaled_mm` (cuBLASLt on sm_89+; PyTorch's CPU build has one too, used by the tests and
-the CPU smoke run): A = the per-token e4m3 of x, row-major [M, K], with its scales [M, 1]; B = qweight viewed
-as its transpose, column-major [K, N], with the weight scales [1, N] ("rowwise" scaling: a scale per row of A
-and per column of B). The product accumulates in fp32; each output is scaled by a_scale[m] · w_scale[n].
-cuBLASLt wants K and N multiples of 16; other shapes take `fp8_linear_reference`'s arithmetic.
+The GEMM is `torch._scaled_mm` (on CUDA sm_89+ with rowwise scales: PyTorch's CUTLASS f8f8bf16 rowwise
+kernel; PyTorch's CPU build has one too, used by the tests and the CPU smoke run): A = the per-token e4m3 of
+x, row-major [M, K], with its scales [M, 1]; B = qweight viewed as its transpose, column-major [K, N], with
+the weight scales [1, N] ("rowwise" scaling: a scale per row of A and per column of B). The product
+accumulates in fp32; each output is scaled by a_scale[m] · w_scale[n].
+The CUDA kernel wants K and N multiples of 16; other shapes take `fp8_linear_reference`'s arithmetic.
 
 `fp8_linear_reference` is the definition of correct: the same quantization of x, both operands dequantized
 to fp32, an fp32 matmul. Per-tensor weight scales are served as per-channel ones (the scale repeated on every

@@ -228,3 +228,37 @@ def test_an_fp8_config_over_unquantized_files_is_a_clear_error(bases, tmp_path):
     shutil.copytree(bases["llama"], directory)
     with pytest.raises(ValueError, match=r"config says fp8 FP8, but no \*\.safetensors file.*float8_e4m3fn weight"):
         Engine(_with_config(directory, {"quant_method": "fp8"}), device="cpu", dtype="float32", num_kv_blocks=8)
+
+
+def test_int8_over_an_fp8_checkpoint_quantizes_its_dequantized_weights(bases, tmp_path):
+    """--quantization int8 on the CPU takes an FP8 checkpoint too: dequantized at load, then int8."""
+    from worker.engine.quantization import quantize_int8
+
+    fp8_dir, twin = write_fp8(bases["llama"], str(tmp_path / "fp8"), "compressed-tensors", "channel")
+    engine, got = serve(fp8_dir, quantization="int8")
+    try:
+        assert engine.model.lm_head.panels.dtype == torch.int8
+        hf = load_hf(twin)
+        with torch.no_grad():
+            for module in hf.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight.copy_(quantize_int8(module.weight).dequantize())
+        assert got == hf_tokens(engine, hf)
+    finally:
+        if engine.quantized_cache and os.path.exists(engine.quantized_cache):
+            os.remove(engine.quantized_cache)
+
+
+def test_dynamic_fp8_keeps_the_output_projection_whatever_its_name():
+    """transformers' fallback models name the logits' linear otherwise (GPT-NeoX: embed_out): it stays."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from worker.engine.fp8 import quantize_model
+
+    config = GPTNeoXConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+    )
+    model = GPTNeoXForCausalLM(config)
+    assert quantize_model(model) == 4  # query_key_value, dense, dense_h_to_4h, dense_4h_to_h
+    assert type(model.embed_out) is torch.nn.Linear
+    assert isinstance(model.gpt_neox.layers[0].attention.query_key_value, Fp8Linear)

@@ -1,7 +1,8 @@
 """The FP8 linear (kernels/fp8_linear.py) on the CPU: torch._scaled_mm's CPU build, with the per-token
 activation and per-channel weight scales the GPU path passes it, equals the fp32 reference within fp32
 rounding on awkward shapes; the quantizers keep their contract (scale = max|row| / 448, no overflow, zero
-rows). The same call runs on CUDA sm_89+ through cuBLASLt: gpu_check stage q (scripts/gpu_check_fp8.py)."""
+rows). The same call runs on CUDA sm_89+ (PyTorch's CUTLASS rowwise kernel): gpu_check stage q
+(scripts/gpu_check_fp8.py)."""
 
 from __future__ import annotations
 

@@ -87,11 +87,24 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, new)
 
 
+def _output_heads(model: nn.Module) -> set[int]:
+    """The logits' projection however the model names it (transformers' fallback: get_output_embeddings)."""
+    heads = set()
+    for module in model.modules():
+        head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+        if head is not None:
+            heads.add(id(head))
+    return heads
+
+
 @torch.no_grad()
 def quantize_model(model: nn.Module, only: set[str] | None = None) -> int:
     """Swap the loaded model's linears (those named in `only`, else every decoder linear) for their
     per-channel e4m3; returns how many."""
-    names = [n for n, m in model.named_modules() if _quantizable(n, m) and (only is None or n in only)]
+    heads = _output_heads(model)
+    names = [
+        n for n, m in model.named_modules() if _quantizable(n, m) and id(m) not in heads and (only is None or n in only)
+    ]
     for name in names:
         _replace(model, name, Fp8Linear.quantized(model.get_submodule(name)))
     return len(names)
