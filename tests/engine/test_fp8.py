@@ -250,15 +250,20 @@ def test_int8_over_an_fp8_checkpoint_quantizes_its_dequantized_weights(bases, tm
 
 
 def test_dynamic_fp8_keeps_the_output_projection_whatever_its_name():
-    """transformers' fallback models name the logits' linear otherwise (GPT-NeoX: embed_out): it stays."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    """The logits' linear stays as loaded however a model names it: transformers' models say which it is
+    (get_output_embeddings), and the fallback serves those."""
+    from torch import nn
 
     from worker.engine.fp8 import quantize_model
 
-    config = GPTNeoXConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
-    )
-    model = GPTNeoXForCausalLM(config)
-    assert quantize_model(model) == 4  # query_key_value, dense, dense_h_to_4h, dense_4h_to_h
-    assert type(model.embed_out) is torch.nn.Linear
-    assert isinstance(model.gpt_neox.layers[0].attention.query_key_value, Fp8Linear)
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.proj_out = nn.Linear(32, 64), nn.Linear(64, 48, bias=False)
+
+        def get_output_embeddings(self) -> nn.Module:
+            return self.proj_out
+
+    model = Tiny()
+    assert quantize_model(model) == 1
+    assert isinstance(model.up, Fp8Linear) and type(model.proj_out) is nn.Linear
