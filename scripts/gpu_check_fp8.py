@@ -22,7 +22,7 @@ import time
 from functools import partial
 
 import torch
-from gpu_check_stages import Ctx, _prefix_share, checkpoint, model_name, row, sync, time_ms
+from gpu_check_measure import Ctx, checkpoint, model_name, prefix_share, row, sync, time_ms
 
 # (name, K, N) of Llama-3-8B's linears: qkv, o, gate_up, down
 GEMM_SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
@@ -82,7 +82,7 @@ def _generate(engine, prompts: list[list[int]], n: int) -> tuple[list[list[int]]
 
 def _agreement(got: list[list[int]], want: list[list[int]]) -> tuple[int, float]:
     same = sum(a == b for a, b in zip(got, want, strict=True))
-    return same, statistics.mean(_prefix_share(a, b) for a, b in zip(got, want, strict=True))
+    return same, statistics.mean(prefix_share(a, b) for a, b in zip(got, want, strict=True))
 
 
 def checkpoint_rows(ctx: Ctx) -> None:

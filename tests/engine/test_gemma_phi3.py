@@ -124,7 +124,7 @@ def family_dirs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_cpu_serving_path_equals_hf(family_dirs, family):
+def test_cpu_kernels_equal_hf(family_dirs, family):
     result = run_workload(family_dirs[family])
     assert result["backend"] == "cpu-cpp", result["backend"]
     check_against_hf(family_dirs[family], result, family)

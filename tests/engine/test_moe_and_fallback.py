@@ -54,10 +54,10 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_cpu_serving_path_equals_hf(tiny, arch):
+def test_cpu_model_path_equals_hf(tiny, arch):
     directory, expected = tiny(arch)
     result = run_in_engine(directory)
-    assert result["serving_path"] == ("native" if arch in NATIVE else "transformers")
+    assert result["model_path"] == ("native" if arch in NATIVE else "transformers")
     assert result["backend"] == "cpu-cpp"
     check(result, expected, arch)
 
@@ -114,7 +114,7 @@ def test_model_impl_transformers_forces_the_fallback(tiny):
     """A Llama-family model (Mixtral) through transformers' own code when asked: the same tokens."""
     directory, expected = tiny("mixtral")
     engine = Engine(directory, **{**ENGINE_KWARGS, "model_impl": "transformers"})
-    assert engine.serving_path == "transformers"
+    assert engine.model_path == "transformers"
     check(run_staggered(engine, short=True), expected, "mixtral through transformers")
 
 

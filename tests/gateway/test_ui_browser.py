@@ -135,7 +135,7 @@ def test_dashboard_in_chromium(stack, tmp_path):
         # ---- workers and overview (after the samples above) -------------------------------------------------
         page.get_by_role("link", name="Workers").click()
         worker_row = page.locator(f'tr[data-worker="{WORKER}"]')
-        expect(worker_row).to_contain_text("on cpu")  # the serving path from the heartbeat
+        expect(worker_row).to_contain_text("on cpu")  # the heartbeat's backend on device
         expect(worker_row.locator("svg.spark")).to_be_visible()  # step times drawn
         page.screenshot(path=shots / "workers.png")
         page.get_by_role("link", name="Overview").click()

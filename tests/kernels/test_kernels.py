@@ -23,14 +23,9 @@ import pytest
 import torch
 
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
-from tests.support.sm90_compile import compile_for_sm90, stack_bytes
+from tests.support.kernel_cases import DEVICE, INTERPRETED, attention_plan_inputs, case_id, needs_kernels
+from tests.support.sm90_compile import check_attention_compiles
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRETED else "cuda"
-needs_kernels = pytest.mark.skipif(
-    not INTERPRETED and not torch.cuda.is_available(),
-    reason="no GPU: runs on the CPU in scripts/test's TRITON_INTERPRET=1 process",
-)
 TOL = {
     torch.float32: dict(rtol=1e-5, atol=1e-5),
     torch.float16: dict(rtol=2e-3, atol=2e-3),
@@ -69,10 +64,6 @@ def strided(t: torch.Tensor, gen) -> torch.Tensor:
 def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert not torch.isnan(out).any(), "kernel left poisoned (NaN) entries in its output"
     torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), **TOL[out.dtype])
-
-
-def case_id(value) -> str:
-    return str(value).removeprefix("torch.")
 
 
 LENGTH_CASES = lambda bs: [1, bs - 1, bs, bs + 1, 4 * bs + 7]  # noqa: E731
@@ -276,13 +267,8 @@ def test_gpu_plans_compile_for_sm90(dtype, hq, hk, head_dim, tmp_path):
     from kernels.kv_write import plan_write_kv
     from kernels.prefill_attention import plan_prefill
 
-    num_seqs, block_size = 4, 16
-    k_cache = torch.randn(64, block_size, hk, head_dim).to(dtype)
-    table = torch.zeros(num_seqs, 16, dtype=torch.int32)
-    seq_lens = torch.full((num_seqs,), 200, dtype=torch.int32)
-    q = torch.randn(num_seqs, hq, head_dim).to(dtype)
-    q_prefill = torch.randn(40, hq, head_dim).to(dtype)
-    cu = torch.tensor([0, 10, 20, 30, 40], dtype=torch.int32)
+    block_size = 16
+    k_cache, table, seq_lens, q, q_prefill, cu = attention_plan_inputs(dtype, hq, hk, head_dim, block_size)
     launches = [
         *plan_decode(q, k_cache, k_cache, table, seq_lens, 0.1, torch.empty_like(q), on_gpu=True,
                      partition_size=16 * block_size),  # one partition: direct write
@@ -296,12 +282,7 @@ def test_gpu_plans_compile_for_sm90(dtype, hq, hk, head_dim, tmp_path):
         "_decode_partition_kernel", "_decode_partition_kernel", "_decode_reduce_kernel", "_prefill_kernel",
         "_write_kv_kernel",
     ]
-    for launch in launches:
-        compiled = compile_for_sm90(launch)
-        name = launch.kernel.__name__
-        assert stack_bytes(compiled.asm["cubin"], tmp_path) == 0, f"{name} spills registers"
-        if name in ("_decode_partition_kernel", "_prefill_kernel"):
-            assert "async_copy_global_to_local" in compiled.asm["ttgir"], f"{name}: K/V loop not pipelined"
+    check_attention_compiles(launches, tmp_path)
 
 
 

@@ -202,7 +202,7 @@ def test_a_client_written_from_the_doc(doc_client, redis_server, serve_model_dir
     beat = json.loads(beat)
     fields = {"name", "pid", "model", "started_at", "last_seen", "running", "waiting", "free_blocks", "jobs_done",
               "draining", "prefix_queried_tokens", "prefix_hit_tokens", "prefix_queried_blocks", "prefix_hit_blocks",
-              "used_blocks", "serving_path", "generated_tokens", "step_ms"}
+              "used_blocks", "model_path", "backend", "device", "generated_tokens", "step_ms"}
     assert fields <= set(beat), f"the first heartbeat lacks {fields - set(beat)}"
     assert 0 < r.ttl(f"{NS}:worker:{WORKER}") <= 10 and WORKER in r.smembers(f"{NS}:workers")
 

@@ -15,13 +15,13 @@ from typing import Any
 import structlog
 import torch
 
-from worker.engine import fp8, fp8_checkpoint, loader, quantization, warmup
+from worker.engine import fp8, loader, quantization, warmup
 from worker.engine.backends import select_backend
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig, bulk_min_seats
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.errors import InvalidRequest
-from worker.engine.guided import GrammarError, GuidedDecoding
+from worker.engine.errors import EngineError, EngineFault, InvalidRequest, fault
+from worker.engine.guided import GuidedDecoding
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_block
 from worker.engine.models import registry
 from worker.engine.outputs import Choice, Delta, EngineStats, RequestOutput
@@ -57,13 +57,13 @@ class Engine:
         source = loader.resolve(cfg.model, cfg.cache_dir)
         hf_config = loader.load_config(source)
         arch = registry.model_arch(hf_config, cfg.model, cfg.model_impl)
-        self.serving_path = registry.serving_path(arch)  # "native" or "transformers"
+        self.model_path = registry.model_path(arch)  # "native" or "transformers"
         self.model_name = cfg.model
         self.tokenizer = loader.load_tokenizer(source)
         self.eos_token_ids = loader.load_generation_eos(source, hf_config, self.tokenizer)
         self.max_model_len = min(cfg.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
         quantization.check_scheme(cfg.quantization, self.device, self.dtype)
-        fp8_loading = self._fp8_loading(hf_config, source)
+        fp8_loading = fp8.plan(hf_config, source.directory, cfg, self.device, self.model_path)
         self.backend = select_backend(self.device, self.dtype, cfg.cpu_kernels, cfg.cache_dir)
         self.backend.check_model(arch, cfg.model)
         self.max_num_seqs = cfg.max_num_seqs or (CUDA_MAX_NUM_SEQS if self.device.type == "cuda" else CPU_MAX_NUM_SEQS)
@@ -75,7 +75,7 @@ class Engine:
         # graphs replay the padded decode path, so they need it; static_decode None follows the graphs
         self.cuda_graphs = self.device.type == "cuda" and cfg.cuda_graphs and cfg.static_decode is not False
         # transformers' own modeling code was never checked under graph capture: the fallback runs eagerly
-        self.cuda_graphs = self.cuda_graphs and self.serving_path == "native"
+        self.cuda_graphs = self.cuda_graphs and self.model_path == "native"
         static_decode = cfg.static_decode if cfg.static_decode is not None else self.cuda_graphs
         self.model = registry.build_model(arch, hf_config, source, self.backend, self.dtype, self.device,
                                           self.max_model_len, fp8_loading.weights(loader.iter_weights),
@@ -106,7 +106,7 @@ class Engine:
         # then they take its full blocks from the prefix cache, a fork without copying
         self.forks: dict[str, list[Sequence]] = {}
         self.deltas: dict[str, Delta] = {}
-        self.rejected: dict[str, str] = {}  # request id -> why: left the engine in the last step, never ran
+        self.rejected: dict[str, EngineError] = {}  # request id -> why (its code): left in the last step, never ran
         self.generated_tokens = 0
         self.steps = 0
         # overlap (overlap.py): the next step is scheduled and prepared while the device runs this one
@@ -117,23 +117,8 @@ class Engine:
             "engine_ready", model=cfg.model, device=str(self.device), dtype=str(self.dtype), kv_blocks=num_blocks,
             block_size=cfg.block_size, max_model_len=self.max_model_len, backend=self.backend.name,
             max_num_seqs=self.max_num_seqs, static_decode=static_decode, cuda_graphs=self.cuda_graphs,
-            serving_path=self.serving_path, overlap=overlap, load_s=round(time.perf_counter() - started, 2),
+            model_path=self.model_path, overlap=overlap, load_s=round(time.perf_counter() - started, 2),
         )
-
-    def _fp8_loading(self, hf_config: Any, source: loader.ModelSource) -> fp8.Fp8Loading:
-        """How FP8 enters the model (fp8.py): an FP8 checkpoint's format checked (a clear error for any other
-        quantized one) and its scales read from the headers, before any weight is."""
-        fmt = fp8_checkpoint.read_format(hf_config)
-        if fmt is not None and self.serving_path == "transformers":
-            raise ValueError(f"model {self.config.model!r} is an FP8 checkpoint of a type tokenbus serves through "
-                             "transformers' modeling code, which does not take its FP8 weights: load the "
-                             "unquantized checkpoint")
-        checkpoint = fp8_checkpoint.scan(source.directory, fmt) if fmt is not None else None
-        # an FP8 checkpoint serves FP8 where the GEMM has tensor cores for it, unless int8 was asked for
-        serve = self.config.quantization == "fp8" or (
-            fmt is not None and self.config.quantization is None and self.device.type == "cuda"
-            and quantization.fp8_gemm_available(self.device))
-        return fp8.Fp8Loading(checkpoint, serve)
 
     def _num_kv_blocks(self) -> int:
         """Blocks for the sequences (the runner adds one pad block): a fixed count, kv_cache_gb, or on CUDA
@@ -212,12 +197,17 @@ class Engine:
         """Queue a request. priority: lower is seated sooner (the serve loop passes the job's priority rank);
         requests of one priority are seated in arrival order."""
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in the engine")
+            raise EngineFault(f"request id {request_id!r} is already in the engine")  # the caller's bug
         if params is None:
             params = SamplingParams()
         elif isinstance(params, dict):
             params = SamplingParams.from_dict(params)
-        prompt_ids = self.tokenize(prompt)
+        try:
+            prompt_ids = self.tokenize(prompt)
+        except EngineError:
+            raise
+        except Exception as err:  # the tokenizer's own failure (a chat template that raises) is the engine's
+            raise fault(err, "tokenizing the prompt") from err
         self._check_stop_token_ids(params)
         total = len(prompt_ids) + params.max_tokens
         if len(prompt_ids) >= self.max_model_len:
@@ -244,11 +234,8 @@ class Engine:
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             seqs.append(Sequence(request_id, prompt_ids, params, now, detokenizer, generator=generator,
                                  choice_index=i, priority=priority))
-        try:
-            for seq in seqs:  # compiles response_format / regex / choice off this thread
-                self.guided.add(seq)
-        except GrammarError as err:
-            raise InvalidRequest(str(err)) from None
+        for seq in seqs:  # compiles response_format / regex / choice off this thread (GrammarError: failed before)
+            self.guided.add(seq)
         self.requests[request_id] = seqs[0]
         self.choices[request_id] = seqs
         self.scheduler.add(seqs[0])
@@ -289,7 +276,7 @@ class Engine:
         sampled a token gained (streaming, time to first token)."""
         self.deltas = {}
         self.rejected = {}
-        for seq, why in self.guided.take_failed():  # a grammar the engine could not compile: that request only
+        for seq, err in self.guided.take_failed():  # a grammar the engine could not compile: that request only
             seqs = self.choices.pop(seq.request_id, None)
             if seqs is None:  # another choice of the same request already took it out
                 continue
@@ -297,7 +284,7 @@ class Engine:
             self.forks.pop(seq.request_id, None)
             for choice in seqs:
                 self.scheduler.remove(choice)
-            self.rejected[seq.request_id] = why
+            self.rejected[seq.request_id] = err
         if self.overlap is not None:
             return self.overlap.step()
         batch = self.scheduler.schedule()
@@ -368,8 +355,9 @@ class Engine:
         prompts: Seq[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Offline: run every prompt to the end and return the outputs in input order. InvalidRequest, once every
-        other request ended, when the engine could not compile a prompt's grammar (structured output)."""
+        """Offline: run every prompt to the end and return the outputs in input order. InvalidRequest (with the
+        code), once every other request ended, when the engine refused a prompt's grammar (structured output);
+        EngineFault when compiling one broke."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt given bare
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -377,13 +365,17 @@ class Engine:
         for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
             self.add_request(rid, prompt, p)
         results: dict[str, RequestOutput] = {}
-        rejected: dict[str, str] = {}
+        rejected: dict[str, EngineError] = {}
         while len(results) + len(rejected) < len(ids):
             for out in self.step():
                 results[out.request_id] = out
             rejected.update(self.rejected)
         if rejected:
-            raise InvalidRequest("; ".join(f"prompt {ids.index(rid)}: {why}" for rid, why in rejected.items()))
+            why = "; ".join(f"prompt {ids.index(rid)}: {err}" for rid, err in rejected.items())
+            errors = list(rejected.values())
+            if all(isinstance(err, InvalidRequest) for err in errors):
+                raise InvalidRequest(why, code=errors[0].code)
+            raise EngineFault(why)
         return [results[rid] for rid in ids]
 
 

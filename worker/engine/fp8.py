@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from kernels.fp8_linear import FP8, dequantize_weight, fp8_linear, quantize_weight
-from worker.engine.fp8_checkpoint import Fp8Checkpoint
+from worker.engine.fp8_checkpoint import Fp8Checkpoint, read_format, scan
+from worker.engine.quantization import fp8_gemm_available
 
 log = structlog.get_logger("tokenbus.quantization")
 UNQUANTIZED_LEAVES = ("lm_head", "gate")  # the logits and an MoE router: small, and the most sensitive
@@ -192,3 +193,21 @@ class Fp8Loading:
             requantized=len(self.requantize),
             device=device.type,
         )
+
+
+def plan(hf_config: Any, directory: str, config: Any, device: torch.device, model_path: str) -> Fp8Loading:
+    """How FP8 enters the engine's model: an FP8 checkpoint's format checked (a clear error for any other
+    quantized one) and its scales read from the headers before any weight is; whether it serves FP8."""
+    fmt = read_format(hf_config)
+    if fmt is not None and model_path == "transformers":
+        raise ValueError(
+            f"model {config.model!r} is an FP8 checkpoint of a type tokenbus serves through "
+            "transformers' modeling code, which does not take its FP8 weights: load the "
+            "unquantized checkpoint"
+        )
+    checkpoint = scan(directory, fmt) if fmt is not None else None
+    # an FP8 checkpoint serves FP8 where the GEMM has tensor cores for it, unless int8 was asked for
+    serve = config.quantization == "fp8" or (
+        fmt is not None and config.quantization is None and device.type == "cuda" and fp8_gemm_available(device)
+    )
+    return Fp8Loading(checkpoint, serve)
