@@ -1,7 +1,10 @@
 """Triton kernels: paged decode attention, split-KV (flash-decoding).
 
 q             [num_seqs, num_q_heads, head_dim] (any strides): one new token per sequence
-k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim] (any strides, both caches alike)
+k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim] (any strides, both caches alike), q's dtype;
+              or fp8 (float8_e4m3fn, --kv-cache-dtype fp8), contiguous [..., head_dim + 4]: each row's codes
+              then its fp32 scale (kernels/kv_quant.py). A K/V tile is dequantized in registers right after
+              its load (codes * scale, in q's dtype), so everything after it runs as for a q-dtype cache.
 block_tables  int32 [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs]
 window        a layer's sliding window (0 = none): sequence i sees only its last `window` tokens
 softcap       attention-logit soft-capping (0 = none): s -> softcap * tanh(s / softcap)
@@ -49,6 +52,17 @@ def _tanh(x):
 
 
 @triton.jit
+def _dequantize_tile(k, v, k_scale_ptr, v_scale_ptr, row_off, tok_ok, HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
+    """fp8 K and V tiles [BLOCK_N, HEAD_DIM] -> codes * their rows' scales, in `dtype`. row_off [BLOCK_N]: each
+    row's first code (bytes); its scale is the fp32 after the HEAD_DIM codes, read through a float32 view of
+    the same cache (k_scale_ptr), hence the // 4. Masked rows get scale 0: zeros, never junk."""
+    scale_at = (row_off + HEAD_DIM) // 4
+    k_s = tl.load(k_scale_ptr + scale_at, mask=tok_ok, other=0.0)
+    v_s = tl.load(v_scale_ptr + scale_at, mask=tok_ok, other=0.0)
+    return (k.to(tl.float32) * k_s[:, None]).to(dtype), (v.to(tl.float32) * v_s[:, None]).to(dtype)
+
+
+@triton.jit
 def _dims_in_head(dims, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
     """Which of the HEAD_PAD (a power of two, as tl.arange needs) lanes hold a real dim: all of them unless
     head_dim is not a power of two (Phi-3's 96). A constant mask when none is padded, so power-of-two heads
@@ -60,7 +74,7 @@ def _dims_in_head(dims, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
 
 @triton.jit
 def _decode_partition_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
     qk_scale, partition_size, num_partitions, window, softcap,
     stride_qs, stride_qh, stride_qd,
@@ -69,7 +83,7 @@ def _decode_partition_kernel(
     stride_os, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SINGLE_PARTITION: tl.constexpr, DOT_FP32: tl.constexpr,
-    FP32_DOT: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+    FP32_DOT: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Grid (num_seqs, num_kv_heads, num_partitions): one context slice x one KV head x its GROUP q heads.
     Writes fp32 partials [num_seqs, num_q_heads, num_partitions(, HEAD_DIM)], or `out` if SINGLE_PARTITION.
@@ -112,6 +126,10 @@ def _decode_partition_kernel(
         kv_off = blocks[:, None] * stride_cb + (tokens % BLOCK_SIZE)[:, None] * stride_co + head_off
         k = tl.load(k_cache_ptr + kv_off, mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
+        if KV_FP8:
+            k, v = _dequantize_tile(k, v, k_scale_ptr, v_scale_ptr, blocks * stride_cb
+                                    + (tokens % BLOCK_SIZE) * stride_co + kv_head * stride_ch, tok_ok,
+                                    HEAD_DIM, q.dtype)
         if DOT_FP32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=FP32_DOT)
         else:
@@ -184,6 +202,33 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
+def decode_block_n(head_dim: int, elem: int, fp8: bool) -> int:
+    """Tokens per K/V tile on a GPU: 16 KiB of K per tile. An fp8 tile is held twice, as codes and dequantized,
+    so from head_dim 128 (bf16) it takes half as many tokens: 64 spilled 24 bytes of registers on sm_90."""
+    block_n = min(128, 16384 // (head_dim * elem))
+    return block_n // 2 if fp8 and head_dim * elem >= 256 else block_n
+
+
+def cache_scales(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 who: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Checks the caches against q; returns (k_scale, v_scale, fp8): float32 views of fp8 caches (each row's
+    scale is element head_dim / 4 of its row there), or the caches themselves (unread) otherwise."""
+    head_dim = q.shape[2]
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"{who}: k_cache and v_cache must share dtype, shape and strides")
+    if k_cache.dtype == torch.float8_e4m3fn:
+        if k_cache.shape[3] != head_dim + 4 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError(f"{who}: an fp8 cache must be contiguous [..., head_dim + 4] (kernels/kv_quant.py), "
+                             f"got {tuple(k_cache.shape)} for head_dim {head_dim}")
+        return k_cache.view(torch.float32), v_cache.view(torch.float32), True
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"{who}: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"{who}: q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} must share a dtype "
+                         "(or the caches be fp8)")
+    return k_cache, v_cache, False
+
+
 @functools.cache
 def num_sms(device_index: int) -> int:
     """The GPU's multiprocessor count, asked once per device (the query costs microseconds per call)."""
@@ -234,14 +279,11 @@ def plan_decode(
     softcap: float = 0.0,
 ) -> list[Launch]:
     num_seqs, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or num_q_heads % num_kv_heads:
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if num_q_heads % num_kv_heads:
         raise ValueError(f"decode: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
     check_head_dim("decode", head_dim)
-    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError("decode: k_cache and v_cache must share shape and strides")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"decode: q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} must share a dtype")
+    k_scale, v_scale, fp8 = cache_scales(q, k_cache, v_cache, "decode")
     if block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
         raise ValueError("decode: block_tables / seq_lens do not match q's num_seqs")
     if out.shape != q.shape or out.stride(2) != 1:
@@ -271,18 +313,18 @@ def plan_decode(
         _decode_partition_kernel,
         (num_seqs, num_kv_heads, num_partitions),
         (
-            q, k_cache, v_cache, block_tables, seq_lens,
+            q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
             out, part_max, part_sum, part_acc,
             scale * LOG2E, partition_size, num_partitions, window, softcap * LOG2E,
             *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
         ),
         {
             "GROUP": group, "GROUP_PAD": group_pad, "HEAD_DIM": head_dim, "HEAD_PAD": head_pad(head_dim),
-            "BLOCK_N": min(128, 16384 // (head_pad(head_dim) * q.element_size())) if on_gpu else 64,
+            "BLOCK_N": decode_block_n(head_pad(head_dim), q.element_size(), fp8) if on_gpu else 64,
             "BLOCK_SIZE": block_size,
             "SINGLE_PARTITION": single, "DOT_FP32": (not on_gpu) or q.dtype == torch.float32,
             "FP32_DOT": "tf32x3" if on_gpu else "ieee", "SLIDING": window > 0, "SOFTCAP": softcap > 0,
-            "num_warps": 4, "num_stages": 3,
+            "KV_FP8": fp8, "num_warps": 4, "num_stages": 3,
         },
     )
     if single:

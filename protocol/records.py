@@ -60,12 +60,12 @@ class WorkerInfo(BaseModel):
 
 class QueueInfo(BaseModel):
     namespace: str
-    queue_depth: int  # XLEN summed over every queue: queued + running entries (ended ones are XDELed)
-    pending: int  # delivered to a worker, not acked yet (XPENDING, summed)
+    queue_depth: int  # entries in every queue: queued + running (ended ones are XDELed); the depth counter
+    pending: int  # delivered to a worker by READ, not acked yet (the depth counter's `pending`)
     waiting: int  # queue_depth - pending: not picked up yet
     by_priority: dict[str, int] = Field(default_factory=dict)  # queue_depth of each priority
-    queues: int = 0  # streams that hold entries (loose queues and batch queues)
-    consumers: int
+    queues: int = 0  # non-empty loose queues + live batch queues (in a registry)
+    consumers: int  # workers whose heartbeat is live (each reads as one consumer of the group)
     workers: list[WorkerInfo]
     dead_letters: int
     cancel_requested: int

@@ -195,7 +195,7 @@ def stage_decode(ctx: Ctx) -> None:
             step_ms = 1000 * statistics.median(times)
             launches, syncs = profile_counts(ctx, engine, 3)
             weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-            kv = batch * (context + 30) * kv_bytes_per_block(engine.model, 1, engine.dtype)
+            kv = batch * (context + 30) * kv_bytes_per_block(engine.model, 1, engine.kv_dtype)
             floor_ms = 1000 * (weights + kv) / bw
             ratio = step_ms / floor_ms
             mode = f"batch {batch} ctx {context} graphs {'on' if graphs else 'off'}"
@@ -277,6 +277,7 @@ STAGE_IMPORTS = {
     "e": ("tests.support.tiny_models", "worker", "transformers", "gpu_check_graphs", "worker.engine.guided",
           "protocol.constraints"),
     "m": ("kernels.moe", "kernels.moe_reference", "triton.testing"),
+    "k": ("gpu_check_kv", "kernels.kv_quant", "kernels.decode_attention", "worker", "benchmarks.bench_gpu"),
     "q": ("gpu_check_fp8", "kernels.fp8_linear", "worker.engine.fp8", "tests.support.fp8_checkpoints", "worker",
           "triton.testing"),
 }
@@ -344,7 +345,13 @@ def stage_fp8(ctx: Ctx) -> None:
     gpu_check_fp8.stage_fp8_weights(ctx)
 
 
-# caps in seconds on the GPU with a cold Triton cache: 480 in all
+def stage_kv_fp8(ctx: Ctx) -> None:
+    import gpu_check_kv  # scripts/gpu_check_kv.py: the fp8 KV cache (issue 24)
+
+    gpu_check_kv.stage_kv_fp8(ctx)
+
+
+# caps in seconds on the GPU with a cold Triton cache: 540 in all
 STAGES = {
     "a": ("kernels vs reference", stage_kernels, 70),
     "b": ("kernel bandwidth", stage_bandwidth, 50),
@@ -352,9 +359,11 @@ STAGES = {
     "d": ("engine vs transformers CB", stage_throughput, 115),
     "e": ("tokens vs HF generate; graphs on vs off", stage_parity, 105),
     "m": ("fused MoE vs reference", stage_moe, 20),
+    "k": ("fp8 KV cache vs bf16: attention error, engine tok/s", stage_kv_fp8, 60),
     "q": ("FP8 weights vs bf16", stage_fp8, 150),
 }
-SMOKE_CAPS = {"a": 240, "b": 240, "c": 240, "d": 240, "e": 240, "m": 240, "q": 240, "z": 8}  # a loaded 2-core CI box
+SMOKE_CAPS = {"a": 240, "b": 240, "c": 240, "d": 240, "e": 240, "m": 240, "k": 240, "q": 240,
+              "z": 8}  # a loaded 2-core CI box
 HIDDEN_STAGES = {"z": ("self-test: overrun", stage_overrun_selftest, 8)}
 
 

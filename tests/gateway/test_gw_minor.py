@@ -117,8 +117,8 @@ def test_huge_max_tokens_is_refused_up_front(light_stack):
         client.files.create(file=("huge.jsonl", data), purpose="batch")
     assert "line 2: max_tokens 1000000000 is above this gateway's limit of 4096" in err.value.body["message"]
     r = light_stack.r()
-    before = len(r.keys("tokenbus:job:*"))
+    before = len(r.keys("{tokenbus}:job:*"))
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=10**9)
     assert err.value.param == "max_tokens" and err.value.code == "max_tokens_too_large"
-    assert len(r.keys("tokenbus:job:*")) == before, "no job was queued"
+    assert len(r.keys("{tokenbus}:job:*")) == before, "no job was queued"

@@ -169,7 +169,7 @@ def start_stack(tmp: Path) -> Stack:
         procs = list(stack.procs.values())
         wait_until(lambda: healthy(stack.base_url), 60, "the gateway's /healthz", procs, every=0.1)
         r = srv.client()
-        wait_until(lambda: r.exists("tokenbus:worker:gw-worker"), 300, "the worker's heartbeat", procs, every=0.2)
+        wait_until(lambda: r.exists("{tokenbus}:worker:gw-worker"), 300, "the worker's heartbeat", procs, every=0.2)
         wait_until(lambda: r.scard("rq:workers") >= 2, 60, "the RQ workers", procs, every=0.1)
     except BaseException:
         stop_stack(stack)

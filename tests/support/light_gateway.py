@@ -103,7 +103,7 @@ def start_light_stack(tmp: Path) -> LightStack:
                TOKENBUS_GATEWAY_FILES_DIR=str(tmp / "files"), TOKENBUS_GATEWAY_WEBHOOK_SECRET=WEBHOOK_SECRET, **ENV)
     stack = LightStack(redis=srv, base_url=f"http://127.0.0.1:{port}", env=env, log_dir=tmp)
     # The queue's limit, read once by each producer Client: low enough that a test can fill the queue.
-    srv.client().hset("tokenbus:config", "max_queue_len", MAX_QUEUE_LEN)
+    srv.client().hset("{tokenbus}:config", "max_queue_len", MAX_QUEUE_LEN)
     try:
         for name in ("gateway", "tasks", "webhooks"):
             stack.start(name)

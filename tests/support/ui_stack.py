@@ -50,7 +50,7 @@ def start_ui_stack(tmp: Path) -> UiStack:
         wait_until(lambda: healthy(stack.base_url), 60, "the gateway's /healthz", stack.all(), every=0.1)
         r = srv.client()
         wait_until(lambda: r.exists("rq:workers"), 60, "the RQ worker", stack.all(), every=0.1)
-        wait_until(lambda: r.exists(f"tokenbus:worker:{WORKER}"), 180, "the worker's heartbeat", stack.all(), 0.1)
+        wait_until(lambda: r.exists(f"{{tokenbus}}:worker:{WORKER}"), 180, "the worker's heartbeat", stack.all(), 0.1)
     except BaseException:
         stop_ui_stack(stack)
         raise

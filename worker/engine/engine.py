@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 import torch
 
-from worker.engine import fp8, loader, quantization, warmup
+from worker.engine import fp8, kv_cache, loader, quantization, warmup
 from worker.engine.backends import select_backend
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig, bulk_min_seats
@@ -66,6 +66,7 @@ class Engine:
         fp8_loading = fp8.plan(hf_config, source.directory, cfg, self.device, self.model_path)
         self.backend = select_backend(self.device, self.dtype, cfg.cpu_kernels, cfg.cache_dir)
         self.backend.check_model(arch, cfg.model)
+        self.kv_dtype = kv_cache.storage_dtype(cfg.kv_cache_dtype, self.device, self.dtype, self.backend.name)
         self.max_num_seqs = cfg.max_num_seqs or (CUDA_MAX_NUM_SEQS if self.device.type == "cuda" else CPU_MAX_NUM_SEQS)
         if cfg.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
@@ -96,7 +97,7 @@ class Engine:
                                    cfg.max_num_batched_tokens, self.guided,
                                    bulk_min_seats=bulk_min_seats(cfg.bulk_min_fraction, self.max_num_seqs))
         self.sampler = Sampler(arch.vocab_size, self.device, self.eos_token_ids, self.backend)
-        self.runner = ModelRunner(self.model, self.sampler, num_blocks, cfg.block_size, self.device, self.dtype,
+        self.runner = ModelRunner(self.model, self.sampler, num_blocks, cfg.block_size, self.device, self.kv_dtype,
                                   self.max_num_seqs, self.max_model_len, static_decode, guided=self.guided)
         if self.device.type == "cuda":
             self._warm_up()
@@ -115,6 +116,7 @@ class Engine:
         self.overlap = Overlap(self.scheduler, self.runner, self.guided, self.finish_step) if overlap else None
         log.info(
             "engine_ready", model=cfg.model, device=str(self.device), dtype=str(self.dtype), kv_blocks=num_blocks,
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             block_size=cfg.block_size, max_model_len=self.max_model_len, backend=self.backend.name,
             max_num_seqs=self.max_num_seqs, static_decode=static_decode, cuda_graphs=self.cuda_graphs,
             model_path=self.model_path, overlap=overlap, load_s=round(time.perf_counter() - started, 2),
@@ -124,7 +126,7 @@ class Engine:
         """Blocks for the sequences (the runner adds one pad block): a fixed count, kv_cache_gb, or on CUDA
         what the card has left after the profiled peak of the largest step and the graphs' pool."""
         cfg = self.config
-        per_block = kv_bytes_per_block(self.model, cfg.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.model, cfg.block_size, self.kv_dtype)
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks
         if cfg.kv_cache_gb is not None:
@@ -141,7 +143,7 @@ class Engine:
     def _cuda_kv_budget(self) -> float:
         cfg = self.config
         width = -(-self.max_model_len // cfg.block_size)
-        args = (cfg.block_size, self.dtype, self.device)
+        args = (cfg.block_size, self.kv_dtype, self.device)
         peak = warmup.profile_peak(self.model, cfg.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
                                    *args)
         graphs = warmup.decode_peak(self.model, self.max_num_seqs, width, *args) if self.cuda_graphs else 0

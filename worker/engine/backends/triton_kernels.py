@@ -87,4 +87,8 @@ class TritonBackend(ReferenceBackend):
     def rotary_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         slot_mapping: torch.Tensor) -> torch.Tensor:
+        if k_cache.dtype == torch.float8_e4m3fn:  # fp8 KV: rotate, then write_kv quantizes (rope.py stores plain)
+            q, k = self._rotary(q, k, cos, sin)
+            self._write_kv(k, v, k_cache, v_cache, slot_mapping)
+            return q
         return self._rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
