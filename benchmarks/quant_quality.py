@@ -12,6 +12,12 @@ SmolLM2-135M's real weights (the built-in GGUF, dequantized to fp32), CPU:
   agreement    tokenbus engine, fp32 against the scheme: the share of requests whose tokens are identical,
                and the share of tokens before the first divergence (mean over requests).
 
+fp8 is the GPU scheme (e4m3 weights per channel, activations per token): here both measures run its
+definition, kernels/fp8_linear.py's fp8_linear_reference, in fp32 — for perplexity in transformers' linears
+(lm_head kept, as the engine keeps it), for greedy agreement in the engine's Fp8Linears (PyTorch's CPU
+torch._scaled_mm computes the same within fp32 rounding, tests/kernels/test_fp8_linear.py, but is far too
+slow on the CPU for 64 prompts). The GPU's bf16 activations and outputs are not modelled.
+
     .venv/bin/python -m benchmarks.quant_quality              # ~5 min on 2 cores; writes docs/quantization.md
     .venv/bin/python -m benchmarks.quant_quality --no-write --num-prompts 4 --max-tokens 8   # smoke
 """
@@ -22,17 +28,19 @@ import argparse
 import math
 import os
 import time
+from functools import partial
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from benchmarks.bench_common import write_section  # noqa: E402
 from benchmarks.bench_workload import workload  # noqa: E402
+from kernels.fp8_linear import fp8_linear_reference, quantize_weight  # noqa: E402
 from worker.engine.quantization import quantize_int8  # noqa: E402
 
 HELDOUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quant_heldout.txt")
 WINDOW = 512
-SCHEMES = ("int8", "kv bf16", "kv int8")  # weights int8; KV-cache dtypes (--kv-cache-dtype) with fp32 weights
+SCHEMES = ("int8", "fp8", "kv bf16", "kv int8")  # weights; KV-cache dtypes (--kv-cache-dtype), fp32 weights
 
 
 def _kv_attention(dtype: torch.dtype):
@@ -76,6 +84,12 @@ def quantized_hf(directory: str, scheme: str):
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     if scheme == "fp32":
         return model
+    if scheme == "fp8":  # every linear but lm_head computes the FP8 reference
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                qweight, w_scale = quantize_weight(module.weight)
+                module.forward = partial(fp8_linear_reference, qweight=qweight, w_scale=w_scale, bias=module.bias)
+        return model
     with torch.no_grad():
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untie
         for module in model.modules():
@@ -89,7 +103,13 @@ def greedy_outputs(scheme: str, prompts: list[list[int]], max_tokens: int) -> li
 
     kv = scheme.removeprefix("kv ") if scheme.startswith("kv ") else "auto"
     engine = Engine("smollm2-135m", device="cpu", dtype="float32", max_num_seqs=64, kv_cache_dtype=kv,
-                    quantization=scheme if scheme == "int8" else None)
+                    quantization=scheme if scheme in ("int8", "fp8") else None)
+    if scheme == "fp8":  # the engine's FP8 linears on their fp32 reference (the module docstring says why)
+        from worker.engine.fp8 import Fp8Linear
+
+        for m in engine.model.modules():
+            if isinstance(m, Fp8Linear):
+                m.forward = partial(fp8_linear_reference, qweight=m.weight, w_scale=m.weight_scale, bias=m.bias)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [o.token_ids for o in engine.generate(prompts, params)]
 

@@ -278,6 +278,8 @@ STAGE_IMPORTS = {
           "protocol.constraints"),
     "m": ("kernels.moe", "kernels.moe_reference", "triton.testing"),
     "k": ("gpu_check_kv", "kernels.kv_quant", "kernels.decode_attention", "worker", "benchmarks.bench_gpu"),
+    "q": ("gpu_check_fp8", "kernels.fp8_linear", "worker.engine.fp8", "tests.support.fp8_checkpoints", "worker",
+          "triton.testing"),
 }
 
 
@@ -336,6 +338,13 @@ def stage_moe(ctx: Ctx) -> None:
                             f"relative error {err:.1e}"))
 
 
+def stage_fp8(ctx: Ctx) -> None:
+    """Stage q (issue 24, not in the default list): FP8 weights against bf16, in gpu_check_fp8.py."""
+    import gpu_check_fp8
+
+    gpu_check_fp8.stage_fp8_weights(ctx)
+
+
 def stage_kv_fp8(ctx: Ctx) -> None:
     import gpu_check_kv  # scripts/gpu_check_kv.py: the fp8 KV cache (issue 24)
 
@@ -351,8 +360,10 @@ STAGES = {
     "e": ("tokens vs HF generate; graphs on vs off", stage_parity, 105),
     "m": ("fused MoE vs reference", stage_moe, 20),
     "k": ("fp8 KV cache vs bf16: attention error, engine tok/s", stage_kv_fp8, 60),
+    "q": ("FP8 weights vs bf16", stage_fp8, 150),
 }
-SMOKE_CAPS = {"a": 240, "b": 240, "c": 240, "d": 240, "e": 240, "m": 240, "k": 240, "z": 8}  # a loaded 2-core CI box
+SMOKE_CAPS = {"a": 240, "b": 240, "c": 240, "d": 240, "e": 240, "m": 240, "k": 240, "q": 240,
+              "z": 8}  # a loaded 2-core CI box
 HIDDEN_STAGES = {"z": ("self-test: overrun", stage_overrun_selftest, 8)}
 
 

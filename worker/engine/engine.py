@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 import torch
 
-from worker.engine import kv_cache, loader, quantization, warmup
+from worker.engine import fp8, kv_cache, loader, quantization, warmup
 from worker.engine.backends import select_backend
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig, bulk_min_seats
@@ -63,7 +63,7 @@ class Engine:
         self.eos_token_ids = loader.load_generation_eos(source, hf_config, self.tokenizer)
         self.max_model_len = min(cfg.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
         quantization.check_scheme(cfg.quantization, self.device, self.dtype)
-        quantization.check_checkpoint(hf_config)
+        fp8_loading = fp8.plan(hf_config, source.directory, cfg, self.device, self.model_path)
         self.backend = select_backend(self.device, self.dtype, cfg.cpu_kernels, cfg.cache_dir)
         self.backend.check_model(arch, cfg.model)
         self.kv_dtype = kv_cache.storage_dtype(cfg.kv_cache_dtype, self.device, self.dtype, self.backend.name)
@@ -79,7 +79,9 @@ class Engine:
         self.cuda_graphs = self.cuda_graphs and self.model_path == "native"
         static_decode = cfg.static_decode if cfg.static_decode is not None else self.cuda_graphs
         self.model = registry.build_model(arch, hf_config, source, self.backend, self.dtype, self.device,
-                                          self.max_model_len, loader.iter_weights)
+                                          self.max_model_len, fp8_loading.weights(loader.iter_weights),
+                                          prepare=fp8_loading.prepare)
+        fp8_loading.finish(self.model, self.device)
         self.quantized_cache = None  # the int8 cache file this engine read or wrote
         if cfg.quantization == "int8":
             self.quantized_cache = quantization.apply_int8(self.model, source.directory, cfg.cache_dir)
