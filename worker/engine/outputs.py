@@ -3,7 +3,12 @@ running one (Delta), and the engine's counters (EngineStats)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from worker.engine.sequence import Sequence
 
 
 @dataclass
@@ -41,6 +46,32 @@ class Delta:
 
     token_ids: list[int]
     text: str
+
+
+class StepDeltas(Mapping[str, Delta]):
+    """Engine.deltas: request id -> Delta of every request whose choice 0 sampled in the last step. Built on
+    first read (the text is detokenized then), so a step whose deltas nobody reads (offline generate) pays
+    nothing for them. Read it before the next step: a Delta's text is what is final when it is built."""
+
+    def __init__(self, sampled: list[Sequence] | None = None, tokens: list[int] | None = None) -> None:
+        self._sampled = sampled or []
+        self._tokens = tokens or []
+        self._built: dict[str, Delta] | None = None
+
+    def _deltas(self) -> dict[str, Delta]:
+        if self._built is None:
+            self._built = {seq.request_id: Delta([token], seq.take_text())
+                           for seq, token in zip(self._sampled, self._tokens, strict=True) if seq.choice_index == 0}
+        return self._built
+
+    def __getitem__(self, request_id: str) -> Delta:
+        return self._deltas()[request_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._deltas())
+
+    def __len__(self) -> int:
+        return len(self._deltas())
 
 
 @dataclass

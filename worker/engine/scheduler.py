@@ -155,25 +155,35 @@ class Scheduler:
             seq.num_computed_tokens += n
             if seq.num_computed_tokens // bs > len(seq.block_keys):  # a block filled up: key it
                 bm.commit(seq)
-        finished = []
-        guided = self.guided if self.guided is not None and self.guided.matchers else None
-        check = self.stop_checker.check
-        for i, (seq, token) in enumerate(zip(sampled, tokens, strict=True)):
-            seq.token_ids.append(token)
-            if guided is not None:
-                guided.advance(seq, token)
+        # One pass over the batch does what every token needs; the rest is for the few it may concern: rows
+        # whose text is read each step (stop strings), and those whose token may end them (StopChecker).
+        eos = self.stop_checker.eos_token_ids
+        context = self.stop_checker.max_model_len
+        check: list[Sequence] = []
+        for seq, token in zip(sampled, tokens, strict=True):
+            ids = seq.token_ids
+            ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if logprob_rows is not None and logprob_rows[i] is not None:
-                top_ids, top_vals, token_logprob = logprob_rows[i]
-                entry = dict(zip(top_ids, top_vals, strict=True))
-                entry[token] = token_logprob
-                seq.logprobs.append(entry)
-            text_from = len(seq.output_text)
-            text = seq.detokenizer.step(token)
-            if text:
-                seq.output_text += text
-            reason = check(seq, text_from)
+            if (seq.text_each_step or token in eos or token in seq.stop_ids or len(ids) >= seq.max_num_tokens
+                    or len(ids) >= context):
+                check.append(seq)
+        if self.guided is not None and self.guided.matchers:
+            for seq, token in zip(sampled, tokens, strict=True):
+                self.guided.advance(seq, token)
+        if logprob_rows is not None:
+            for seq, token, row in zip(sampled, tokens, logprob_rows, strict=True):
+                if row is not None:
+                    top_ids, top_vals, token_logprob = row
+                    entry = dict(zip(top_ids, top_vals, strict=True))
+                    entry[token] = token_logprob
+                    seq.logprobs.append(entry)
+        finished = []
+        for seq in check:
+            text_from = len(seq.text)
+            if seq.text_each_step:
+                seq.detokenize()
+            reason = self.stop_checker.check(seq, text_from)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
