@@ -159,15 +159,17 @@ class Scheduler:
         # whose text is read each step (stop strings), and those whose token may end them (StopChecker).
         eos = self.stop_checker.eos_token_ids
         context = self.stop_checker.max_model_len
-        check: list[Sequence] = []
+        ends: list[tuple[Sequence, int | None]] = []  # rows that may end now, and where their new text starts
+        texts: list[Sequence] = []  # the other rows with stop strings: only a stop string in the text can
         for seq, token in zip(sampled, tokens, strict=True):
             ids = seq.token_ids
             ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if (seq.text_each_step or token in eos or token in seq.stop_ids or len(ids) >= seq.max_num_tokens
-                    or len(ids) >= context):
-                check.append(seq)
+            if token in eos or token in seq.stop_ids or len(ids) >= seq.max_num_tokens or len(ids) >= context:
+                ends.append((seq, None))  # not detokenized yet
+            elif seq.text_each_step:
+                texts.append(seq)
         if self.guided is not None and self.guided.matchers:
             for seq, token in zip(sampled, tokens, strict=True):
                 self.guided.advance(seq, token)
@@ -179,10 +181,15 @@ class Scheduler:
                     entry[token] = token_logprob
                     seq.logprobs.append(entry)
         finished = []
-        for seq in check:
+        for seq in texts:
             text_from = len(seq.text)
-            if seq.text_each_step:
-                seq.detokenize()
+            if seq.detokenize() and self.stop_checker.finds_stop_string(seq, text_from):
+                ends.append((seq, text_from))
+        for seq, text_from in ends:
+            if text_from is None:
+                text_from = len(seq.text)
+                if seq.text_each_step:
+                    seq.detokenize()
             reason = self.stop_checker.check(seq, text_from)
             if reason is not None:
                 self.finish(seq, reason)
