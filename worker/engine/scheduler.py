@@ -81,17 +81,22 @@ class Scheduler:
         i = 0
         bs = self.block_manager.block_size
         none = (0, -1)
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        context = self.stop_checker.max_model_len
+        running, seqs, num_new = self.running, batch.seqs, batch.num_new_tokens
+        while i < len(running) and budget > 0:
+            seq = running[i]
             fed, src = ahead.get(seq, none) if ahead else none
-            if src >= 0 and self._ends_with_next_token(seq):
-                i += 1
-                continue
-            pending = 1 if src >= 0 else len(seq.token_ids) - seq.num_computed_tokens - fed
-            n = min(pending, budget)
+            if src >= 0:
+                # the token in flight ends seq whatever it is (max_tokens or the context): it is not in this step
+                if (after := len(seq.token_ids) + 1) >= seq.max_num_tokens or after >= context:
+                    i += 1
+                    continue
+                n = 1
+            else:
+                n = min(len(seq.token_ids) - seq.num_computed_tokens - fed, budget)
             if seq.num_computed_tokens + fed + n <= len(seq.block_table) * bs:  # room already (most decodes)
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
+                seqs.append(seq)
+                num_new.append(n)
                 budget -= n
                 i += 1
                 continue
@@ -139,11 +144,6 @@ class Scheduler:
         bulk = [s for s in self.waiting if s.priority >= BULK][:short]
         first = {id(s) for s in bulk}
         return bulk + [s for s in self.waiting if id(s) not in first]
-
-    def _ends_with_next_token(self, seq: Sequence) -> bool:
-        """Whether the token in flight ends seq whatever it is (max_tokens or the context)."""
-        return (seq.num_output_tokens + 1 >= seq.params.max_tokens
-                or seq.num_tokens + 1 >= self.stop_checker.max_model_len)
 
     def postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], tokens: list[int],
                     logprob_rows: list | None, now: float) -> list[Sequence]:
