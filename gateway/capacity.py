@@ -17,6 +17,7 @@ import time
 
 from gateway.context import GatewayContext
 from gateway.errors import APIError
+from protocol.connection import on_shard
 from protocol.scripts import lua, script
 
 JOB_OVERHEAD_BYTES = 1200  # measured: 921 per job (fit over lines of 235-3,195 bytes), rounded up
@@ -38,7 +39,7 @@ def _refuse(message: str, code: str) -> APIError:
 def reserve(ctx: GatewayContext, owner: str, need: int) -> None:
     """Reserve `need` bytes for one batch of `owner`, or raise 429 naming the limit."""
     per_key, total, reserve_free = limits(ctx)
-    mem = ctx.redis.info("memory")
+    mem = ctx.redis.info("memory", **on_shard(ctx.redis, ctx.keys.routing_key))  # the namespace's shard
     maxmemory, used = int(mem.get("maxmemory", 0)), int(mem.get("used_memory", 0))
     if maxmemory and used + need + reserve_free > maxmemory:
         raise _refuse(f"Redis has no room for this batch now: it needs about {need} bytes, Redis uses {used} of "

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import Launch, check_launchable
+from kernels.launch import Launch, check_head_dim, check_launchable, head_pad
 from kernels.partitions import MAX_PARTITION, MIN_PARTITION, pick_partition_size  # noqa: F401 (re-exported)
 
 LOG2E = 1.4426950408889634
@@ -49,6 +49,16 @@ def _tanh(x):
 
 
 @triton.jit
+def _dims_in_head(dims, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """Which of the HEAD_PAD (a power of two, as tl.arange needs) lanes hold a real dim: all of them unless
+    head_dim is not a power of two (Phi-3's 96). A constant mask when none is padded, so power-of-two heads
+    compile to the unmasked loads they always had."""
+    if HEAD_PAD == HEAD_DIM:
+        return tl.full([HEAD_PAD], 1, tl.int1)
+    return dims < HEAD_DIM
+
+
+@triton.jit
 def _decode_partition_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
@@ -57,9 +67,9 @@ def _decode_partition_kernel(
     stride_cb, stride_co, stride_ch, stride_cd,
     stride_bt,
     stride_os, stride_oh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, SINGLE_PARTITION: tl.constexpr, DOT_FP32: tl.constexpr, FP32_DOT: tl.constexpr,
-    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SINGLE_PARTITION: tl.constexpr, DOT_FP32: tl.constexpr,
+    FP32_DOT: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Grid (num_seqs, num_kv_heads, num_partitions): one context slice x one KV head x its GROUP q heads.
     Writes fp32 partials [num_seqs, num_q_heads, num_partitions(, HEAD_DIM)], or `out` if SINGLE_PARTITION.
@@ -81,17 +91,18 @@ def _decode_partition_kernel(
     rows = tl.arange(0, GROUP_PAD)
     row_ok = rows < GROUP
     q_heads = kv_head * GROUP + rows
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = _dims_in_head(dims, HEAD_DIM, HEAD_PAD)
     q = tl.load(
         q_ptr + seq * stride_qs + q_heads[:, None] * stride_qh + dims[None, :] * stride_qd,
-        mask=row_ok[:, None], other=0.0,
+        mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
     )
     # Fold the softmax scale and log2(e) into q once, so the loop uses exp2 on raw dot products.
     q = (q.to(tl.float32) * qk_scale).to(q.dtype)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch + dims[None, :] * stride_cd
     for tile in range(start, end, BLOCK_N):
@@ -99,8 +110,8 @@ def _decode_partition_kernel(
         tok_ok = tokens < end
         blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
         kv_off = blocks[:, None] * stride_cb + (tokens % BLOCK_SIZE)[:, None] * stride_co + head_off
-        k = tl.load(k_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + kv_off, mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
         if DOT_FP32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=FP32_DOT)
         else:
@@ -124,14 +135,14 @@ def _decode_partition_kernel(
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + seq * stride_os + q_heads[:, None] * stride_oh + dims[None, :],
-            out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None],
+            out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :],
         )
     else:
         # partials are contiguous [num_seqs, num_q_heads, num_partitions(, HEAD_DIM)]
         slot = (seq * (GROUP * tl.num_programs(1)) + q_heads).to(tl.int64) * num_partitions + part
         tl.store(part_max_ptr + slot, m_i, mask=row_ok)
         tl.store(part_sum_ptr + slot, l_i, mask=row_ok)
-        tl.store(part_acc_ptr + slot[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_acc_ptr + slot[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
 
 
 @triton.jit
@@ -139,7 +150,7 @@ def _decode_reduce_kernel(
     out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, seq_lens_ptr,
     partition_size, num_partitions, window,
     stride_os, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, SLIDING: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SLIDING: tl.constexpr,
 ):
     """Grid (num_seqs, num_q_heads): merge the sequence's used partitions, BLOCK_P at a time -> out[seq, head]."""
     seq = tl.program_id(0)
@@ -150,17 +161,19 @@ def _decode_reduce_kernel(
     if SLIDING:
         first_part = tl.maximum(seq_len - window, 0) // partition_size
     base = (seq * tl.num_programs(1) + head).to(tl.int64) * num_partitions
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = _dims_in_head(dims, HEAD_DIM, HEAD_PAD)
 
     m_run = float("-inf")
     l_run = 0.0
-    acc = tl.zeros([HEAD_DIM], tl.float32)
+    acc = tl.zeros([HEAD_PAD], tl.float32)
     for chunk in range(first_part, used, BLOCK_P):
         parts = chunk + tl.arange(0, BLOCK_P)
         ok = parts < used
         m_p = tl.load(part_max_ptr + base + parts, mask=ok, other=float("-inf"))
         l_p = tl.load(part_sum_ptr + base + parts, mask=ok, other=0.0)
-        a_p = tl.load(part_acc_ptr + (base + parts)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+        a_p = tl.load(part_acc_ptr + (base + parts)[:, None] * HEAD_DIM + dims[None, :],
+                      mask=ok[:, None] & dim_ok[None, :], other=0.0)
         m_new = tl.maximum(m_run, tl.max(m_p, 0))
         alpha = tl.exp2(m_run - m_new)
         w = tl.where(ok, tl.exp2(m_p - m_new), 0.0)
@@ -168,7 +181,7 @@ def _decode_reduce_kernel(
         acc = acc * alpha + tl.sum(a_p * w[:, None], 0)
         m_run = m_new
     out = acc / l_run
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
 @functools.cache
@@ -224,8 +237,7 @@ def plan_decode(
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim or num_q_heads % num_kv_heads:
         raise ValueError(f"decode: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    if head_dim & (head_dim - 1) or head_dim < 16:
-        raise ValueError(f"decode: head_dim {head_dim} must be a power of two >= 16")
+    check_head_dim("decode", head_dim)
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError("decode: k_cache and v_cache must share shape and strides")
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
@@ -265,8 +277,9 @@ def plan_decode(
             *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
         ),
         {
-            "GROUP": group, "GROUP_PAD": group_pad, "HEAD_DIM": head_dim,
-            "BLOCK_N": min(128, 16384 // (head_dim * q.element_size())) if on_gpu else 64, "BLOCK_SIZE": block_size,
+            "GROUP": group, "GROUP_PAD": group_pad, "HEAD_DIM": head_dim, "HEAD_PAD": head_pad(head_dim),
+            "BLOCK_N": min(128, 16384 // (head_pad(head_dim) * q.element_size())) if on_gpu else 64,
+            "BLOCK_SIZE": block_size,
             "SINGLE_PARTITION": single, "DOT_FP32": (not on_gpu) or q.dtype == torch.float32,
             "FP32_DOT": "tf32x3" if on_gpu else "ieee", "SLIDING": window > 0, "SOFTCAP": softcap > 0,
             "num_warps": 4, "num_stages": 3,
@@ -279,7 +292,7 @@ def plan_decode(
         (num_seqs, num_q_heads),
         (out, part_max, part_sum, part_acc, seq_lens, partition_size, num_partitions, window, out.stride(0),
          out.stride(1)),
-        {"HEAD_DIM": head_dim, "BLOCK_P": 16, "SLIDING": window > 0, "num_warps": 4},
+        {"HEAD_DIM": head_dim, "HEAD_PAD": head_pad(head_dim), "BLOCK_P": 16, "SLIDING": window > 0, "num_warps": 4},
     )
     return [stage1, stage2]
 

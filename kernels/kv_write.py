@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import Launch, check_launchable
+from kernels.launch import Launch, check_head_dim, check_launchable, head_pad
 
 
 @triton.jit
@@ -22,7 +22,7 @@ def _write_kv_kernel(
     stride_vt, stride_vh, stride_vd,
     stride_cb, stride_co, stride_ch, stride_cd,
     num_kv_heads, block_size,
-    BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
 ):
     """Grid (num_tokens,): token i's k, v [num_kv_heads, HEAD_DIM] -> caches[slot // block_size, slot % block_size]."""
     token = tl.program_id(0)
@@ -32,8 +32,8 @@ def _write_kv_kernel(
     block = slot // block_size
     offset = slot % block_size
     heads = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, HEAD_DIM)
-    mask = (heads < num_kv_heads)[:, None]
+    dims = tl.arange(0, HEAD_PAD)
+    mask = (heads < num_kv_heads)[:, None] & (dims < HEAD_DIM)[None, :]
 
     k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :] * stride_kd, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd, mask=mask)
@@ -53,8 +53,7 @@ def plan_write_kv(
         raise ValueError("write_kv: k_cache and v_cache must share shape and strides")
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"write_kv: slot_mapping {tuple(slot_mapping.shape)} for {num_tokens} tokens")
-    if head_dim & (head_dim - 1):
-        raise ValueError(f"write_kv: head_dim {head_dim} must be a power of two")
+    check_head_dim("write_kv", head_dim)
     if num_tokens == 0:
         return []
     args = (
@@ -62,7 +61,8 @@ def plan_write_kv(
         *k.stride(), *v.stride(), *k_cache.stride(),
         num_kv_heads, k_cache.shape[1],
     )
-    meta = {"BLOCK_H": triton.next_power_of_2(num_kv_heads), "HEAD_DIM": head_dim, "num_warps": 2}
+    meta = {"BLOCK_H": triton.next_power_of_2(num_kv_heads), "HEAD_DIM": head_dim, "HEAD_PAD": head_pad(head_dim),
+            "num_warps": 2}
     return [Launch(_write_kv_kernel, (num_tokens,), args, meta)]
 
 

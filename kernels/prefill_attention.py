@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import _tanh
-from kernels.launch import Launch, check_launchable
+from kernels.decode_attention import _dims_in_head, _tanh
+from kernels.launch import Launch, check_head_dim, check_launchable, head_pad
 
 LOG2E = 1.4426950408889634
 
@@ -42,7 +42,7 @@ def _prefill_kernel(
     stride_cb, stride_co, stride_ch, stride_cd,
     stride_bt,
     stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, FP32_DOT: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
@@ -76,17 +76,18 @@ def _prefill_kernel(
     # Padding rows pretend to be the tile's first query: they see what it sees, so no row is ever all -inf.
     q_first = ctx_len - q_len + q_start
     q_pos = tl.where(row_ok, ctx_len - q_len + tok, q_first)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = _dims_in_head(dims, HEAD_DIM, HEAD_PAD)
     q_rows = (q_begin + tok).to(tl.int64)
     q = tl.load(
         q_ptr + q_rows[:, None] * stride_qt + q_heads[:, None] * stride_qh + dims[None, :] * stride_qd,
-        mask=row_ok[:, None], other=0.0,
+        mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
     )
     q = (q.to(tl.float32) * qk_scale).to(q.dtype)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch + dims[None, :] * stride_cd
     kv_end = ctx_len - q_len + tl.minimum(q_start + BLOCK_Q, q_len)  # last query position + 1
@@ -98,8 +99,8 @@ def _prefill_kernel(
         tok_ok = tokens < kv_end
         blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
         kv_off = blocks[:, None] * stride_cb + (tokens % BLOCK_SIZE)[:, None] * stride_co + head_off
-        k = tl.load(k_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + kv_off, mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
         if DOT_FP32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=FP32_DOT)
         else:
@@ -131,7 +132,7 @@ def _prefill_kernel(
     o_rows = (q_begin + tok).to(tl.int64)
     tl.store(
         out_ptr + o_rows[:, None] * stride_ot + q_heads[:, None] * stride_oh + dims[None, :],
-        out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None],
+        out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :],
     )
 
 
@@ -169,8 +170,7 @@ def plan_prefill(
     num_seqs = seq_lens.shape[0]
     if cache_dim != head_dim or num_q_heads % num_kv_heads:
         raise ValueError(f"prefill: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    if head_dim & (head_dim - 1) or head_dim < 16:
-        raise ValueError(f"prefill: head_dim {head_dim} must be a power of two >= 16")
+    check_head_dim("prefill", head_dim)
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError("prefill: k_cache and v_cache must share shape and strides")
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
@@ -190,7 +190,8 @@ def plan_prefill(
         *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
     )
     meta = {
-        "GROUP": group, "HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_Q": block_q, "BLOCK_N": block_n,
+        "GROUP": group, "HEAD_DIM": head_dim, "HEAD_PAD": head_pad(head_dim), "BLOCK_M": block_m, "BLOCK_Q": block_q,
+        "BLOCK_N": block_n,
         "BLOCK_SIZE": block_size, "DOT_FP32": (not on_gpu) or q.dtype == torch.float32,
         "FP32_DOT": "tf32x3" if on_gpu else "ieee", "SLIDING": window > 0, "SOFTCAP": softcap > 0,
         "num_warps": warps, "num_stages": 2,

@@ -169,7 +169,8 @@ def format_info(info: QueueInfo) -> str:
             continue
         seen = f"{now - hb.last_seen:.1f}s ago" if hb.last_seen else "never"
         lines.append(f"  {w.name:<24} {'alive' if w.alive else 'gone':<6} model={hb.model} "
-                     f"path={hb.model_path or '-'} last_seen={seen} "
+                     f"path={hb.model_path or '-'} backend={hb.backend or '-'} device={hb.device or '-'} "
+                     f"last_seen={seen} "
                      f"running={hb.running} waiting={hb.waiting} free_blocks={hb.free_blocks} "
                      f"jobs_done={hb.jobs_done} prefix_hits={_hit_rate(hb)}")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ import structlog
 
 from producer import batches
 from protocol import scripts
-from protocol.connection import redis_from_url
+from protocol.connection import redis_from_url, socket_timeout
 from protocol.errors import InvalidJob, JobNotFound, QueueFull, TokenbusError, WaitTimeout, listing
 from protocol.models import (
     DEFAULT_MAX_QUEUE_LEN,
@@ -261,7 +261,7 @@ class Client:
     @property
     def max_block_s(self) -> float:
         """Longest XREAD BLOCK: under the socket timeout (redis-py 8 defaults to 5 s), at most 1 s."""
-        timeout = self.redis.connection_pool.connection_kwargs.get("socket_timeout")
+        timeout = socket_timeout(self.redis)
         return 1.0 if timeout is None else max(0.01, min(1.0, 0.5 * timeout))
 
     def events_last_id(self) -> str:

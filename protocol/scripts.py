@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.cluster import ClusterPipeline
 from redis.commands.core import Script
 
 from protocol.models import (
@@ -78,7 +79,7 @@ CANCEL_BATCH = lua("cancel_batch")
 
 
 class _Script(Script):
-    """A redis-py Script bound to no client: pass client= (a Redis or a Pipeline) on each call.
+    """A redis-py Script bound to no client: pass client= (a Redis, a RedisCluster or a pipeline) on each call.
 
     EVALSHA first; redis-py loads the text on NOSCRIPT (e.g. after a Redis restart)."""
 
@@ -86,6 +87,13 @@ class _Script(Script):
         self.registered_client = None
         self.script = text
         self.sha = hashlib.sha1(text.encode()).hexdigest()
+
+    def __call__(self, keys=(), args=(), client=None):  # noqa: ANN001, ANN204 (redis-py's signature)
+        # redis-py refuses EVALSHA in a Redis Cluster pipeline (it could not load the script on NOSCRIPT):
+        # there the script goes as EVAL with its text, ~3-4 KB more per call on the wire (docs/deployment.md).
+        if isinstance(client, ClusterPipeline):
+            return client.execute_command("EVAL", self.script, len(keys), *keys, *args)
+        return super().__call__(keys=keys, args=args, client=client)
 
 
 _SCRIPTS: dict[str, _Script] = {}
@@ -161,7 +169,7 @@ def cancel_job(r: redis.Redis, keys: Keys, job_id: str, now: float | None = None
 
 def bump_batch(r: redis.Redis, keys: Keys, batch_id: str, status: str, now: float, result_ttl: int) -> None:
     """Count a job of the batch that will never run (never written) as ended with `status`."""
-    _run(r, BUMP_BATCH, [], [keys.layout, batch_id, status, now, result_ttl])
+    _run(r, BUMP_BATCH, [keys.routing_key], [keys.layout, batch_id, status, now, result_ttl])
 
 
 def submit_args(keys: Keys, job: PendingJob, now: float, max_queue_len: int, result_ttl: int,
@@ -174,7 +182,7 @@ def submit_args(keys: Keys, job: PendingJob, now: float, max_queue_len: int, res
 
 def queue_depth(r: redis.Redis, keys: Keys) -> int:
     """Entries in every queue of the namespace: what max_queue_len bounds."""
-    return int(_run(r, QUEUE_DEPTH, [], [keys.layout]))
+    return int(_run(r, QUEUE_DEPTH, [keys.routing_key], [keys.layout]))
 
 
 def queue_streams(r: redis.Redis, keys: Keys) -> dict[str, list[str]]:

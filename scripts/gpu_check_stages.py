@@ -17,62 +17,26 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
+from gpu_check_measure import (
+    SYNC_CALLS,
+    Ctx,
+    checkpoint,
+    copy_bandwidth,
+    hf_greedy,
+    model_name,
+    prefix_share,
+    profile_counts,
+    row,
+    sync,
+    time_ms,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN_HEADS = (14, 2, 64)  # Qwen2.5-0.5B: q heads, kv heads, head_dim
-
-
-@dataclass
-class Ctx:
-    smoke: bool
-    rehearsal: bool = False  # inside the rehearsal venv (scripts/gpu_check --rehearse)
-    emit: Callable[[dict], None] = print  # appends a row to the report the moment it is measured
-
-    @property
-    def device(self) -> str:
-        return "cpu" if self.smoke else "cuda"
-
-    @property
-    def dtype(self) -> str:
-        return "float32" if self.smoke else "bfloat16"
-
-
-def row(check: str, value: str, reference: str = "", ok: bool | None = None, note: str = "") -> dict:
-    return dict(check=check, value=value, reference=reference, ok=ok, note=note)
-
-
-def sync(ctx: Ctx) -> None:
-    if not ctx.smoke:
-        torch.cuda.synchronize()
-
-
-def time_ms(ctx: Ctx, fn) -> float:
-    """Median milliseconds of fn: CUDA events via do_bench on the GPU, a few host-timed calls on the CPU."""
-    if not ctx.smoke:
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=25, rep=100, return_mode="median")
-    fn()
-    times = []
-    for _ in range(2):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
-
-
-def copy_bandwidth(ctx: Ctx) -> float:
-    """Bytes read + written per second by a large device copy (64 MiB on the CPU smoke, 2 GiB on the GPU)."""
-    src = torch.empty((64 << 20) if ctx.smoke else (2 << 30), dtype=torch.uint8, device=ctx.device)
-    dst = torch.empty_like(src)
-    ms = time_ms(ctx, lambda: dst.copy_(src))
-    return 2 * src.numel() / (ms * 1e-3)
 
 
 # ---------------------------------------------------------------- (a) kernels against their references
@@ -80,7 +44,8 @@ def copy_bandwidth(ctx: Ctx) -> float:
 # A representative third of tests/kernels/test_kernels*.py's 154 CUDA tests, sized for stage a's cap with a cold
 # Triton cache: every kernel test in bfloat16 and float32 (float16, which the engine never picks, dropped),
 # the decode/prefill block x GQA grid at block 16 for every group and at blocks 32/64 for one group
-STAGE_A_TESTS = ["tests/kernels/test_kernels.py", "tests/kernels/test_kernels_fused.py"]
+STAGE_A_TESTS = ["tests/kernels/test_kernels.py", "tests/kernels/test_kernels_fused.py",
+                 "tests/kernels/test_fused_checks.py"]
 STAGE_A_SELECT = ("not interpreter_suite and not sm90 and not bench_script and not (float16 and not bfloat16) "
                   "and not -32-2-2-32 and not -32-16-2-32 and not -64-2-2-32 and not -64-16-2-32")
 
@@ -194,42 +159,7 @@ def stage_bandwidth(ctx: Ctx) -> None:
                          None if sdpa is None else ours <= 1.5 * sdpa, f"{r[8]:.0f} TFLOP/s"))
 
 
-# ---------------------------------------------------------------- model checkpoints in real shapes
-
-def model_name(ctx: Ctx) -> str:
-    # the smoke run takes SmolLM2's shape (bench_gpu's SMOKE sizes): a 151,936-token vocabulary costs a
-    # minute of random init on a CPU
-    return "SmolLM2-135M" if ctx.smoke else "Qwen2.5-0.5B"
-
-
-def checkpoint(ctx: Ctx, name: str) -> str:
-    """A random-weight checkpoint in `name`'s shapes, made once per gpu_check run (stages c and d share it)."""
-    from benchmarks import bench_gpu
-    directory = Path(os.environ.get("GPU_CHECK_CACHE") or tempfile.mkdtemp(prefix="gpu-check-")) / name
-    if not (directory / "config.json").is_file():
-        shape = bench_gpu.SHAPES[name] | (bench_gpu.SMOKE if ctx.smoke else {})
-        bench_gpu.make_checkpoint(str(directory), shape, ctx.device)
-    return str(directory)
-
-
 # ---------------------------------------------------------------- (c) decode step time against the floor
-
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
-
-
-def profile_counts(ctx: Ctx, engine, steps: int) -> tuple[float, float]:
-    """(kernel launches, host syncs) per engine step, from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([] if ctx.smoke else [ProfilerActivity.CUDA])
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            engine.step()
-    events = prof.events()
-    launches = sum(1 for e in events if "LaunchKernel" in e.name or e.name == "cudaGraphLaunch")
-    syncs = sum(1 for e in events if e.name in SYNC_CALLS)
-    return launches / steps, syncs / steps
-
 
 def stage_decode(ctx: Ctx) -> None:
     from benchmarks.bench_overlap import HostTimer
@@ -316,14 +246,6 @@ def stage_throughput(ctx: Ctx) -> None:
 
 # ---------------------------------------------------------------- (e) tokens against HF generate
 
-@torch.inference_mode()
-def hf_greedy(model, prompt: list[int], n: int, device: str) -> list[int]:
-    ids = torch.tensor([prompt], device=device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
-
-
 def stage_parity(ctx: Ctx) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -345,7 +267,7 @@ def stage_parity(ctx: Ctx) -> None:
             got = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=n_new, temperature=0.0,
                                                                                 ignore_eos=True))]
             same = sum(a == b for a, b in zip(got, want, strict=True))
-            agree = statistics.mean(_prefix_share(a, b) for a, b in zip(got, want, strict=True))
+            agree = statistics.mean(prefix_share(a, b) for a, b in zip(got, want, strict=True))
             exact = dtype == "float32"
             ctx.emit(row(f"tiny llama {dtype} tokens vs HF generate ({ctx.device})",
                          f"{same}/{len(prompts)} identical, {agree:.0%} agreement",
@@ -354,11 +276,6 @@ def stage_parity(ctx: Ctx) -> None:
         import gpu_check_graphs
 
         gpu_check_graphs.compare_graphs(ctx, path)
-
-
-def _prefix_share(a: list[int], b: list[int]) -> float:
-    n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    return n / max(len(b), 1)
 
 
 # the modules each stage imports on the GPU (its smoke run skips some): the rehearsal imports them all

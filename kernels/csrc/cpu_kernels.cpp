@@ -401,6 +401,37 @@ constexpr int kMaxTileRows = 6;
 // hardware prefetcher alone kept ~12 GB/s in flight at 8 rows, this streams close to the memory bandwidth.
 constexpr int64_t kPrefetchFloats = 64 * kPanelCols;
 
+// A tile's [ROWS][16] sums into y's columns col0.. (the last panel may hold fewer than 16), plus the bias.
+template <int ROWS>
+inline void store_tile(const float (&acc)[ROWS][kPanelCols], float* y, int64_t y_stride, int64_t col0, int64_t n,
+                       const float* bias) {
+  const int64_t cols = std::min<int64_t>(kPanelCols, n - col0);
+  for (int r = 0; r < ROWS; ++r)
+    for (int64_t e = 0; e < cols; ++e) y[r * y_stride + col0 + e] = acc[r][e] + (bias ? bias[col0 + e] : 0.f);
+}
+
+// f(std::integral_constant<int, rows>): the tile's height as a compile-time constant, 1 ... kMaxTileRows, so
+// each height gets its own fully unrolled accumulators
+template <int R = 1, typename F>
+inline void with_tile_rows(int64_t rows, F&& f) {
+  if constexpr (R < kMaxTileRows) {
+    if (rows != R) return with_tile_rows<R + 1>(rows, std::forward<F>(f));
+  }
+  f(std::integral_constant<int, R>{});
+}
+
+// A panel GEMV's loop, for every weight type: panels split over the threads, each read once per tile of up to
+// kMaxTileRows rows of x (more rows than one tile read it again, from cache). tile(p, r0, height) computes
+// panel p against rows r0 .. r0 + height (height an std::integral_constant).
+template <typename Tile>
+void for_each_panel_tile(int64_t rows, int64_t num_panels, Tile&& tile) {
+  at::parallel_for(0, num_panels, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t r0 = 0; r0 < rows; r0 += kMaxTileRows)
+        with_tile_rows(std::min<int64_t>(kMaxTileRows, rows - r0), [&](auto height) { tile(p, r0, height); });
+  });
+}
+
 template <int ROWS>
 void panel_rows(const float* x, int64_t x_stride, const float* panel, int64_t k, float* y, int64_t y_stride,
                 int64_t col0, int64_t n, const float* bias) {
@@ -416,20 +447,8 @@ void panel_rows(const float* x, int64_t x_stride, const float* panel, int64_t k,
       for (int e = 0; e < kPanelCols; ++e) acc[r][e] += xv * w[e];
     }
   }
-  const int64_t cols = std::min<int64_t>(kPanelCols, n - col0);
-  for (int r = 0; r < ROWS; ++r)
-    for (int64_t e = 0; e < cols; ++e) y[r * y_stride + col0 + e] = acc[r][e] + (bias ? bias[col0 + e] : 0.f);
+  store_tile<ROWS>(acc, y, y_stride, col0, n, bias);
 }
-
-using PanelRowsFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, int64_t,
-                             const float*);
-
-// panel_rows<1> ... panel_rows<kMaxTileRows>: a tile of any height is one pass over the panel
-template <int... R>
-constexpr std::array<PanelRowsFn, sizeof...(R)> panel_rows_table(std::integer_sequence<int, R...>) {
-  return {panel_rows<R + 1>...};
-}
-constexpr auto kPanelRowsFor = panel_rows_table(std::make_integer_sequence<int, kMaxTileRows>{});
 
 }  // namespace
 
@@ -446,15 +465,9 @@ torch::Tensor panel_linear_cpu(torch::Tensor x, torch::Tensor panels, int64_t ou
   float* yp = y.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int64_t xs = x.stride(0);
-  at::parallel_for(0, num_panels, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      // more rows than one tile: the panel is read again per tile, from cache
-      for (int64_t r0 = 0; r0 < rows; r0 += kMaxTileRows) {
-        const int64_t tile = std::min<int64_t>(kMaxTileRows, rows - r0);
-        kPanelRowsFor[tile - 1](xp + r0 * xs, xs, wp + p * k * kPanelCols, k, yp + r0 * out_features, out_features,
-                                p * kPanelCols, out_features, bp);
-      }
-    }
+  for_each_panel_tile(rows, num_panels, [&](int64_t p, int64_t r0, auto height) {
+    panel_rows<decltype(height)::value>(xp + r0 * xs, xs, wp + p * k * kPanelCols, k, yp + r0 * out_features,
+                                        out_features, p * kPanelCols, out_features, bp);
   });
   return y;
 }

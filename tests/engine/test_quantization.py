@@ -47,13 +47,9 @@ def hf_dequantized(directory: str):
 
 
 def generate(engine: Engine) -> dict[str, list[int]]:
-    for i, (prompt, m) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs[out.request_id] = out.token_ids
-    return outputs
+    outputs = engine.generate(PROMPTS, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+                                        for m in MAX_TOKENS])
+    return {str(i): out.token_ids for i, out in enumerate(outputs)}
 
 
 def test_int8_engine_equals_hf_on_dequantized_weights(tiny_dir, fresh_cache):

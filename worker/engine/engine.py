@@ -20,8 +20,8 @@ from worker.engine.backends import select_backend
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig, bulk_min_seats
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.errors import InvalidRequest
-from worker.engine.guided import GrammarError, GuidedDecoding
+from worker.engine.errors import EngineError, EngineFault, InvalidRequest, fault
+from worker.engine.guided import GuidedDecoding
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_block
 from worker.engine.models import registry
 from worker.engine.outputs import Choice, EngineStats, RequestOutput, StepDeltas
@@ -57,7 +57,7 @@ class Engine:
         source = loader.resolve(cfg.model, cfg.cache_dir)
         hf_config = loader.load_config(source)
         arch = registry.model_arch(hf_config, cfg.model, cfg.model_impl)
-        self.serving_path = registry.serving_path(arch)  # "native" or "transformers"
+        self.model_path = registry.model_path(arch)  # "native" or "transformers"
         self.model_name = cfg.model
         self.tokenizer = loader.load_tokenizer(source)
         self.eos_token_ids = loader.load_generation_eos(source, hf_config, self.tokenizer)
@@ -75,7 +75,7 @@ class Engine:
         # graphs replay the padded decode path, so they need it; static_decode None follows the graphs
         self.cuda_graphs = self.device.type == "cuda" and cfg.cuda_graphs and cfg.static_decode is not False
         # transformers' own modeling code was never checked under graph capture: the fallback runs eagerly
-        self.cuda_graphs = self.cuda_graphs and self.serving_path == "native"
+        self.cuda_graphs = self.cuda_graphs and self.model_path == "native"
         static_decode = cfg.static_decode if cfg.static_decode is not None else self.cuda_graphs
         self.model = registry.build_model(arch, hf_config, source, self.backend, self.dtype, self.device,
                                           self.max_model_len, loader.iter_weights)
@@ -104,7 +104,7 @@ class Engine:
         # then they take its full blocks from the prefix cache, a fork without copying
         self.forks: dict[str, list[Sequence]] = {}
         self.deltas = StepDeltas()
-        self.rejected: dict[str, str] = {}  # request id -> why: left the engine in the last step, never ran
+        self.rejected: dict[str, EngineError] = {}  # request id -> why (its code): left in the last step, never ran
         self.generated_tokens = 0
         self.steps = 0
         # overlap (overlap.py): the next step is scheduled and prepared while the device runs this one
@@ -115,7 +115,7 @@ class Engine:
             "engine_ready", model=cfg.model, device=str(self.device), dtype=str(self.dtype), kv_blocks=num_blocks,
             block_size=cfg.block_size, max_model_len=self.max_model_len, backend=self.backend.name,
             max_num_seqs=self.max_num_seqs, static_decode=static_decode, cuda_graphs=self.cuda_graphs,
-            serving_path=self.serving_path, overlap=overlap, load_s=round(time.perf_counter() - started, 2),
+            model_path=self.model_path, overlap=overlap, load_s=round(time.perf_counter() - started, 2),
         )
 
     def _num_kv_blocks(self) -> int:
@@ -195,12 +195,17 @@ class Engine:
         """Queue a request. priority: lower is seated sooner (the serve loop passes the job's priority rank);
         requests of one priority are seated in arrival order."""
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in the engine")
+            raise EngineFault(f"request id {request_id!r} is already in the engine")  # the caller's bug
         if params is None:
             params = SamplingParams()
         elif isinstance(params, dict):
             params = SamplingParams.from_dict(params)
-        prompt_ids = self.tokenize(prompt)
+        try:
+            prompt_ids = self.tokenize(prompt)
+        except EngineError:
+            raise
+        except Exception as err:  # the tokenizer's own failure (a chat template that raises) is the engine's
+            raise fault(err, "tokenizing the prompt") from err
         self._check_stop_token_ids(params)
         total = len(prompt_ids) + params.max_tokens
         if len(prompt_ids) >= self.max_model_len:
@@ -227,11 +232,8 @@ class Engine:
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             seqs.append(Sequence(request_id, prompt_ids, params, now, detokenizer, generator=generator,
                                  choice_index=i, priority=priority))
-        try:
-            for seq in seqs:  # compiles response_format / regex / choice off this thread
-                self.guided.add(seq)
-        except GrammarError as err:
-            raise InvalidRequest(str(err)) from None
+        for seq in seqs:  # compiles response_format / regex / choice off this thread (GrammarError: failed before)
+            self.guided.add(seq)
         self.requests[request_id] = seqs[0]
         self.choices[request_id] = seqs
         self.scheduler.add(seqs[0])
@@ -272,7 +274,7 @@ class Engine:
         sampled a token gained (streaming, time to first token)."""
         self.deltas = StepDeltas()
         self.rejected = {}
-        for seq, why in self.guided.take_failed():  # a grammar the engine could not compile: that request only
+        for seq, err in self.guided.take_failed():  # a grammar the engine could not compile: that request only
             seqs = self.choices.pop(seq.request_id, None)
             if seqs is None:  # another choice of the same request already took it out
                 continue
@@ -280,7 +282,7 @@ class Engine:
             self.forks.pop(seq.request_id, None)
             for choice in seqs:
                 self.scheduler.remove(choice)
-            self.rejected[seq.request_id] = why
+            self.rejected[seq.request_id] = err
         if self.overlap is not None:
             return self.overlap.step()
         batch = self.scheduler.schedule()
@@ -349,8 +351,9 @@ class Engine:
         prompts: Seq[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Offline: run every prompt to the end and return the outputs in input order. InvalidRequest, once every
-        other request ended, when the engine could not compile a prompt's grammar (structured output)."""
+        """Offline: run every prompt to the end and return the outputs in input order. InvalidRequest (with the
+        code), once every other request ended, when the engine refused a prompt's grammar (structured output);
+        EngineFault when compiling one broke."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt given bare
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -358,13 +361,17 @@ class Engine:
         for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
             self.add_request(rid, prompt, p)
         results: dict[str, RequestOutput] = {}
-        rejected: dict[str, str] = {}
+        rejected: dict[str, EngineError] = {}
         while len(results) + len(rejected) < len(ids):
             for out in self.step():
                 results[out.request_id] = out
             rejected.update(self.rejected)
         if rejected:
-            raise InvalidRequest("; ".join(f"prompt {ids.index(rid)}: {why}" for rid, why in rejected.items()))
+            why = "; ".join(f"prompt {ids.index(rid)}: {err}" for rid, err in rejected.items())
+            errors = list(rejected.values())
+            if all(isinstance(err, InvalidRequest) for err in errors):
+                raise InvalidRequest(why, code=errors[0].code)
+            raise EngineFault(why)
         return [results[rid] for rid in ids]
 
 

@@ -37,10 +37,10 @@ class TritonBackend(ReferenceBackend):
 
     def check_model(self, arch, model_name: str) -> None:
         d = arch.head_dim
-        if d < 16 or d & (d - 1):
+        if d % 2 or not 16 <= d <= 256:
             raise ValueError(
-                f"model {model_name!r} has head_dim {d}; the Triton attention kernels take a power of two >= 16 "
-                "(16, 32, 64, 128, 256)"
+                f"model {model_name!r} has head_dim {d}; the Triton attention kernels take an even head_dim "
+                "from 16 to 256 (non-powers of two such as 80 or 96 run padded)"
             )
 
     def reserve(self, arch, max_num_seqs: int, max_context: int, device: torch.device) -> None:

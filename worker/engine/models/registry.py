@@ -34,15 +34,16 @@ def model_arch(hf_config: Any, model_name: str = "", model_impl: str = "auto") -
     return FallbackArch.from_hf_config(hf_config, model_name)
 
 
-def serving_path(arch: Any) -> str:
-    """'native' or 'transformers': what the worker logs, its heartbeat carries and `tokenbus info` shows."""
-    return getattr(arch, "serving_path", "native")
+def model_path(arch: Any) -> str:
+    """Which code runs the model, 'native' or 'transformers': what the worker logs, its heartbeat carries
+    (`model_path`) and `tokenbus info` shows."""
+    return getattr(arch, "model_path", "native")
 
 
 def build_model(arch: Any, hf_config: Any, source: Any, backend: Backend, dtype: torch.dtype,
                 device: torch.device, max_model_len: int, weights: Any) -> torch.nn.Module:
     """The model with its weights, in eval mode. `weights` is the loader's iter_weights (native path only)."""
-    path = serving_path(arch)
+    path = model_path(arch)
     log.info("model_path", model=source.name, model_type=arch.model_type, path=path)
     if path == "transformers":
         return TransformersCausalLM.load(source, arch, backend, dtype, device)

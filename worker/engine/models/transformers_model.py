@@ -25,6 +25,7 @@ from torch import nn
 
 from worker.engine.attention_metadata import AttentionMetadata
 from worker.engine.backends import Backend
+from worker.engine.models.llama import attention_shape
 
 ATTN_NAME = "tokenbus"
 _STEP = threading.local()  # .model (TransformersCausalLM), .kv_caches, .meta while a forward runs
@@ -45,7 +46,7 @@ class FallbackArch:
     tie_word_embeddings: bool
     sliding_window: int | None = None
     qk_norm: bool = False
-    serving_path: str = "transformers"
+    model_path: str = "transformers"
 
     @classmethod
     def from_hf_config(cls, config: Any, model_name: str = "") -> FallbackArch:
@@ -65,16 +66,9 @@ class FallbackArch:
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             raise ValueError(f"{what} uses sliding-window attention, which the transformers fallback does not "
                              "apply; it is served only where tokenbus implements the family natively")
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(
-            model_type=model_type,
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
+            **attention_shape(config, model_type, head_dim),
             max_position_embeddings=getattr(config, "max_position_embeddings", None) or 2048,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         )
