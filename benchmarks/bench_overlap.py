@@ -2,7 +2,8 @@
 
 Part 1, the stand-in: the real engine (SmolLM2's tokenizer, scheduler, StepInputs, postprocess with
 detokenizing and stop checks) at batch 256 in steady decode, with the model runner's device work replaced
-by a stand-in that takes a fixed time T and releases the GIL, as a GPU call does (time.sleep), and returns
+by a stand-in device that takes a fixed time T per step and releases the GIL meanwhile, as a GPU does: the
+forward call enqueues and returns, the host waits (time.sleep) only where it reads the step's ids; it returns
 deterministic token ids (real vocabulary entries, so the detokenizer does its ordinary work). For T in
 {1, 3, 10} ms, overlap off and on alternated (one engine each, `--rounds` runs, the median): the step period,
 the host's wall time per step measured without overlap (period - T), and the main thread's CPU time per step
@@ -38,24 +39,41 @@ BATCH = 256
 RESULTS = os.path.join(ROOT, "docs", "overlap.md")
 
 
+class DeviceStep(SampledStep):
+    """A step's sampled ids, ready when the stand-in device is done with the step: result() waits till then
+    (time.sleep: the GIL is free, as while a host waits on a CUDA event)."""
+
+    def __init__(self, tokens, done_at: float) -> None:
+        super().__init__(tokens, None, None, None, None, None, tokens)
+        self.done_at = done_at
+
+    def result(self):
+        wait = self.done_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return super().result()
+
+
 class StandIn:
-    """Replaces the runner's device work (forward + sampling) by a sleep of `device_s` (the device's time; the
-    GIL is free meanwhile, as during a GPU call) and a cheap id rule."""
+    """Replaces the runner's device work (forward + sampling) by a device queue: execute() enqueues the step
+    and returns at once, as CUDA launches do, and the step is done T after the previous one ends (or after
+    its own launch, if later). The ids are a cheap rule of the inputs."""
 
     def __init__(self, engine: Engine) -> None:
         self.device_s = 0.0
+        self.free_at = 0.0  # when the device has finished everything queued so far
         engine.runner.execute = self.execute
 
     def execute(self, step, prev_tokens=None, resolve_on_device=False):
         if step.carry_rows is not None:  # as the real runner does: the carried ids written on the "device"
             step.input_ids.index_copy_(0, step.carry_rows, prev_tokens.index_select(0, step.carry_src))
-        time.sleep(self.device_s)
+        self.free_at = max(time.perf_counter(), self.free_at) + self.device_s
         if not step.sampling_seqs:
             return None
         last = step.input_ids[: len(step.sampling_seqs)] if step.sample_index is None else \
             step.input_ids.index_select(0, step.sample_index)
         tokens = (last * 1103 + 12345) % 20000 + 300  # ordinary vocabulary entries, never EOS
-        return SampledStep(tokens, None, None, None, None, None, tokens)
+        return DeviceStep(tokens, self.free_at)
 
 
 def make_engine(overlap: bool) -> Engine:
