@@ -162,6 +162,7 @@ def stage_bandwidth(ctx: Ctx) -> None:
 # ---------------------------------------------------------------- (c) decode step time against the floor
 
 def stage_decode(ctx: Ctx) -> None:
+    from benchmarks.bench_overlap import HostTimer
     from worker import Engine, SamplingParams
     from worker.engine.model_runner import kv_bytes_per_block
 
@@ -187,12 +188,16 @@ def stage_decode(ctx: Ctx) -> None:
                 engine.step()
             sync(ctx)
             times = []
+            host = HostTimer(engine)  # the main thread's CPU time in engine.step(), split by phase
             for _ in range(3 if ctx.smoke else 20):
                 t = time.perf_counter()
+                cpu = time.thread_time()
                 engine.step()
+                host.totals["step"] = host.totals.get("step", 0.0) + time.thread_time() - cpu
                 sync(ctx)
                 times.append(time.perf_counter() - t)
             step_ms = 1000 * statistics.median(times)
+            phases = {k: 1000 * v / len(times) for k, v in host.take().items()}
             launches, syncs = profile_counts(ctx, engine, 3)
             weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
             kv = batch * (context + 30) * kv_bytes_per_block(engine.model, 1, engine.kv_dtype)
@@ -201,6 +206,11 @@ def stage_decode(ctx: Ctx) -> None:
             mode = f"batch {batch} ctx {context} graphs {'on' if graphs else 'off'}"
             ctx.emit(row(f"decode step {mode}", f"{step_ms:.2f} ms = {ratio:.1f}x floor",
                          f"floor {floor_ms:.2f} ms; <= 1.5x at batch 256", (ratio <= 1.5) if batch == 256 else None))
+            other = phases["step"] - phases["schedule"] - phases["prepare"] - phases["postprocess"]
+            ctx.emit(row(f"host critical path per decode step, {mode}", f"{phases['step']:.2f} ms",
+                         "<= 1.5 ms at batch 256", (phases["step"] <= 1.5) if batch == 256 else None,
+                         f"main thread CPU: schedule {phases['schedule']:.2f} / prepare {phases['prepare']:.2f} / "
+                         f"postprocess {phases['postprocess']:.2f} / other {other:.2f} ms"))
             ctx.emit(row(f"kernel launches / host syncs per decode step, {mode} (torch.profiler)",
                          f"{launches:.0f} / {syncs:.1f}", "<= 1 host sync per step",
                          None if ctx.smoke else syncs <= 1,
@@ -272,7 +282,8 @@ def stage_parity(ctx: Ctx) -> None:
 STAGE_IMPORTS = {
     "a": ("benchmarks.bench_kernels", "pytest", "triton.testing", "kernels.decode_attention"),
     "b": ("benchmarks.bench_kernels", "triton.testing", "kernels.decode_attention", "kernels.prefill_attention"),
-    "c": ("worker", "worker.engine.model_runner", "worker.engine.cuda_graphs", "torch.profiler"),
+    "c": ("worker", "worker.engine.model_runner", "worker.engine.cuda_graphs", "torch.profiler",
+          "benchmarks.bench_overlap"),
     "d": ("benchmarks.bench_gpu", "worker", "transformers"),
     "e": ("tests.support.tiny_models", "worker", "transformers", "gpu_check_graphs", "worker.engine.guided",
           "protocol.constraints"),

@@ -24,7 +24,7 @@ from worker.engine.errors import EngineError, EngineFault, InvalidRequest, fault
 from worker.engine.guided import GuidedDecoding
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_block
 from worker.engine.models import registry
-from worker.engine.outputs import Choice, Delta, EngineStats, RequestOutput
+from worker.engine.outputs import Choice, EngineStats, RequestOutput, StepDeltas
 from worker.engine.overlap import Overlap
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_params import SamplingParams
@@ -106,7 +106,7 @@ class Engine:
         # choices 1.. of an n > 1 request wait here until choice 0 has computed (and so cached) the prompt:
         # then they take its full blocks from the prefix cache, a fork without copying
         self.forks: dict[str, list[Sequence]] = {}
-        self.deltas: dict[str, Delta] = {}
+        self.deltas = StepDeltas()
         self.rejected: dict[str, EngineError] = {}  # request id -> why (its code): left in the last step, never ran
         self.generated_tokens = 0
         self.steps = 0
@@ -276,7 +276,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One forward pass. Returns the requests that ended in it; `deltas` holds what every request that
         sampled a token gained (streaming, time to first token)."""
-        self.deltas = {}
+        self.deltas = StepDeltas()
         self.rejected = {}
         for seq, err in self.guided.take_failed():  # a grammar the engine could not compile: that request only
             seqs = self.choices.pop(seq.request_id, None)
@@ -300,9 +300,7 @@ class Engine:
                     logprob_rows: list | None) -> list[RequestOutput]:
         """After a step's forward pass: postprocess, deltas, forks, and the requests that ended."""
         finished = self.scheduler.postprocess(batch, sampled, tokens, logprob_rows, time.time())
-        for seq, token in zip(sampled, tokens, strict=True):
-            if seq.choice_index == 0:  # a stream carries choice 0
-                self.deltas[seq.request_id] = Delta([token], seq.take_text())
+        self.deltas = StepDeltas(sampled, tokens)  # a stream carries choice 0
         self.generated_tokens += len(tokens)
         self.steps += 1
         self._release_forks()
