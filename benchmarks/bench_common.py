@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -11,6 +12,16 @@ from dataclasses import dataclass, field
 import torch
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+
+
+def bench_parser(doc: str, **defaults: int | str) -> argparse.ArgumentParser:
+    """A benchmark's argument parser: its docstring as the help, `--name-with-dashes` for each default given
+    (typed as the default is), and --no-write (print the table, leave docs/ alone)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, default in defaults.items():
+        ap.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+    ap.add_argument("--no-write", action="store_true", help="print the results; write nothing under docs/")
+    return ap
 
 
 @dataclass

@@ -11,12 +11,13 @@ many requests' greedy tokens agree. Writes docs/bench_fallback.md.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
 
 import torch
+
+from benchmarks.bench_common import bench_parser
 
 TOPICS = ["tides", "volcanoes", "bread", "bridges", "bees", "glaciers", "chess", "compilers", "rainbows", "maps",
           "ink", "lighthouses", "coral", "clocks", "paper", "salt"]
@@ -38,12 +39,7 @@ def run(model_impl: str, prompts: list[str], max_tokens: int, max_num_seqs: int)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
+    args = bench_parser(__doc__, num_prompts=32, max_tokens=64, rounds=2).parse_args()
     prompts = [f"Explain how {TOPICS[i % len(TOPICS)]} work, in three short paragraphs for a child."
                for i in range(args.num_prompts)]
     rows, ratios, agree = [], [], []

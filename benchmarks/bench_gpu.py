@@ -149,7 +149,7 @@ def run_engine(path: str, work: Workload, device: str, dtype: str, bandwidth: fl
                     SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
 
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    kv_bytes_per_token = kv_bytes_per_block(engine.model, 1, engine.dtype)  # K and V, every layer
+    kv_bytes_per_token = kv_bytes_per_block(engine.model, 1, engine.kv_dtype)  # K and V, every layer
 
     # What each step reads from the KV cache: taken from the batch the scheduler hands the runner.
     steps: list[dict] = []

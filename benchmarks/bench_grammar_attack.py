@@ -51,7 +51,7 @@ def victim_seconds(engine: Engine, attack: bool, tag: str) -> tuple[tuple[float,
             elif out.request_id == f"attack-{tag}":
                 attack_end = out.finish_reason
         if f"attack-{tag}" in engine.rejected:
-            attack_end = engine.rejected[f"attack-{tag}"].split(":")[0] + " (at compile)"
+            attack_end = engine.rejected[f"attack-{tag}"].code + " (at compile)"
     engine.abort(f"attack-{tag}")
     return took, attack_end
 

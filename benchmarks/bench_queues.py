@@ -80,7 +80,7 @@ else:
         read_s += t1 - t0
         done += len(entries)
     out = [read_s / total * 1e6, start_s / total * 1e6]
-for key in c.redis.scan_iter(f"{ns}:*", count=10_000):
+for key in c.redis.scan_iter(f"*{ns}*", count=10_000):  # {ns}: here, ns: in older trees
     c.redis.unlink(key)
 print(json.dumps(out))
 """

@@ -11,10 +11,11 @@ schema is reported apart. Prints a table and writes it to docs/benchmarks.md (se
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
+
+from benchmarks.bench_common import bench_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,13 +52,7 @@ def jobs(n: int, max_tokens: int):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--no-write", action="store_true")
+    ap = bench_parser(__doc__, num_prompts=32, max_tokens=96, rounds=4, device="cpu", dtype="float32")
     args = ap.parse_args()
 
     from worker.engine.engine import Engine

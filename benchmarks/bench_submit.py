@@ -39,7 +39,7 @@ def measure(url: str, n: int, chunk: int | None) -> float:
         c.submit_many(reqs, chunk_size=chunk)
     elapsed = time.perf_counter() - t0
     assert scripts.queue_depth(c.redis, c.keys) == n
-    for key in c.redis.scan_iter(f"{ns}:*", count=10_000):
+    for key in c.redis.scan_iter(f"*{ns}*", count=10_000):  # {ns}: here, ns: in older trees
         c.redis.unlink(key)
     c.close()
     return n / elapsed

@@ -10,7 +10,6 @@ p95. The target of issue #26: the overview under 300 ms with 1,000 batches. Writ
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import statistics
@@ -18,7 +17,7 @@ import tempfile
 import time
 import uuid
 
-from benchmarks.bench_common import cpu_name, write_section
+from benchmarks.bench_common import bench_parser, cpu_name, write_section
 
 KEY = "sk-bench-" + "k" * 24
 
@@ -66,7 +65,8 @@ def populate(r, n_batches: int, big: int) -> str:
                               "request": json.dumps({"prompt": "x" * 200}), "worker": "w", "at": now})
     for w in range(4):
         beat = {"name": f"w{w}", "model": "smollm2-135m", "last_seen": now, "running": 8, "waiting": 3,
-                "free_blocks": 100, "used_blocks": 28, "jobs_done": 1000, "serving_path": "cpu-cpp on cpu",
+                "free_blocks": 100, "used_blocks": 28, "jobs_done": 1000, "model_path": "native",
+                "backend": "cpu-cpp", "device": "cpu",
                 "generated_tokens": 50_000, "step_ms": [12.5] * 32}
         pipe.set(keys.worker(f"w{w}"), json.dumps(beat), ex=600).sadd(keys.workers, f"w{w}")
     pipe.execute()
@@ -74,12 +74,7 @@ def populate(r, n_batches: int, big: int) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", type=int, default=1000)
-    ap.add_argument("--big-batch", type=int, default=1_000_000)
-    ap.add_argument("--runs", type=int, default=30)
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
+    args = bench_parser(__doc__, batches=1000, big_batch=1_000_000, runs=30).parse_args()
 
     from fastapi.testclient import TestClient
 

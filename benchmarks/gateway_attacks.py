@@ -62,8 +62,8 @@ def queue_full(stack, tmp: Path) -> float:
         stack.wait_status("alice", b.id, ("failed",), timeout=60)
         return time.monotonic() - t0
     finally:
-        r.xtrim("tokenbus:q:default", maxlen=0)
-        keys = list(r.scan_iter("tokenbus:job:*", count=5000))
+        r.xtrim("{tokenbus}:q:default", maxlen=0)
+        keys = list(r.scan_iter("{tokenbus}:job:*", count=5000))
         for i in range(0, len(keys), 1000):
             r.unlink(*keys[i:i + 1000])
 
@@ -95,13 +95,13 @@ def killed_submit(stack, tmp: Path) -> float:
         b = stack.batch("carol", lines, tmp)
         stack.resume("tasks")
         deadline = time.monotonic() + 20
-        while not r.exists(f"tokenbus:gw:submit-lease:{b.id}") and time.monotonic() < deadline:
+        while not r.exists(f"{{tokenbus}}:gw:submit-lease:{b.id}") and time.monotonic() < deadline:
             time.sleep(0.002)
         os.kill(stack.procs["tasks"].proc.pid, signal.SIGKILL)
         stack.procs["tasks"].proc.wait(10)
         killed_at = time.monotonic()
         stack.start("tasks")
-        if not r.hget(f"tokenbus:gw:batch:{b.id}", "submitted_at"):
+        if not r.hget(f"{{tokenbus}}:gw:batch:{b.id}", "submitted_at"):
             stack.wait_status("carol", b.id, ("failed",), timeout=60)
             return time.monotonic() - killed_at
     raise RuntimeError("the submit always finished before the kill")

@@ -38,7 +38,8 @@ def measure(n: int) -> list[dict[str, float]]:
             path.write_text("\n".join(line(i, chars) for i in range(n)) + "\n")
             size = path.stat().st_size
             before = int(r.info("memory")["used_memory"])
-            batches.submit_batch(client, path, batch_id=f"batch_bench{k}")
+            # an id as long as the gateway's (batch_ + 32 hex): ids are in every job's key, entry and record
+            batches.submit_batch(client, path, batch_id=f"batch_{k:032x}")
             grew = int(r.info("memory")["used_memory"]) - before
             rows.append({"line_bytes": size / n, "bytes_per_job": grew / n, "file_mb": size / 1e6,
                          "redis_mb": grew / 1e6, "estimate_mb": estimate(n, size) / 1e6})
@@ -71,8 +72,8 @@ def main() -> None:
 
 Measured by `python -m benchmarks.gateway_redis_bytes --lines {a.lines}`: batches of {a.lines} OpenAI batch lines
 submitted the gateway's way (`producer.batches.submit_batch`) into a fresh redis-server 7, nothing running
-them; INFO `used_memory` before and after. A queued job holds its request twice (the stream entry and the
-job record) plus fixed bookkeeping.
+them; INFO `used_memory` before and after. A queued job holds its request once (its stream entry; the
+job record holds short fields only: docs/protocol.md) plus fixed bookkeeping; batch ids as long as the gateway's.
 
 {text}
 

@@ -92,23 +92,17 @@ def instrument(engine, timer: ExclusiveTimer) -> None:
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             lin.forward = timer.wrap("linear", lin.forward)
     # instance attributes shadow the backend's methods: every module calls them through engine.backend
-    backend.rms_norm = timer.wrap("norm", backend.rms_norm)
-    backend.add_rms_norm = timer.wrap("norm", backend.add_rms_norm)
-    backend.silu_and_mul = timer.wrap("silu_mul", backend.silu_and_mul)
-    backend.rotary = timer.wrap("rope", backend.rotary)
-    model.rotary.cos_sin = timer.wrap("rope", model.rotary.cos_sin)
-    model.embed_tokens.forward = timer.wrap("embed", model.embed_tokens.forward)
-    model.forward = timer.wrap("model_other", model.forward)
-    model.compute_logits = timer.wrap("lm_head", model.compute_logits)
-    backend.write_kv = timer.wrap("kv_write", backend.write_kv)
-    backend.decode_attention = timer.wrap("attention", backend.decode_attention)
-    backend.prefill_attention = timer.wrap("attention", backend.prefill_attention)
-    engine.runner.sampler = timer.wrap("sampling", engine.runner.sampler)
-    engine.runner._prepare = timer.wrap("prepare", engine.runner._prepare)
-    engine.runner.run = timer.wrap("runner_other", engine.runner.run)
-
-    engine.scheduler.schedule = timer.wrap("scheduler", engine.scheduler.schedule)
-    engine.step = timer.wrap("engine_other", engine.step)
+    parts = [
+        ("norm", backend, "rms_norm"), ("norm", backend, "add_rms_norm"), ("silu_mul", backend, "silu_and_mul"),
+        ("rope", backend, "rotary"), ("rope", model.rotary, "cos_sin"), ("embed", model.embed_tokens, "forward"),
+        ("model_other", model, "forward"), ("lm_head", model, "compute_logits"), ("kv_write", backend, "write_kv"),
+        ("attention", backend, "decode_attention"), ("attention", backend, "prefill_attention"),
+        ("sampling", engine.runner, "sampler"), ("prepare", engine.runner, "_prepare"),
+        ("runner_other", engine.runner, "run"), ("scheduler", engine.scheduler, "schedule"),
+        ("engine_other", engine, "step"),
+    ]
+    for category, owner, name in parts:
+        setattr(owner, name, timer.wrap(category, getattr(owner, name)))
 
 
 def main() -> None:

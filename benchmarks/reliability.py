@@ -23,183 +23,18 @@ import argparse
 import json
 import os
 import platform
-import random
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.reliability_harness import ROOT, SCENARIO_TIMEOUT_S, Harness, K, LoadWatch, Row, table
 from producer import Client
 from protocol import scripts
-from protocol.models import GROUP, TERMINAL_STATUSES, Keys
-from tests.support.local_redis import RedisServer
-
-ROOT = Path(__file__).resolve().parent.parent
-
-K = Keys("tokenbus")
-WORKER_READY_S = 240.0  # model load on a busy 2-core machine
-SCENARIO_TIMEOUT_S = 900.0
+from protocol.models import GROUP, TERMINAL_STATUSES
 
 
-@dataclass
-class Row:
-    scenario: str
-    good: int = 0
-    finished: int = 0
-    lost: int = 0
-    twice: int = 0
-    dead: int = 0
-    restarts: int = 0
-    rss_growth_mib: float | None = None
-    seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
-
-
-class Worker:
-    """One `python -m worker` process (JSON log in a file)."""
-
-    def __init__(self, name: str, url: str, model: str, logdir: Path, extra: list[str]) -> None:
-        self.name, self.url, self.model, self.logdir, self.extra = name, url, model, logdir, extra
-        self.proc: subprocess.Popen | None = None
-        self.starts = 0
-        self.unexpected_exits = 0
-        self.ready_at: float | None = None
-        self.log_path: Path | None = None
-
-    def start(self) -> None:
-        self.starts += 1
-        self.log_path = self.logdir / f"{self.name}-{self.starts}.log"
-        env = dict(os.environ, TOKENBUS_LOG_JSON="1", TOKENBUS_DEVICE="cpu", PYTHONUNBUFFERED="1")
-        args = ["--redis-url", self.url, "--model", self.model, "--worker-name", self.name, "--lease-ms", "1500",
-                "--heartbeat-s", "0.5", "--max-num-seqs", "8", "--intake-lookahead", "4",
-                "--max-num-batched-tokens", "512", "--kv-cache-gb", "0.1", *self.extra]
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "worker", *args], cwd=ROOT, env=env, stdout=log,
-                                         stderr=subprocess.STDOUT)
-        self.ready_at = None
-
-    def poll_ready(self) -> bool:
-        if self.ready_at is None and self.log_path and '"worker_ready"' in self.log_path.read_text(errors="replace"):
-            self.ready_at = time.monotonic()
-        return self.ready_at is not None
-
-    def wait_ready(self, timeout: float = WORKER_READY_S) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.poll_ready():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker {self.name} exited ({self.proc.returncode}):\n{self.tail()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"worker {self.name} not ready after {timeout} s:\n{self.tail()}")
-            time.sleep(0.1)
-
-    def tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:] if self.log_path else ""
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def rss_mib(self) -> float:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-        return kb / 1024
-
-    def kill(self) -> None:
-        if self.alive():
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(30)
-
-    def stop(self, timeout: float = 60) -> None:
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def check_exit(self) -> None:
-        """Count an exit the harness did not cause (a crash) and start it again."""
-        if self.proc is not None and self.proc.poll() is not None:
-            self.unexpected_exits += 1
-            print(f"  ! worker {self.name} exited by itself ({self.proc.returncode}); restarting", flush=True)
-            self.start()
-
-
-class Harness:
-    def __init__(self, model: str, quick: bool, logdir: Path, seed: int) -> None:
-        self.model, self.quick, self.logdir = model, quick, logdir
-        self.rng = random.Random(seed)
-        self.workers: list[Worker] = []
-        self.servers: list[RedisServer] = []
-
-    # ---- helpers ------------------------------------------------------------------------------------
-
-    def server(self, appendonly: bool = False) -> RedisServer:
-        srv = RedisServer(appendonly=appendonly).start()
-        self.servers.append(srv)
-        return srv
-
-    def worker(self, name: str, url: str, *extra: str) -> Worker:
-        w = Worker(name, url, self.model, self.logdir, list(extra))
-        self.workers.append(w)
-        w.start()
-        return w
-
-    def cleanup(self) -> None:
-        for w in self.workers:
-            w.kill()
-        for srv in self.servers:
-            srv.cleanup()
-        self.workers, self.servers = [], []
-
-    def good_requests(self, n: int, lo: int = 8, hi: int = 48, tag: str = "good") -> list[dict]:
-        return [{"prompt": f"{tag} {i}: tell me about the number {self.rng.randint(0, 10**6)}",
-                 "max_tokens": self.rng.randint(lo, hi), "ignore_eos": True, "temperature": 0.7}
-                for i in range(n)]
-
-    @staticmethod
-    def wait_all(client: Client, ids: list[str], timeout: float, tick=None) -> None:
-        deadline = time.monotonic() + timeout
-        pending = set(ids)
-        while pending and time.monotonic() < deadline:
-            if tick is not None:
-                tick()
-            pending_list = list(pending)
-            for jid, job in zip(pending_list, client.get_many(pending_list), strict=True):
-                if job is not None and job.status in TERMINAL_STATUSES:
-                    pending.discard(jid)
-            time.sleep(0.5)
-
-    @staticmethod
-    def tally(row: Row, client: Client, good: list[str], expect: str = "finished") -> dict[str, int]:
-        r = client.redis
-        events = Counter(f["job_id"] for _id, f in r.xrange(K.events))
-        dead = {f["job_id"] for _id, f in r.xrange(K.dead)}
-        jobs = client.get_many(good)
-        statuses = Counter(j.status.value if j is not None else "missing" for j in jobs)
-        row.good = len(good)
-        row.finished = statuses.get(expect, 0)
-        row.lost = sum(1 for j in jobs if j is None or j.status not in TERMINAL_STATUSES)
-        row.twice = sum(1 for jid in good if events[jid] > 1)
-        row.dead = sum(1 for jid in good if jid in dead)
-        failed = statuses.get("failed", 0)
-        if failed:
-            codes = Counter(j.error_code for j in jobs if j is not None and j.status.value == "failed")
-            row.notes.append(f"good jobs failed: {dict(codes)}")
-        return dict(statuses)
-
-    @staticmethod
-    def queue_drained(client: Client, timeout: float = 30) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if scripts.queue_totals(client.redis, K) == (0, 0):
-                return True
-            time.sleep(0.2)
-        return False
-
+class Scenarios(Harness):
     # ---- scenarios ----------------------------------------------------------------------------------
 
     def storm(self) -> Row:
@@ -233,9 +68,8 @@ class Harness:
             kills += 1
             print(f"  kill {kills}/{kills_wanted}: {victim.name} (jobs running ~{running})", flush=True)
             victim.start()
-        self.wait_all(client, good, SCENARIO_TIMEOUT_S, tick=lambda: [w.check_exit() for w in ws])
-        self.tally(row, client, good)
-        row.restarts = kills + sum(w.unexpected_exits for w in ws)
+        row.restarts = kills
+        self.settle(row, client, good, ws)
         row.notes.append(f"{kills} SIGKILLs; max_attempts 10")
         if row.dead:
             row.notes.append(
@@ -243,11 +77,7 @@ class Harness:
                 "entries before any new one; killed 0.5-3 s after each restart, the same jobs (two workers' worth) "
                 "were in flight at kill after kill until they reached max_attempts: failed `max_attempts` and "
                 "dead-lettered by design (a job that keeps taking workers down must stop), none lost or run twice")
-        if not self.queue_drained(client):
-            row.notes.append("queue NOT drained")
-        row.seconds = time.monotonic() - started
-        for w in ws:
-            w.stop()
+        self.close(row, client, ws, started)
         return row
 
     def redis_kills(self) -> Row:
@@ -270,16 +100,8 @@ class Harness:
             time.sleep(down)
             srv.restart()
             print(f"  redis kill {k + 1}/3, down {down:.1f} s", flush=True)
-        self.wait_all(client, good, SCENARIO_TIMEOUT_S, tick=lambda: [w.check_exit() for w in ws])
-        self.tally(row, client, good)
-        row.restarts = sum(w.unexpected_exits for w in ws)
-        row.rss_growth_mib = max(w.rss_mib() - r0 for w, r0 in zip(ws, rss0, strict=True)) if all(
-            w.alive() for w in ws) else None
-        if not self.queue_drained(client):
-            row.notes.append("queue NOT drained")
-        row.seconds = time.monotonic() - started
-        for w in ws:
-            w.stop()
+        self.settle(row, client, good, ws)
+        self.close(row, client, ws, started, rss0)
         return row
 
     def bad_entries(self) -> Row:
@@ -345,20 +167,13 @@ class Harness:
             w.wait_ready()
         rss0 = [w.rss_mib() for w in ws]
         started = time.monotonic()
-        self.wait_all(client, good + bad_ids, SCENARIO_TIMEOUT_S, tick=lambda: [w.check_exit() for w in ws])
-        self.tally(row, client, good)
+        self.settle(row, client, good, ws, wait_for=good + bad_ids)
         bad_jobs = client.get_many(bad_ids)
         bad_ended = sum(1 for j in bad_jobs if j is not None and j.status.value == "failed")
         dead = r.xlen(K.dead)
-        row.restarts = sum(w.unexpected_exits for w in ws)
-        row.rss_growth_mib = max(w.rss_mib() - r0 for w, r0 in zip(ws, rss0, strict=True))
         row.notes.append(f"{n_bad} bad entries of {len(kinds)} kinds; {bad_ended}/{len(bad_ids)} bad jobs with a "
                          f"record ended failed with an event; {dead} dead letters")
-        if not self.queue_drained(client):
-            row.notes.append("queue NOT drained")
-        row.seconds = time.monotonic() - started
-        for w in ws:
-            w.stop()
+        self.close(row, client, ws, started, rss0)
         return row
 
     def cancel(self) -> Row:
@@ -368,7 +183,7 @@ class Harness:
         client = Client(srv.url)
         w = self.worker("cancel-0", srv.url)
         w.wait_ready()
-        rss0 = w.rss_mib()
+        rss0 = [w.rss_mib()]
         started = time.monotonic()
         ids = client.submit_many(self.good_requests(n, 32, 240, "cancel"))
         doomed = ids[::2]
@@ -382,8 +197,7 @@ class Harness:
             remaining.remove(jid)
             outcome[client.cancel(jid)] += 1
         kept = [j for j in ids if j not in set(doomed)]
-        self.wait_all(client, ids, SCENARIO_TIMEOUT_S, tick=w.check_exit)
-        self.tally(row, client, kept)
+        self.settle(row, client, kept, [w], wait_for=ids)
         row.good = len(ids)
         jobs = {j.id: j for j in client.get_many(ids) if j is not None}
         cancelled = [jobs[j] for j in doomed if j in jobs and jobs[j].status.value == "cancelled"]
@@ -394,47 +208,12 @@ class Harness:
         row.twice = sum(1 for j in ids if events[j] > 1)
         time.sleep(1.5)  # idle: the heartbeat must show an empty engine
         beat = json.loads(client.redis.get(K.worker("cancel-0")) or "{}")
-        row.restarts = w.unexpected_exits
-        row.rss_growth_mib = w.rss_mib() - rss0
         row.notes.append(f"finished {row.finished}/{len(kept)} kept; cancelled {len(cancelled)}/{len(doomed)} "
                          f"(asked: {dict(outcome)}; {partial} running ones with a partial result); idle heartbeat "
                          f"running={beat.get('running')} waiting={beat.get('waiting')}")
         row.finished = sum(1 for j in kept if j in jobs and jobs[j].status.value == "finished") + len(cancelled)
-        if not self.queue_drained(client):
-            row.notes.append("queue NOT drained")
-        row.seconds = time.monotonic() - started
-        w.stop()
+        self.close(row, client, [w], started, rss0)
         return row
-
-
-def table(rows: list[Row]) -> str:
-    lines = ["| scenario | good jobs | ended as asked | lost | ended twice | dead-lettered | worker restarts "
-             "| RSS growth | time |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        rss = "n/a (restarted)" if r.rss_growth_mib is None else f"{r.rss_growth_mib:+.0f} MiB"
-        lines.append(f"| {r.scenario} | {r.good} | {r.finished} | {r.lost} | {r.twice} | {r.dead} | {r.restarts} "
-                     f"| {rss} | {r.seconds:.0f} s |")
-    return "\n".join(lines)
-
-
-class LoadWatch:
-    """The machine's 1-minute load average at the start and its peak (sampled every 5 s): the times above
-    depend on what else runs there."""
-
-    def __init__(self) -> None:
-        import threading
-
-        self.start = self.peak = os.getloadavg()[0]
-        self._stop = threading.Event()
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(5.0):
-            self.peak = max(self.peak, os.getloadavg()[0])
-
-    def stop(self) -> str:
-        self._stop.set()
-        return f"load average {self.start:.1f} at the start, {self.peak:.1f} at its peak"
 
 
 def write_doc(rows: list[Row], args: argparse.Namespace, total_s: float, load: str) -> Path:
@@ -492,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model_label = "tiny random-weight Llama (2 layers, SmolLM2 tokenizer)"
     else:
         args.model_label = args.model
-    harness = Harness(args.model, args.quick, logdir, args.seed)
+    harness = Scenarios(args.model, args.quick, logdir, args.seed)
     scenarios = {"storm": harness.storm, "redis": harness.redis_kills, "bad": harness.bad_entries,
                  "cancel": harness.cancel}
     rows: list[Row] = []

@@ -8,12 +8,12 @@ fails, never waits) and the thread retries each one with backoff until Redis tak
 from __future__ import annotations
 
 import queue
-import threading
 import time
 
 import redis
 import structlog
 
+from gateway.background import Background
 from protocol import scripts
 from protocol.connection import redis_from_url
 from protocol.models import DEFAULT_RESULT_TTL, Keys
@@ -22,25 +22,22 @@ log = structlog.get_logger("tokenbus.gateway")
 GIVE_UP_S = 600.0
 
 
-class Canceller:
+class Canceller(Background):
+    thread_name = "canceller"
+
     def __init__(self, redis_url: str, keys: Keys) -> None:
         self.redis = redis_from_url(redis_url, decode_responses=True, socket_timeout=10,
                                           socket_connect_timeout=5, max_connections=2)
         self.keys = keys
         self.result_ttl: int | None = None  # the namespace's, read on first use (as Client does)
         self._todo: queue.Queue[tuple[str, float] | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
         self.done = 0  # cancels Redis took (tests, logs)
+        super().__init__()
 
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="canceller", daemon=True)
-            self._thread.start()
-
-    def stop(self) -> None:
+    def _interrupt(self) -> None:
         self._todo.put(None)
-        if self._thread is not None:
-            self._thread.join(5)
+
+    def _close(self) -> None:
         self.redis.close()
 
     def cancel(self, job_id: str) -> None:

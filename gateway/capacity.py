@@ -1,7 +1,7 @@
 """Redis capacity: what a batch will cost in Redis bytes, checked and reserved before any job is written.
 
-A queued job holds its request twice (the stream entry and the job record) plus fixed overhead (hash and
-stream bookkeeping, ids, timestamps). JOB_OVERHEAD_BYTES and BODY_FACTOR are measured by
+A queued job holds its request once (its stream entry; the job record holds short fields only) plus fixed
+overhead (hash and stream bookkeeping, ids, timestamps). JOB_OVERHEAD_BYTES and BODY_FACTOR are measured by
 benchmarks/gateway_redis_bytes.py (docs/gateway-redis-bytes.md); the estimate rounds both up.
 
 Checked at POST /v1/batches, in order: Redis keeps redis_reserve_bytes of its maxmemory free after the batch
@@ -17,10 +17,11 @@ import time
 
 from gateway.context import GatewayContext
 from gateway.errors import APIError
+from protocol.connection import on_shard
 from protocol.scripts import lua, script
 
-JOB_OVERHEAD_BYTES = 1200  # measured: 921 per job (fit over lines of 235-3,195 bytes), rounded up
-BODY_FACTOR = 2.5  # measured: 2.30 x the input line's bytes (the request JSON twice, as stored), rounded up
+JOB_OVERHEAD_BYTES = 500  # measured: 401 per job (fit over lines of 235-3,195 bytes, gateway-long ids), rounded up
+BODY_FACTOR = 1.25  # measured: 1.14 x the input line's bytes (the request JSON once, as stored), rounded up
 
 _RESERVE = lua("reserve_bytes")  # protocol/lua/reserve_bytes.lua
 _RELEASE = lua("release_bytes")  # protocol/lua/release_bytes.lua
@@ -38,7 +39,7 @@ def _refuse(message: str, code: str) -> APIError:
 def reserve(ctx: GatewayContext, owner: str, need: int) -> None:
     """Reserve `need` bytes for one batch of `owner`, or raise 429 naming the limit."""
     per_key, total, reserve_free = limits(ctx)
-    mem = ctx.redis.info("memory")
+    mem = ctx.redis.info("memory", **on_shard(ctx.redis, ctx.keys.routing_key))  # the namespace's shard
     maxmemory, used = int(mem.get("maxmemory", 0)), int(mem.get("used_memory", 0))
     if maxmemory and used + need + reserve_free > maxmemory:
         raise _refuse(f"Redis has no room for this batch now: it needs about {need} bytes, Redis uses {used} of "

@@ -15,7 +15,7 @@ from gateway.settings import GatewaySettings
 from gateway.streams import StreamHub
 from gateway.waiter import JobWaiter
 from producer.client import Client
-from protocol.connection import is_sentinel_url, redis_from_url
+from protocol.connection import is_cluster_url, is_sentinel_url, redis_from_url
 from protocol.models import Keys
 
 
@@ -25,7 +25,8 @@ class GatewayContext:
         self.keys = Keys(settings.namespace)
         self.gkeys = GatewayKeys(settings.namespace)
         # Blocking reads (XREAD BLOCK) stay under the socket timeout: Client.max_block_s reads it.
-        if is_sentinel_url(settings.redis_url):  # the sentinels' pool follows the primary (no bounded wait)
+        if is_sentinel_url(settings.redis_url) or is_cluster_url(settings.redis_url):
+            # The sentinels' pool follows the primary, a cluster client keeps a pool per shard (no bounded wait).
             self.redis = redis_from_url(settings.redis_url, decode_responses=True, socket_timeout=30,
                                         socket_connect_timeout=5, health_check_interval=30)
         else:
@@ -49,9 +50,9 @@ class GatewayContext:
 
     @cached_property
     def rq_redis(self) -> redis.Redis:
-        # RQ stores pickled job data: it needs a connection that returns bytes.
-        return redis_from_url(self.settings.redis_url, socket_timeout=30, socket_connect_timeout=5,
-                              health_check_interval=30)
+        # RQ stores pickled job data: it needs a connection that returns bytes. Never a cluster (settings.py).
+        return redis_from_url(self.settings.rq_redis_url or self.settings.redis_url, socket_timeout=30,
+                              socket_connect_timeout=5, health_check_interval=30)
 
     @cached_property
     def queue(self) -> Queue:

@@ -97,10 +97,9 @@ def end_without_jobs(ctx: GatewayContext, gw: GatewayBatch, status: str, errors:
 def drop_ingested(ctx: GatewayContext, batch_id: str) -> int:
     """Undo a partial ingest: delete the jobs not yet started, then cancel the batch (the running ones stop,
     the deleted ones count as cancelled). Returns how many were deleted."""
-    ids = batches.batch_job_ids(ctx.client, batch_id)
     drop, dropped = script(_DROP_QUEUED), 0
-    for start in range(0, len(ids), CHUNK):
-        dropped += int(drop(keys=[ctx.keys.job(j) for j in ids[start:start + CHUNK]], args=[], client=ctx.redis))
+    for ids in batches.iter_batch_job_ids(ctx.client, batch_id, CHUNK):
+        dropped += int(drop(keys=[ctx.keys.job(j) for j in ids], args=[], client=ctx.redis))
     # The batch's own stream: its entries (each a copy of its request) go too. XTRIM, like DEL, is allowed
     # when Redis is full; the stream and its group stay, so a worker reading it sees an empty queue.
     if queue := ctx.redis.hget(ctx.keys.batch(batch_id), "queue"):

@@ -1,56 +1,72 @@
-"""The gateway's Redis keys, all under `{ns}:gw:` so the namespace's ACL covers them."""
+"""The gateway's Redis keys, all under `{ns}:gw:` (the namespace's hash tag, protocol/keys.py): the namespace's ACL
+covers them, and in a Redis Cluster they live on the namespace's shard next to its jobs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from protocol.keys import key_prefix
 
 
 @dataclass(frozen=True)
 class GatewayKeys:
     ns: str
 
+    @property
+    def prefix(self) -> str:
+        return key_prefix(self.ns)
+
     def file(self, file_id: str) -> str:
         """hash: the file's metadata (owner, filename, purpose, bytes, created_at, path, endpoint, lines)."""
-        return f"{self.ns}:gw:file:{file_id}"
+        return f"{self.prefix}:gw:file:{file_id}"
 
     def files(self, owner: str) -> str:
         """sorted set: one owner's file ids by created_at."""
-        return f"{self.ns}:gw:files:{owner}"
+        return f"{self.prefix}:gw:files:{owner}"
 
     def batch(self, batch_id: str) -> str:
         """hash: the gateway's half of a batch (owner, input file, window, metadata, webhook, final status).
 
         The producer's `{ns}:batch:{id}` (same id) holds the counts; the batch object combines both."""
-        return f"{self.ns}:gw:batch:{batch_id}"
+        return f"{self.prefix}:gw:batch:{batch_id}"
 
     def batches(self, owner: str) -> str:
         """sorted set: one owner's batch ids by created_at (for GET /v1/batches)."""
-        return f"{self.ns}:gw:batches:{owner}"
+        return f"{self.prefix}:gw:batches:{owner}"
 
     @property
     def open_batches(self) -> str:
         """set: batches submitted and not yet finalised; the watcher scans it."""
-        return f"{self.ns}:gw:open-batches"
+        return f"{self.prefix}:gw:open-batches"
 
     def job(self, job_id: str) -> str:
         """hash: owner and endpoint of a job submitted through /v1/chat/completions or /v1/completions."""
-        return f"{self.ns}:gw:job:{job_id}"
+        return f"{self.prefix}:gw:job:{job_id}"
 
     @property
     def validating(self) -> str:
         """set: batches created and not yet submitted or ended; the watcher sweeps it (ingest.py)."""
-        return f"{self.ns}:gw:validating"
+        return f"{self.prefix}:gw:validating"
 
     def submit_lease(self, batch_id: str) -> str:
         """string with a TTL: held by whoever is submitting (or ending) a validating batch (ingest.py)."""
-        return f"{self.ns}:gw:submit-lease:{batch_id}"
+        return f"{self.prefix}:gw:submit-lease:{batch_id}"
 
     @property
     def queued_bytes(self) -> str:
         """hash: owner -> estimated Redis bytes of its open batches; '*' -> all owners' (capacity.py)."""
-        return f"{self.ns}:gw:queued-bytes"
+        return f"{self.prefix}:gw:queued-bytes"
 
     @property
     def config(self) -> str:
         """hash: limits changed at run time (capacity.py), over the settings."""
-        return f"{self.ns}:gw:config"
+        return f"{self.prefix}:gw:config"
+
+    @property
+    def ui_samples(self) -> str:
+        """list: the UI overview's history samples (gateway/ui/samples.py); `:lock` after it rate-limits them."""
+        return f"{self.prefix}:gw:ui:samples"
+
+    def ui_session(self, token_hash: str) -> str:
+        """hash: one UI login session (gateway/ui/session.py), by the sha256 of its cookie token."""
+        return f"{self.prefix}:gw:ui:session:{token_hash}"

@@ -6,9 +6,10 @@ import hashlib
 import re
 from pathlib import Path
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from protocol.connection import is_cluster_url
 from protocol.models import DEFAULT_NAMESPACE, DEFAULT_REDIS_URL, PRIORITIES, Priority
 
 MiB = 1024 * 1024
@@ -64,6 +65,9 @@ class GatewaySettings(BaseSettings):
                                                         "globally routable (e.g. 10.0.0.0/8); empty = public only")
     rq_queue: str = Field("", description="RQ queue of batch submission and finalisation; "
                                           "unset = {namespace}-gateway (webhooks: the same name + -webhooks)")
+    rq_redis_url: str = Field("", description="Redis of the RQ task queues; unset = redis_url. Required when "
+                                              "redis_url is a Redis Cluster, which RQ cannot use: a plain or "
+                                              "Sentinel Redis (docs/deployment.md, Redis Cluster)")
     # Redis capacity: what one tenant, and all of them, may hold queued (estimated Redis bytes, docs/gateway.md).
     max_queued_bytes_per_key: int = Field(512 * MiB, ge=0, description="one key's open batches, in estimated "
                                                                        "Redis bytes (0 = no limit)")
@@ -119,6 +123,16 @@ class GatewaySettings(BaseSettings):
         except (ValueError, AssertionError):
             raise ValueError(f"give seconds separated by commas, e.g. 1,2,5 (got {v!r})") from None
         return v
+
+    @model_validator(mode="after")
+    def _rq_not_on_a_cluster(self) -> GatewaySettings:
+        # RQ keeps global keys (rq:queues, rq:workers) beside each queue's and moves jobs between them in
+        # MULTI blocks: on a cluster those span slots (CROSSSLOT), so its queues need a Redis of their own.
+        if is_cluster_url(self.rq_redis_url or self.redis_url):
+            raise ValueError("RQ cannot run on a Redis Cluster: with redis_url a redis+cluster:// URL, set "
+                             "TOKENBUS_GATEWAY_RQ_REDIS_URL to a plain redis:// (or redis+sentinel://) Redis for "
+                             "the gateway's task queues (small: a few KB per batch)")
+        return self
 
     @field_validator("webhook_allow_networks")
     @classmethod

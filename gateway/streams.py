@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import redis
 import structlog
 
+from gateway.background import Background
 from producer.client import TokenChunk
 from protocol.connection import redis_from_url
 from protocol.models import TERMINAL_STATUSES, Keys
@@ -44,7 +45,9 @@ class Subscription:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-class StreamHub:
+class StreamHub(Background):
+    thread_name = "stream-hub"
+
     def __init__(self, redis_url: str, keys: Keys) -> None:
         # Its own connection: never one of the shared pool's, whatever the other requests do.
         self.redis = redis_from_url(redis_url, decode_responses=True, socket_timeout=30,
@@ -54,19 +57,12 @@ class StreamHub:
         self._subs: dict[str, list[Subscription]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        super().__init__()
 
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="stream-hub", daemon=True)
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
+    def _interrupt(self) -> None:
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(5)
+
+    def _close(self) -> None:
         self.redis.close()
 
     def open(self, job_id: str) -> Subscription:

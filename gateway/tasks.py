@@ -90,8 +90,13 @@ def _submit(ctx: GatewayContext, batch_id: str) -> str:
     # Open before the jobs exist: a batch that ends at once is still seen by the watcher.
     ctx.redis.sadd(ctx.gkeys.open_batches, batch_id)
     try:
-        batches.submit_batch(ctx.client, path, batch_id=batch_id)
+        # One pass, no spool: the upload validated every line (files.py), so each is sent as it is read again
+        checked = (gw.endpoint, gw.total) if gw.total else None
+        batches.submit_batch(ctx.client, path, batch_id=batch_id, validated=checked, spool_dir=ctx.files.root)
     except InvalidBatch as err:  # the upload validated it, so only a changed file gets here
+        if load_core(ctx.redis, ctx.keys, batch_id) is not None:  # found part-way: remove what was written
+            ingest.fail_ingest(ctx, gw, "invalid_file", f"the input file changed since its upload: {err}")
+            return "invalid"
         errors = [{"code": "invalid_request", "message": msg, "param": None, "line": n}
                   for n, msg in err.line_errors] or [{"code": "invalid_file", "message": str(err),
                                                       "param": None, "line": None}]

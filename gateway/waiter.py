@@ -17,6 +17,7 @@ import redis
 import structlog
 from starlette.concurrency import run_in_threadpool
 
+from gateway.background import Background
 from producer.client import Client
 from protocol.errors import JobNotFound
 from protocol.models import Job
@@ -30,23 +31,14 @@ class ClientGone(Exception):
     """The HTTP client disconnected while waiting."""
 
 
-class JobWaiter:
+class JobWaiter(Background):
+    thread_name = "job-waiter"
+
     def __init__(self, client: Client) -> None:
         self.client = client
         self._waiting: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="job-waiter", daemon=True)
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5)
+        super().__init__()
 
     async def wait(self, job_id: str, timeout: float,
                    disconnected: Callable[[], Awaitable[bool]] | None = None) -> Job | None:

@@ -1,7 +1,10 @@
 """Triton kernels: paged decode attention, split-KV (flash-decoding).
 
 q             [num_seqs, num_q_heads, head_dim] (any strides): one new token per sequence
-k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim] (any strides, both caches alike)
+k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim] (any strides, both caches alike), q's dtype;
+              or fp8 (float8_e4m3fn, --kv-cache-dtype fp8), contiguous [..., head_dim + 4]: each row's codes
+              then its fp32 scale (kernels/kv_quant.py). A K/V tile is dequantized in registers right after
+              its load (codes * scale, in q's dtype), so everything after it runs as for a q-dtype cache.
 block_tables  int32 [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs]
 window        a layer's sliding window (0 = none): sequence i sees only its last `window` tokens
 softcap       attention-logit soft-capping (0 = none): s -> softcap * tanh(s / softcap)
@@ -35,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import Launch, check_launchable
+from kernels.launch import Launch, check_head_dim, check_launchable, head_pad
 from kernels.partitions import MAX_PARTITION, MIN_PARTITION, pick_partition_size  # noqa: F401 (re-exported)
 
 LOG2E = 1.4426950408889634
@@ -49,17 +52,38 @@ def _tanh(x):
 
 
 @triton.jit
+def _dequantize_tile(k, v, k_scale_ptr, v_scale_ptr, row_off, tok_ok, HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
+    """fp8 K and V tiles [BLOCK_N, HEAD_DIM] -> codes * their rows' scales, in `dtype`. row_off [BLOCK_N]: each
+    row's first code (bytes); its scale is the fp32 after the HEAD_DIM codes, read through a float32 view of
+    the same cache (k_scale_ptr), hence the // 4. Masked rows get scale 0: zeros, never junk."""
+    scale_at = (row_off + HEAD_DIM) // 4
+    k_s = tl.load(k_scale_ptr + scale_at, mask=tok_ok, other=0.0)
+    v_s = tl.load(v_scale_ptr + scale_at, mask=tok_ok, other=0.0)
+    return (k.to(tl.float32) * k_s[:, None]).to(dtype), (v.to(tl.float32) * v_s[:, None]).to(dtype)
+
+
+@triton.jit
+def _dims_in_head(dims, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """Which of the HEAD_PAD (a power of two, as tl.arange needs) lanes hold a real dim: all of them unless
+    head_dim is not a power of two (Phi-3's 96). A constant mask when none is padded, so power-of-two heads
+    compile to the unmasked loads they always had."""
+    if HEAD_PAD == HEAD_DIM:
+        return tl.full([HEAD_PAD], 1, tl.int1)
+    return dims < HEAD_DIM
+
+
+@triton.jit
 def _decode_partition_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
     qk_scale, partition_size, num_partitions, window, softcap,
     stride_qs, stride_qh, stride_qd,
     stride_cb, stride_co, stride_ch, stride_cd,
     stride_bt,
     stride_os, stride_oh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, SINGLE_PARTITION: tl.constexpr, DOT_FP32: tl.constexpr, FP32_DOT: tl.constexpr,
-    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SINGLE_PARTITION: tl.constexpr, DOT_FP32: tl.constexpr,
+    FP32_DOT: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Grid (num_seqs, num_kv_heads, num_partitions): one context slice x one KV head x its GROUP q heads.
     Writes fp32 partials [num_seqs, num_q_heads, num_partitions(, HEAD_DIM)], or `out` if SINGLE_PARTITION.
@@ -81,17 +105,18 @@ def _decode_partition_kernel(
     rows = tl.arange(0, GROUP_PAD)
     row_ok = rows < GROUP
     q_heads = kv_head * GROUP + rows
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = _dims_in_head(dims, HEAD_DIM, HEAD_PAD)
     q = tl.load(
         q_ptr + seq * stride_qs + q_heads[:, None] * stride_qh + dims[None, :] * stride_qd,
-        mask=row_ok[:, None], other=0.0,
+        mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
     )
     # Fold the softmax scale and log2(e) into q once, so the loop uses exp2 on raw dot products.
     q = (q.to(tl.float32) * qk_scale).to(q.dtype)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch + dims[None, :] * stride_cd
     for tile in range(start, end, BLOCK_N):
@@ -99,8 +124,12 @@ def _decode_partition_kernel(
         tok_ok = tokens < end
         blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
         kv_off = blocks[:, None] * stride_cb + (tokens % BLOCK_SIZE)[:, None] * stride_co + head_off
-        k = tl.load(k_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + kv_off, mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
+        if KV_FP8:
+            k, v = _dequantize_tile(k, v, k_scale_ptr, v_scale_ptr, blocks * stride_cb
+                                    + (tokens % BLOCK_SIZE) * stride_co + kv_head * stride_ch, tok_ok,
+                                    HEAD_DIM, q.dtype)
         if DOT_FP32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=FP32_DOT)
         else:
@@ -124,14 +153,14 @@ def _decode_partition_kernel(
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + seq * stride_os + q_heads[:, None] * stride_oh + dims[None, :],
-            out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None],
+            out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :],
         )
     else:
         # partials are contiguous [num_seqs, num_q_heads, num_partitions(, HEAD_DIM)]
         slot = (seq * (GROUP * tl.num_programs(1)) + q_heads).to(tl.int64) * num_partitions + part
         tl.store(part_max_ptr + slot, m_i, mask=row_ok)
         tl.store(part_sum_ptr + slot, l_i, mask=row_ok)
-        tl.store(part_acc_ptr + slot[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_acc_ptr + slot[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
 
 
 @triton.jit
@@ -139,7 +168,7 @@ def _decode_reduce_kernel(
     out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, seq_lens_ptr,
     partition_size, num_partitions, window,
     stride_os, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, SLIDING: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SLIDING: tl.constexpr,
 ):
     """Grid (num_seqs, num_q_heads): merge the sequence's used partitions, BLOCK_P at a time -> out[seq, head]."""
     seq = tl.program_id(0)
@@ -150,17 +179,19 @@ def _decode_reduce_kernel(
     if SLIDING:
         first_part = tl.maximum(seq_len - window, 0) // partition_size
     base = (seq * tl.num_programs(1) + head).to(tl.int64) * num_partitions
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = _dims_in_head(dims, HEAD_DIM, HEAD_PAD)
 
     m_run = float("-inf")
     l_run = 0.0
-    acc = tl.zeros([HEAD_DIM], tl.float32)
+    acc = tl.zeros([HEAD_PAD], tl.float32)
     for chunk in range(first_part, used, BLOCK_P):
         parts = chunk + tl.arange(0, BLOCK_P)
         ok = parts < used
         m_p = tl.load(part_max_ptr + base + parts, mask=ok, other=float("-inf"))
         l_p = tl.load(part_sum_ptr + base + parts, mask=ok, other=0.0)
-        a_p = tl.load(part_acc_ptr + (base + parts)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+        a_p = tl.load(part_acc_ptr + (base + parts)[:, None] * HEAD_DIM + dims[None, :],
+                      mask=ok[:, None] & dim_ok[None, :], other=0.0)
         m_new = tl.maximum(m_run, tl.max(m_p, 0))
         alpha = tl.exp2(m_run - m_new)
         w = tl.where(ok, tl.exp2(m_p - m_new), 0.0)
@@ -168,7 +199,34 @@ def _decode_reduce_kernel(
         acc = acc * alpha + tl.sum(a_p * w[:, None], 0)
         m_run = m_new
     out = acc / l_run
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+
+def decode_block_n(head_dim: int, elem: int, fp8: bool) -> int:
+    """Tokens per K/V tile on a GPU: 16 KiB of K per tile. An fp8 tile is held twice, as codes and dequantized,
+    so from head_dim 128 (bf16) it takes half as many tokens: 64 spilled 24 bytes of registers on sm_90."""
+    block_n = min(128, 16384 // (head_dim * elem))
+    return block_n // 2 if fp8 and head_dim * elem >= 256 else block_n
+
+
+def cache_scales(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 who: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Checks the caches against q; returns (k_scale, v_scale, fp8): float32 views of fp8 caches (each row's
+    scale is element head_dim / 4 of its row there), or the caches themselves (unread) otherwise."""
+    head_dim = q.shape[2]
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"{who}: k_cache and v_cache must share dtype, shape and strides")
+    if k_cache.dtype == torch.float8_e4m3fn:
+        if k_cache.shape[3] != head_dim + 4 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError(f"{who}: an fp8 cache must be contiguous [..., head_dim + 4] (kernels/kv_quant.py), "
+                             f"got {tuple(k_cache.shape)} for head_dim {head_dim}")
+        return k_cache.view(torch.float32), v_cache.view(torch.float32), True
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"{who}: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"{who}: q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} must share a dtype "
+                         "(or the caches be fp8)")
+    return k_cache, v_cache, False
 
 
 @functools.cache
@@ -221,15 +279,11 @@ def plan_decode(
     softcap: float = 0.0,
 ) -> list[Launch]:
     num_seqs, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or num_q_heads % num_kv_heads:
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if num_q_heads % num_kv_heads:
         raise ValueError(f"decode: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    if head_dim & (head_dim - 1) or head_dim < 16:
-        raise ValueError(f"decode: head_dim {head_dim} must be a power of two >= 16")
-    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError("decode: k_cache and v_cache must share shape and strides")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"decode: q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} must share a dtype")
+    check_head_dim("decode", head_dim)
+    k_scale, v_scale, fp8 = cache_scales(q, k_cache, v_cache, "decode")
     if block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
         raise ValueError("decode: block_tables / seq_lens do not match q's num_seqs")
     if out.shape != q.shape or out.stride(2) != 1:
@@ -259,17 +313,18 @@ def plan_decode(
         _decode_partition_kernel,
         (num_seqs, num_kv_heads, num_partitions),
         (
-            q, k_cache, v_cache, block_tables, seq_lens,
+            q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
             out, part_max, part_sum, part_acc,
             scale * LOG2E, partition_size, num_partitions, window, softcap * LOG2E,
             *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
         ),
         {
-            "GROUP": group, "GROUP_PAD": group_pad, "HEAD_DIM": head_dim,
-            "BLOCK_N": min(128, 16384 // (head_dim * q.element_size())) if on_gpu else 64, "BLOCK_SIZE": block_size,
+            "GROUP": group, "GROUP_PAD": group_pad, "HEAD_DIM": head_dim, "HEAD_PAD": head_pad(head_dim),
+            "BLOCK_N": decode_block_n(head_pad(head_dim), q.element_size(), fp8) if on_gpu else 64,
+            "BLOCK_SIZE": block_size,
             "SINGLE_PARTITION": single, "DOT_FP32": (not on_gpu) or q.dtype == torch.float32,
             "FP32_DOT": "tf32x3" if on_gpu else "ieee", "SLIDING": window > 0, "SOFTCAP": softcap > 0,
-            "num_warps": 4, "num_stages": 3,
+            "KV_FP8": fp8, "num_warps": 4, "num_stages": 3,
         },
     )
     if single:
@@ -279,7 +334,7 @@ def plan_decode(
         (num_seqs, num_q_heads),
         (out, part_max, part_sum, part_acc, seq_lens, partition_size, num_partitions, window, out.stride(0),
          out.stride(1)),
-        {"HEAD_DIM": head_dim, "BLOCK_P": 16, "SLIDING": window > 0, "num_warps": 4},
+        {"HEAD_DIM": head_dim, "HEAD_PAD": head_pad(head_dim), "BLOCK_P": 16, "SLIDING": window > 0, "num_warps": 4},
     )
     return [stage1, stage2]
 

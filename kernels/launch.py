@@ -32,3 +32,15 @@ def check_launchable(kernel: object, t: torch.Tensor) -> None:
             "Triton kernels got CPU tensors but were compiled for the GPU: set TRITON_INTERPRET=1 in the "
             "environment before the kernels modules are first imported, or pass CUDA tensors"
         )
+
+
+def head_pad(head_dim: int) -> int:
+    """The power-of-two lane count a kernel's tiles use for head_dim (tl.arange needs a power of two)."""
+    return 1 << (head_dim - 1).bit_length()
+
+
+def check_head_dim(kernel: str, head_dim: int) -> None:
+    """The attention kernels take any even head_dim from 16 to 256; non-powers of two (Phi-3's 96, 80) run
+    padded to the next power of two with the extra lanes masked."""
+    if head_dim % 2 or not 16 <= head_dim <= 256:
+        raise ValueError(f"{kernel}: head_dim {head_dim} must be even and within 16..256")

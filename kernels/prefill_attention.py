@@ -3,7 +3,9 @@
 q             [num_tokens, num_q_heads, head_dim] (any strides): each sequence's newest q_len tokens, packed
 cu_seqlens_q  int32 [num_seqs + 1]: sequence i owns q rows cu_seqlens_q[i] : cu_seqlens_q[i + 1]
 k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim] (any strides, both caches alike), already
-              holding all seq_lens[i] tokens of sequence i (earlier chunks and prefix-cache hits included)
+              holding all seq_lens[i] tokens of sequence i (earlier chunks and prefix-cache hits included);
+              q's dtype, or fp8 [..., head_dim + 4] with a scale per row, dequantized in registers as each
+              tile loads (decode_attention.py's _dequantize_tile; kernels/kv_quant.py has the layout)
 block_tables  int32 [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs]
 out           [num_tokens, num_q_heads, head_dim], contiguous, dtype of q
 
@@ -28,23 +30,24 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import _tanh
-from kernels.launch import Launch, check_launchable
+from kernels.decode_attention import _dequantize_tile, _dims_in_head, _tanh, cache_scales
+from kernels.launch import Launch, check_head_dim, check_launchable, head_pad
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
+    out_ptr,
     qk_scale, num_seqs, window, softcap,
     stride_qt, stride_qh, stride_qd,
     stride_cb, stride_co, stride_ch, stride_cd,
     stride_bt,
     stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, FP32_DOT: tl.constexpr,
-    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Grid (num_tokens // BLOCK_Q + num_seqs, num_kv_heads): BLOCK_Q query tokens of one sequence x the GROUP
     q heads of one KV head, as BLOCK_M rows (token r // GROUP, head r % GROUP) -> out rows."""
@@ -76,17 +79,18 @@ def _prefill_kernel(
     # Padding rows pretend to be the tile's first query: they see what it sees, so no row is ever all -inf.
     q_first = ctx_len - q_len + q_start
     q_pos = tl.where(row_ok, ctx_len - q_len + tok, q_first)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = _dims_in_head(dims, HEAD_DIM, HEAD_PAD)
     q_rows = (q_begin + tok).to(tl.int64)
     q = tl.load(
         q_ptr + q_rows[:, None] * stride_qt + q_heads[:, None] * stride_qh + dims[None, :] * stride_qd,
-        mask=row_ok[:, None], other=0.0,
+        mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
     )
     q = (q.to(tl.float32) * qk_scale).to(q.dtype)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch + dims[None, :] * stride_cd
     kv_end = ctx_len - q_len + tl.minimum(q_start + BLOCK_Q, q_len)  # last query position + 1
@@ -98,8 +102,12 @@ def _prefill_kernel(
         tok_ok = tokens < kv_end
         blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
         kv_off = blocks[:, None] * stride_cb + (tokens % BLOCK_SIZE)[:, None] * stride_co + head_off
-        k = tl.load(k_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + kv_off, mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
+        if KV_FP8:
+            k, v = _dequantize_tile(k, v, k_scale_ptr, v_scale_ptr, blocks * stride_cb
+                                    + (tokens % BLOCK_SIZE) * stride_co + kv_head * stride_ch, tok_ok,
+                                    HEAD_DIM, q.dtype)
         if DOT_FP32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=FP32_DOT)
         else:
@@ -131,7 +139,7 @@ def _prefill_kernel(
     o_rows = (q_begin + tok).to(tl.int64)
     tl.store(
         out_ptr + o_rows[:, None] * stride_ot + q_heads[:, None] * stride_oh + dims[None, :],
-        out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None],
+        out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :],
     )
 
 
@@ -165,16 +173,12 @@ def plan_prefill(
     softcap: float = 0.0,
 ) -> list[Launch]:
     num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    if cache_dim != head_dim or num_q_heads % num_kv_heads:
+    if num_q_heads % num_kv_heads:
         raise ValueError(f"prefill: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    if head_dim & (head_dim - 1) or head_dim < 16:
-        raise ValueError(f"prefill: head_dim {head_dim} must be a power of two >= 16")
-    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError("prefill: k_cache and v_cache must share shape and strides")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"prefill: q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} must share a dtype")
+    check_head_dim("prefill", head_dim)
+    k_scale, v_scale, fp8 = cache_scales(q, k_cache, v_cache, "prefill")
     if cu_seqlens_q.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
         raise ValueError("prefill: cu_seqlens_q / block_tables do not match seq_lens")
     if out.shape != q.shape or out.stride(2) != 1:
@@ -185,15 +189,16 @@ def plan_prefill(
     block_m, block_n, warps = _tile_shape(head_dim, group, q.dtype, on_gpu)
     block_q = block_m // group
     args = (
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, seq_lens, out,
         scale * LOG2E, num_seqs, window, softcap * LOG2E,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
     )
     meta = {
-        "GROUP": group, "HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_Q": block_q, "BLOCK_N": block_n,
+        "GROUP": group, "HEAD_DIM": head_dim, "HEAD_PAD": head_pad(head_dim), "BLOCK_M": block_m, "BLOCK_Q": block_q,
+        "BLOCK_N": block_n,
         "BLOCK_SIZE": block_size, "DOT_FP32": (not on_gpu) or q.dtype == torch.float32,
         "FP32_DOT": "tf32x3" if on_gpu else "ieee", "SLIDING": window > 0, "SOFTCAP": softcap > 0,
-        "num_warps": warps, "num_stages": 2,
+        "KV_FP8": fp8, "num_warps": warps, "num_stages": 2,
     }
     return [Launch(_prefill_kernel, (num_tokens // block_q + num_seqs, num_kv_heads), args, meta)]
 

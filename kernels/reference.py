@@ -1,7 +1,8 @@
 """Plain PyTorch versions of the kernels: the definition of "correct".
 
 Layout shared by every kernel here and in the Triton files:
-  k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
+  k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]; an int8 or fp8 cache holds packed rows
+                    [..., head_dim + 4] (kernels/kv_quant.py): written quantized, read dequantized
   block_tables      int32 [num_seqs, max_blocks_per_seq]; entries past a sequence's last block are ignored
   seq_lens          int32 [num_seqs]: tokens already in the cache for each sequence (the new ones included)
   slot_mapping      int64 [num_tokens] = block_id * block_size + offset, -1 = skip (padding)
@@ -22,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_quant import dequantize, is_quantized, quantize
+
 
 def write_kv_ref(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -31,6 +34,9 @@ def write_kv_ref(
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    if is_quantized(k_cache):  # packed rows, copied as bytes (index_copy_ has no fp8 kernel)
+        k, v = quantize(k, k_cache.dtype).view(torch.uint8), quantize(v, v_cache.dtype).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
@@ -72,8 +78,8 @@ def paged_decode_attention_ref(
     max_len = int(seq_lens.max().item()) if num_seqs else 0
     num_blocks = max(1, -(-max_len // block_size))
     # whole blocks are gathered (contiguous copies); each KV head then reads its strided [S, T, D] view
-    keys = _gather_context(k_cache, block_tables, num_blocks).float()  # [S, T, Hk, D]
-    values = _gather_context(v_cache, block_tables, num_blocks).float()
+    keys = dequantize(_gather_context(k_cache, block_tables, num_blocks))  # [S, T, Hk, D] float32
+    values = dequantize(_gather_context(v_cache, block_tables, num_blocks))
     positions = torch.arange(keys.shape[1], device=q.device)
     lens = seq_lens.to(q.device).long()[:, None]
     invalid = positions[None, :] >= lens  # [S, T]
@@ -121,8 +127,8 @@ def paged_prefill_attention_ref(
         if q_len == 0:
             continue
         num_blocks = -(-ctx_len // block_size)
-        keys = _gather_context(k_cache, block_tables[i : i + 1], num_blocks)[0, :ctx_len].float()
-        values = _gather_context(v_cache, block_tables[i : i + 1], num_blocks)[0, :ctx_len].float()
+        keys = dequantize(_gather_context(k_cache, block_tables[i : i + 1], num_blocks)[0, :ctx_len])
+        values = dequantize(_gather_context(v_cache, block_tables[i : i + 1], num_blocks)[0, :ctx_len])
         qi = q[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
         scores = _soft_cap(torch.einsum("qkgd,tkd->kgqt", qi, keys) * scale, softcap)
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)

@@ -16,9 +16,11 @@ itself (upload_problem(), 400), since no batch of it could ever run.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from producer.openai_batch import parse_line
+from producer.seen_ids import SeenIds
 from protocol.errors import MAX_ERRORS_SHOWN, InvalidJob
 from protocol.models import JobRequest
 
@@ -32,6 +34,17 @@ def request_tokens(fields: dict) -> int:
     return prompt_tokens + int(fields.get("max_tokens") or 256) * int(fields.get("n") or 1)
 
 
+def _tokens(request: JobRequest) -> int:
+    """request_tokens of a validated request, read from its attributes (no model_dump per line)."""
+    if request.prompt_token_ids is not None:
+        prompt_tokens = len(request.prompt_token_ids)
+    elif request.messages is not None:
+        prompt_tokens = len("".join(m.content for m in request.messages).encode()) // 4
+    else:
+        prompt_tokens = len((request.prompt or "").encode()) // 4
+    return prompt_tokens + request.max_tokens * request.n
+
+
 class _LineError(InvalidJob):
     def __init__(self, message: str, code: str) -> None:
         super().__init__(message)
@@ -41,15 +54,20 @@ class _LineError(InvalidJob):
 class BatchFileReader:
     """feed() the file's bytes in chunks of any size, then close(); problem() says what is wrong, if anything.
 
-    keep: hold each valid line's (custom_id, JobRequest) in `parsed` (the CLI submits them; the gateway's
-    upload only checks). max_errors: bad lines remembered (error_count counts them all; None = every one).
+    keep: hold each valid line's (custom_id, JobRequest) in `parsed` (small files and tests); on_request(line
+    number, custom_id, request, request JSON) gets each valid line as it is read instead (the CLI's submit
+    spools them, in memory flat in the file's size; the gateway's upload only checks). max_errors: bad lines
+    remembered (error_count counts them all; None = every one). overrides: request fields every line gets
+    (openai_batch.parse_line).
     max_line_bytes, max_tokens, max_requests: the gateway's limits (None = none)."""
 
     def __init__(self, max_line_bytes: int | None = None, keep: bool = False,
                  max_errors: int | None = MAX_ERRORS_SHOWN, max_tokens: int | None = None,
-                 max_requests: int | None = None) -> None:
+                 max_requests: int | None = None,
+                 on_request: Callable[[int, str, JobRequest, str], None] | None = None,
+                 overrides: dict[str, Any] | None = None) -> None:
         self.max_line_bytes = max_line_bytes
-        self.keep = keep
+        self.keep, self.on_request, self.overrides = keep, on_request, overrides
         self.max_errors = max_errors
         self.max_tokens, self.max_requests = max_tokens, max_requests
         self.lines = 0  # lines seen (blank ones too): the next line's number is lines + 1
@@ -66,7 +84,7 @@ class BatchFileReader:
         self._buf = bytearray()
         self._skipping = False  # inside a line already reported as too long
         self._first_line: int | None = None
-        self._seen: dict[str, int] = {}
+        self._seen = SeenIds()  # custom_id -> its first line, ~12 bytes a line
 
     def feed(self, chunk: bytes) -> None:
         start = 0
@@ -123,28 +141,28 @@ class BatchFileReader:
     def _check(self, number: int, text: str) -> None:
         try:
             try:
-                json.loads(text)
+                raw = json.loads(text)
             except ValueError as err:
                 raise _LineError(f"not valid JSON ({err})", "invalid_json_line") from None
             except RecursionError:
                 raise _LineError("not a batch line: its JSON is nested too deeply", "invalid_json_line") from None
-            line, request = parse_line(text)
+            line, request, request_json = parse_line(text, raw, self.overrides)
             if self.endpoint is None:
                 self.endpoint, self._first_line = line.url, number
             elif line.url != self.endpoint:
                 raise _LineError(f"url {line.url} differs from the batch's endpoint {self.endpoint} (line "
                                  f"{self._first_line}); one batch has one endpoint", "mismatched_url")
-            if line.custom_id in self._seen:
-                raise _LineError(f"custom_id {line.custom_id!r} already used on line "
-                                 f"{self._seen[line.custom_id]}", "duplicate_custom_id")
-            self._seen[line.custom_id] = number
+            if (first := self._seen.add(line.custom_id, number)) is not None:
+                raise _LineError(f"custom_id {line.custom_id!r} already used on line {first}", "duplicate_custom_id")
             if (self.max_tokens is not None and "max_tokens" in request.model_fields_set
                     and request.max_tokens > self.max_tokens):
                 self._limit(number, f"max_tokens {request.max_tokens} is above this gateway's limit of "
                                     f"{self.max_tokens}")
-            self.tokens += request_tokens(request.model_dump())
+            self.tokens += _tokens(request)
             if self.keep:
                 self.parsed.append((line.custom_id, request))
+            if self.on_request is not None:
+                self.on_request(number, line.custom_id, request, request_json)
         except InvalidJob as err:
             self._error(number, str(err), getattr(err, "code", "invalid_request"))
 

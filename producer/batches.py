@@ -6,7 +6,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -15,10 +15,12 @@ import structlog
 
 from producer import openai_batch
 from producer.batch_file import BatchFileReader
+from producer.batch_spool import Progress, Spooled, Validated, spool_batch
+from producer.submit_pipe import SubmitPipe
 from protocol import scripts
 from protocol.errors import BatchNotFound, InvalidBatch, TokenbusError, WaitTimeout
 from protocol.keys import Keys
-from protocol.models import BatchStatus, Job, JobRequest, Priority, batch_job_id, check_batch_id
+from protocol.models import BatchStatus, Job, JobRequest, Priority, batch_job_id, check_batch_id, check_job_id
 from protocol.records import BatchRecord
 from protocol.scripts import CHUNK, PendingJob
 
@@ -33,6 +35,9 @@ class Client(Protocol):
     def max_block_s(self) -> float: ...
     @property
     def result_ttl(self) -> int: ...
+
+    @property
+    def max_queue_len(self) -> int: ...
 
     def enqueue(self, jobs: list[PendingJob], chunk_size: int = CHUNK) -> list[str]: ...
     def check_capacity(self, n: int) -> None: ...
@@ -74,6 +79,9 @@ def submit_batch(
     batch_id: str | None = None,
     model: str | None = None,
     priority: str = Priority.bulk,
+    on_progress: Progress | None = None,
+    spool_dir: str | Path | None = None,
+    validated: tuple[str, int] | None = None,
 ) -> BatchRecord:
     """Validate the whole input, then write the batch record and one job per line (ids `{batch_id}-{i}`).
 
@@ -82,58 +90,85 @@ def submit_batch(
     priority: bulk unless given (a batch is offline work); its jobs wait on one queue of their own,
     `{ns}:q:{priority}:{batch_id}`, which takes turns with the other batches of that priority. A resumed
     submit keeps the priority the batch was created with.
+    Memory stays flat in the file's size: pass 1 validates the input into a spool file on disk (spool_dir,
+    default the system's temporary directory; producer/batch_spool.py), pass 2 streams it to Redis with chunks
+    in flight (producer/submit_pipe.py). on_progress(stage, done, total): "validate" in bytes, "enqueue" in jobs.
+    validated: (endpoint, requests) of a file checked already (the gateway's upload): one pass, each line sent
+    as soon as it is validated again; a line that has become invalid raises InvalidBatch after the jobs
+    before it were written (batch_spool.Validated).
     """
     priority = Priority(priority).value
-    endpoint, parsed, input_file = read_batch(source)
-    batch_id = check_batch_id(batch_id, len(parsed)) if batch_id else f"batch_{uuid.uuid4().hex}"
     k = client.keys
-    existing = client.redis.hgetall(k.batch(batch_id))
+    existing = client.redis.hgetall(k.batch(check_job_id(batch_id, "batch id"))) if batch_id else {}
+    if existing:
+        priority = existing.get("priority") or priority
+    started = time.perf_counter()
+    if validated is not None and isinstance(source, str | Path):
+        spooled: Spooled | Validated = Validated(validated[0], validated[1], source, model, priority)
+    else:
+        spooled = spool_batch(source, model, priority, on_progress, spool_dir)
+    try:
+        return _submit_spooled(client, spooled, batch_id, existing, priority, on_progress,
+                               validate_s=time.perf_counter() - started)
+    finally:
+        spooled.close()
+
+
+def _submit_spooled(client: Client, spooled: Spooled | Validated, batch_id: str | None, existing: dict[str, str],
+                    priority: str, on_progress: Progress | None, validate_s: float) -> BatchRecord:
+    started = time.perf_counter()
+    k, total, endpoint = client.keys, spooled.total, spooled.endpoint
+    batch_id = check_batch_id(batch_id, total) if batch_id else f"batch_{uuid.uuid4().hex}"
     if existing:
         record = BatchRecord.from_record(existing)
-        if record.total != len(parsed) or record.endpoint != endpoint:
+        if record.total != total or record.endpoint != endpoint:
             raise InvalidBatch(f"batch {batch_id!r} already exists with {record.total} {record.endpoint} "
-                               f"requests; this input has {len(parsed)} {endpoint} requests. "
+                               f"requests; this input has {total} {endpoint} requests. "
                                f"Use a new batch id")
         if record.status != BatchStatus.validating:
             return record
-        priority = existing.get("priority") or priority
-    job_ids = [batch_job_id(batch_id, i) for i in range(len(parsed))]
-    if not existing:
-        client.check_capacity(len(parsed))
-        _check_ids_free(client, batch_id, job_ids)
-    jobs = [PendingJob(jid, openai_batch.with_model(request, model, priority).to_json(), batch_id, custom_id,
-                       priority)
-            for jid, (custom_id, request) in zip(job_ids, parsed, strict=True)]
-    if not existing:
+    else:
+        client.check_capacity(total)
+        _check_ids_free(client, batch_id, total)
         pipe = client.redis.pipeline(transaction=True)
         pipe.hset(k.batch(batch_id), mapping={
             "id": batch_id, "status": BatchStatus.validating.value, "endpoint": endpoint,
-            "total": len(jobs), "finished": 0, "failed": 0, "cancelled": 0, "created_at": time.time(),
-            "input_file": input_file or "", "priority": priority,
+            "total": total, "finished": 0, "failed": 0, "cancelled": 0, "created_at": time.time(),
+            "input_file": spooled.input_file or "", "priority": priority,
             "queue": k.queue(priority, batch_id),
         })
         pipe.delete(k.batch_jobs(batch_id))
-        for start in range(0, len(job_ids), CHUNK):
-            pipe.rpush(k.batch_jobs(batch_id), *job_ids[start:start + CHUNK])
         pipe.execute()
-    client.enqueue(jobs)
+        for start in range(0, total, 10 * CHUNK):  # the id list, in pieces (one transaction held it all)
+            client.redis.rpush(k.batch_jobs(batch_id),
+                               *(batch_job_id(batch_id, i) for i in range(start, min(total, start + 10 * CHUNK))))
+    progress = None if on_progress is None else (lambda n: on_progress("enqueue", n, total))
+    with SubmitPipe(client.redis, k, client.max_queue_len, client.result_ttl, on_chunk=progress) as pipe:
+        for i, (custom_id, request_json) in enumerate(spooled.requests()):
+            pipe.add(PendingJob(batch_job_id(batch_id, i), request_json, batch_id, custom_id, priority))
+        pipe.close()
     scripts.script(scripts.START_BATCH)(keys=[k.batch(batch_id)], args=[time.time()], client=client.redis)
-    log.info("batch_submitted", batch_id=batch_id, endpoint=endpoint, total=len(jobs), input_file=input_file)
+    log.info("batch_submitted", batch_id=batch_id, endpoint=endpoint, total=total, input_file=spooled.input_file,
+             validate_s=round(validate_s, 2), enqueue_s=round(time.perf_counter() - started, 2))
     return get_batch(client, batch_id)
 
 
-def _check_ids_free(client: Client, batch_id: str, job_ids: list[str]) -> None:
+def _check_ids_free(client: Client, batch_id: str, total: int) -> None:
     """InvalidBatch if a job `{batch_id}-{i}` exists already (a plain job, or a batch that expired): the new
-    batch would adopt that job's status and result instead of running its own request."""
+    batch would adopt that job's status and result instead of running its own request. One EXISTS per
+    CHUNK ids; the taken ones are named only when some are."""
     taken: list[str] = []
-    for start in range(0, len(job_ids), CHUNK):
-        chunk = job_ids[start:start + CHUNK]
-        pipe = client.redis.pipeline(transaction=False)
-        for jid in chunk:
-            pipe.exists(client.keys.job(jid))
-        taken += [jid for jid, n in zip(chunk, pipe.execute(), strict=True) if n]
+    for start in range(0, total, CHUNK):
+        ids = [batch_job_id(batch_id, i) for i in range(start, min(total, start + CHUNK))]
+        if client.redis.exists(*(client.keys.job(j) for j in ids)):
+            pipe = client.redis.pipeline(transaction=False)
+            for jid in ids:
+                pipe.exists(client.keys.job(jid))
+            taken += [jid for jid, n in zip(ids, pipe.execute(), strict=True) if n]
+            if len(taken) > 5:
+                break
     if taken:
-        shown = ", ".join(repr(t) for t in taken[:5]) + (f" and {len(taken) - 5} more" if len(taken) > 5 else "")
+        shown = ", ".join(repr(t) for t in taken[:5]) + (" and more" if len(taken) > 5 else "")
         raise InvalidBatch(f"batch {batch_id!r} cannot be submitted: its job ids are taken by other jobs "
                            f"({shown}); nothing was submitted. Use another batch id")
 
@@ -147,10 +182,15 @@ def get_batch(client: Client, batch_id: str) -> BatchRecord:
 
 
 def batch_job_ids(client: Client, batch_id: str) -> list[str]:
-    key, ids = client.keys.batch_jobs(batch_id), []
-    while chunk := client.redis.lrange(key, len(ids), len(ids) + 10 * CHUNK - 1):
-        ids.extend(chunk)
-    return ids
+    return [jid for chunk in iter_batch_job_ids(client, batch_id) for jid in chunk]
+
+
+def iter_batch_job_ids(client: Client, batch_id: str, chunk: int = CHUNK) -> Iterator[list[str]]:
+    """The batch's job ids in input order, `chunk` at a time (a million ids never sit in memory at once)."""
+    key, at = client.keys.batch_jobs(batch_id), 0
+    while ids := client.redis.lrange(key, at, at + chunk - 1):
+        yield ids
+        at += len(ids)
 
 
 def cancel_batch(client: Client, batch_id: str) -> BatchRecord:
@@ -162,9 +202,9 @@ def cancel_batch(client: Client, batch_id: str) -> BatchRecord:
         get_batch(client, batch_id)  # raises BatchNotFound
     if status != BatchStatus.cancelling:
         return get_batch(client, batch_id)
-    ids = batch_job_ids(client, batch_id)
-    for start in range(0, len(ids), CHUNK):
-        chunk = ids[start:start + CHUNK]
+    jobs = 0
+    for chunk in iter_batch_job_ids(client, batch_id):
+        jobs += len(chunk)
         pipe = client.redis.pipeline(transaction=False)
         for jid in chunk:
             scripts.cancel_job(pipe, k, jid, now, client.result_ttl)
@@ -172,7 +212,7 @@ def cancel_batch(client: Client, batch_id: str) -> BatchRecord:
         # A job never written (an interrupted submit) will never end on its own: count it as cancelled.
         for _ in never_submitted:
             scripts.bump_batch(client.redis, k, batch_id, "cancelled", now, client.result_ttl)
-    log.info("batch_cancel_requested", batch_id=batch_id, jobs=len(ids))
+    log.info("batch_cancel_requested", batch_id=batch_id, jobs=jobs)
     return get_batch(client, batch_id)
 
 
@@ -204,22 +244,24 @@ def wait_batch(
             time.sleep(0.2)  # under a stream of events, refresh the record a few times a second at most
 
 
-def export_batch(client: Client, batch_id: str, out: str | Path, *, allow_partial: bool = False) -> int:
+def export_batch(client: Client, batch_id: str, out: str | Path, *, allow_partial: bool = False,
+                 on_progress: Progress | None = None) -> int:
     """Write OpenAI Batch output lines (input order) to `out`; returns how many lines were written.
 
     Refuses a batch that has not ended unless allow_partial (then jobs still queued/running are left out).
+    Streams: CHUNK records read, written and dropped at a time. on_progress("export", jobs, total).
     """
     record = get_batch(client, batch_id)
     if not record.is_terminal and not allow_partial:
         raise TokenbusError(f"batch {batch_id} is {record.status.value} ({record.done}/{record.total} jobs "
                             f"ended); wait for it (tokenbus batch wait {batch_id}) or export with --partial")
-    ids = batch_job_ids(client, batch_id)
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     written = 0
     with tmp.open("w", encoding="utf-8") as f:
-        for start in range(0, len(ids), CHUNK):
-            chunk = ids[start:start + CHUNK]
+        for chunk in iter_batch_job_ids(client, batch_id):
+            if on_progress is not None:
+                on_progress("export", len(chunk), record.total)
             for jid, job in zip(chunk, client.get_many(chunk), strict=True):
                 if job is not None and not job.done:
                     continue

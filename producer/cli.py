@@ -169,7 +169,8 @@ def format_info(info: QueueInfo) -> str:
             continue
         seen = f"{now - hb.last_seen:.1f}s ago" if hb.last_seen else "never"
         lines.append(f"  {w.name:<24} {'alive' if w.alive else 'gone':<6} model={hb.model} "
-                     f"path={hb.model_path or '-'} last_seen={seen} "
+                     f"path={hb.model_path or '-'} backend={hb.backend or '-'} device={hb.device or '-'} "
+                     f"last_seen={seen} "
                      f"running={hb.running} waiting={hb.waiting} free_blocks={hb.free_blocks} "
                      f"jobs_done={hb.jobs_done} prefix_hits={_hit_rate(hb)}")
     return "\n".join(lines)
@@ -205,10 +206,43 @@ def _batch_wait(c: Client, batch_id: str, timeout: float | None) -> int:
     return 0
 
 
+class _Bars:
+    """tqdm bars on stderr for a streaming submit or export, one per stage (shown only on a terminal)."""
+
+    UNITS = {"validate": ("B", True), "enqueue": ("job", False), "export": ("job", False)}
+
+    def __init__(self) -> None:
+        self.bars: dict[str, Any] = {}
+
+    def __call__(self, stage: str, done: int, total: int | None) -> None:
+        from tqdm import tqdm
+
+        bar = self.bars.get(stage)
+        if bar is None:
+            unit, scale = self.UNITS.get(stage, ("it", False))
+            bar = self.bars[stage] = tqdm(total=total, desc=stage, unit=unit, unit_scale=scale, file=sys.stderr,
+                                          disable=None)
+        bar.update(done)
+
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
+
+
 def _batch(c: Client, a: argparse.Namespace) -> int:
     cmd = a.batch_command
+    bars = _Bars()
+    try:
+        return _batch_command(c, a, cmd, bars)
+    finally:
+        bars.close()
+
+
+def _batch_command(c: Client, a: argparse.Namespace, cmd: str, bars: _Bars) -> int:
     if cmd == "submit":
-        record = batches.submit_batch(c, a.file, batch_id=a.batch_id, model=a.model, priority=a.priority)
+        record = batches.submit_batch(c, a.file, batch_id=a.batch_id, model=a.model, priority=a.priority,
+                                      on_progress=bars)
+        bars.close()
         print(record.id)
         return _batch_wait(c, record.id, None) if a.wait else 0
     if cmd == "status":
@@ -218,7 +252,8 @@ def _batch(c: Client, a: argparse.Namespace) -> int:
     elif cmd == "cancel":
         _print_json(batches.cancel_batch(c, a.batch_id))
     elif cmd == "export":
-        n = batches.export_batch(c, a.batch_id, a.out, allow_partial=a.partial)
+        n = batches.export_batch(c, a.batch_id, a.out, allow_partial=a.partial, on_progress=bars)
+        bars.close()
         print(f"wrote {n} lines to {a.out}", file=sys.stderr)
     return 0
 

@@ -15,14 +15,14 @@ import structlog
 
 from producer import batches
 from protocol import scripts
-from protocol.connection import redis_from_url
+from protocol.connection import redis_from_url, socket_timeout
 from protocol.errors import InvalidJob, JobNotFound, QueueFull, TokenbusError, WaitTimeout, listing
 from protocol.models import (
     DEFAULT_MAX_QUEUE_LEN,
     DEFAULT_NAMESPACE,
     DEFAULT_REDIS_URL,
     DEFAULT_RESULT_TTL,
-    GROUP,
+    PRIORITIES,
     TERMINAL_STATUSES,
     Job,
     JobRequest,
@@ -198,8 +198,26 @@ class Client:
             pipe = self.redis.pipeline(transaction=False)
             for jid in job_ids[start:start + scripts.CHUNK]:
                 pipe.hgetall(self.keys.job(jid))
-            out.extend(Job.from_record(rec) if rec else None for rec in pipe.execute())
+            records = pipe.execute()
+            for jid, rec in zip(job_ids[start:start + scripts.CHUNK], records, strict=True):
+                if rec:
+                    rec.setdefault("id", jid)  # the key names the job: SUBMIT_JOB writes no `id` field
+            self._add_requests(records)
+            out.extend(Job.from_record(rec) if rec else None for rec in records)
         return out
+
+    def _add_requests(self, records: list[dict[str, str]]) -> None:
+        """A job that has not ended keeps its request in its queue entry only (docs/protocol.md, "Job record"):
+        read it from there (one XRANGE each, pipelined) for the records that hold none."""
+        need = [rec for rec in records if rec and not rec.get("request") and rec.get("entry_id") and rec.get("queue")]
+        if not need:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for rec in need:
+            pipe.xrange(rec["queue"], rec["entry_id"], rec["entry_id"])
+        for rec, found in zip(need, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(found, list) and found:
+                rec["request"] = found[0][1].get("request", "")
 
     def _not_found(self, job_id: str) -> str:
         return (f"job {job_id!r} not found in namespace {self.keys.ns!r}: it was never submitted, "
@@ -217,8 +235,9 @@ class Client:
     ) -> Iterator[Job]:
         """Yield each job once it has ended, in the order they end (already-ended ones first).
 
-        Blocks on XREAD of `{ns}:events`, not by polling records; every `resync_every` seconds it also
-        re-reads the statuses, in case events were trimmed before it read them.
+        Blocks on XREAD of `{ns}:events`, not by polling records, so each job costs O(1) however many wait.
+        Every `resync_every` seconds it checks whether events it has not read were trimmed (the stream's
+        oldest entry is past its position, or the stream is gone) and only then re-reads the statuses.
         """
         remaining = dict.fromkeys(job_ids)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -242,7 +261,8 @@ class Client:
                     if fields.get("job_id") in remaining:
                         ended.append(fields["job_id"])
             if time.monotonic() >= next_resync:
-                ended = list(remaining)
+                if self._events_lost(last_id):
+                    ended = list(remaining)
                 next_resync = time.monotonic() + resync_every
             yield from self._collect_ended(remaining, list(dict.fromkeys(ended)))
 
@@ -258,10 +278,18 @@ class Client:
                 del remaining[jid]
                 yield job
 
+    def _events_lost(self, last_id: str) -> bool:
+        """Whether events after `last_id` may be gone unread: the stream is missing (deleted, or nothing ended
+        yet) or its oldest entry is newer than the next one this reader would read (MAXLEN trimmed past it)."""
+        oldest = self.redis.xrange(self.keys.events, count=1)
+        if not oldest:
+            return True
+        return _stream_id(oldest[0][0]) > _stream_id(last_id)
+
     @property
     def max_block_s(self) -> float:
         """Longest XREAD BLOCK: under the socket timeout (redis-py 8 defaults to 5 s), at most 1 s."""
-        timeout = self.redis.connection_pool.connection_kwargs.get("socket_timeout")
+        timeout = socket_timeout(self.redis)
         return 1.0 if timeout is None else max(0.01, min(1.0, 0.5 * timeout))
 
     def events_last_id(self) -> str:
@@ -311,27 +339,17 @@ class Client:
 
     # ---- info ----------------------------------------------------------------------------------
     def info(self) -> QueueInfo:
+        """The namespace at a glance, in a fixed number of round trips whatever the number of batches and jobs:
+        the depth counter, the registries' sizes, the workers' heartbeats."""
         k = self.keys
+        counts = scripts.depth(self.redis, k)
         pipe = self.redis.pipeline(transaction=False)
         pipe.xlen(k.dead).scard(k.cancel).smembers(k.workers)
-        dead, cancel_requested, names = pipe.execute()
-        depth = pending = consumers = queues = 0
-        by_priority: dict[str, int] = {}
-        for priority, streams in scripts.queue_streams(self.redis, k).items():
-            pipe = self.redis.pipeline(transaction=False)
-            for stream in streams:
-                pipe.xlen(stream).xinfo_groups(stream)
-            replies = pipe.execute(raise_on_error=False)  # a missing stream has no groups: an error here
-            by_priority[priority] = 0
-            for n, groups in zip(replies[::2], replies[1::2], strict=True):
-                n = n if isinstance(n, int) else 0
-                by_priority[priority] += n
-                queues += n > 0
-                for group in groups if isinstance(groups, list) else []:
-                    if group["name"] == GROUP:
-                        pending += int(group["pending"])
-                        consumers = max(consumers, int(group["consumers"]))
-        depth = sum(by_priority.values())
+        for p in PRIORITIES:
+            pipe.xlen(k.queue(p)).zcard(k.registry(p))
+        dead, cancel_requested, names, *sizes = pipe.execute()
+        queues = sum(1 for n in sizes[::2] if n) + sum(sizes[1::2])  # non-empty loose queues + live batch queues
+        depth, pending, by_priority = counts.total, counts.pending, counts.by_priority
         names = sorted(names)
         beats = self.redis.mget([k.worker(n) for n in names]) if names else []
         workers = [
@@ -340,7 +358,7 @@ class Client:
         ]
         return QueueInfo(namespace=k.ns, queue_depth=depth, pending=pending, waiting=max(0, depth - pending),
                          by_priority=by_priority, queues=queues,
-                         consumers=consumers, workers=workers, dead_letters=dead,
+                         consumers=sum(w.alive for w in workers), workers=workers, dead_letters=dead,
                          cancel_requested=cancel_requested, max_queue_len=self.max_queue_len,
                          result_ttl=self.result_ttl)
 
@@ -365,6 +383,11 @@ class Client:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _stream_id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def _heartbeat(raw: str | None) -> Heartbeat | None:

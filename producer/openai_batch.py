@@ -43,10 +43,17 @@ class InputLine(BaseModel):
     body: dict[str, Any]
 
 
-def parse_line(text: str) -> tuple[InputLine, JobRequest]:
-    """One input line -> (the line, its JobRequest, validated). Raises InvalidJob with a readable reason."""
+_UNPARSED = object()
+
+
+def parse_line(text: str, raw: Any = _UNPARSED, overrides: dict[str, Any] | None = None
+               ) -> tuple[InputLine, JobRequest, str]:
+    """One input line -> (the line, its JobRequest, validated, and that request's JSON). Raises InvalidJob with a
+    readable reason. raw: the line's JSON when the caller has parsed it already (not parsed twice); overrides:
+    request fields set after the body's mapping, before the one validation (submit_fields)."""
     try:
-        raw = json.loads(text)
+        if raw is _UNPARSED:
+            raw = json.loads(text)
     except json.JSONDecodeError as err:
         raise InvalidJob(f"not valid JSON ({err.msg} at column {err.colno})") from None
     except RecursionError:
@@ -59,22 +66,38 @@ def parse_line(text: str) -> tuple[InputLine, JobRequest]:
         raise InvalidJob(describe_validation_error(err)) from None
     if not line.custom_id:
         raise InvalidJob("custom_id must not be empty")
-    return line, body_request(line.url, line.body)
+    request, text_json = _body_request(line.url, line.body, overrides)
+    return line, request, text_json
 
 
 def body_request(url: str, body: dict[str, Any]) -> JobRequest:
     """The JobRequest of one request body of `url`, as a batch line's body is mapped: the one validation of a
     request in the producer's process (the gateway's too); what follows only fills in fields (with_fields).
     Raises InvalidJob naming the field."""
+    return _body_request(url, body, None)[0]
+
+
+def _body_request(url: str, body: dict[str, Any], overrides: dict[str, Any] | None) -> tuple[JobRequest, str]:
     if not isinstance(body, dict):
         raise InvalidJob(f"body: a request body must be a JSON object, got {type(body).__name__}")
     fields = _chat_fields(body) if url == CHAT else _completion_fields(body)
+    if overrides:
+        fields.update(overrides)
     try:
         request = validate_request(fields)
-        request.to_json()  # the size limit, and text that is valid Unicode
+        text = request.to_json()  # the size limit, and text that is valid Unicode
     except InvalidJob as err:
         raise InvalidJob("body: " + str(err).removeprefix("invalid job: ")) from None
-    return request
+    return request, text
+
+
+def submit_fields(model: str | None, priority: Priority) -> dict[str, Any]:
+    """What a batch submit sets in every request (overrides of parse_line): its queue's priority; model: None
+    keeps the line's, "" drops it (any worker model), else replaces it."""
+    fields: dict[str, Any] = {"priority": Priority(priority)}
+    if model is not None:
+        fields["model"] = model or None
+    return fields
 
 
 def _check_known(body: dict[str, Any], allowed: set[str], url: str) -> None:
@@ -233,12 +256,3 @@ def completion_logprobs(result: JobResult, choice: ResultChoice | None = None) -
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}
-
-
-def with_model(request: JobRequest, model: str | None, priority: Priority) -> JobRequest:
-    """A parsed line's request with its queue's priority; model: None keeps the line's, "" drops it (any worker
-    model), else replaces it. Not validated again: a str model and a Priority are valid values."""
-    update: dict[str, Any] = {"priority": Priority(priority)}
-    if model is not None:
-        update["model"] = model or None
-    return request.model_copy(update=update)

@@ -1,5 +1,5 @@
-"""The one place a tokenbus process makes a Redis client: plain `redis://` / `rediss://` / `unix://` URLs, or
-Redis Sentinel for high availability.
+"""The one place a tokenbus process makes a Redis client: plain `redis://` / `rediss://` / `unix://` URLs,
+Redis Sentinel for high availability, or Redis Cluster to spread namespaces over shards.
 
     redis+sentinel://[[user]:password@]host1[:port1],host2[:port2],.../service_name[/db][?sentinel_password=...]
     rediss+sentinel://...   the same over TLS (to the sentinels and to the primary); it also reads
@@ -9,6 +9,15 @@ The hosts are the sentinels (port 26379 when left out); service_name is the prim
 configuration (`sentinel monitor NAME ...`); db defaults to 0. The password in the userinfo is the data nodes'
 (`requirepass`); sentinels that have their own take `?sentinel_password=`. The client asks the sentinels for the
 current primary on every new connection, so after a failover the next retry lands on the promoted replica.
+
+    redis+cluster://[[user]:password@]host1[:port1],host2[:port2],...[?ssl_ca_certs=...]
+    rediss+cluster://...    the same over TLS
+
+The hosts are any cluster nodes to start from (port 6379 when left out; the client learns the rest with
+CLUSTER SLOTS); a cluster has only db 0, so there is no path. The client (redis.cluster.RedisCluster) sends
+each command to the shard that owns its key's slot. Every key of a namespace carries the hash tag `{ns}`
+(protocol/keys.py), so one namespace lives on one shard and its scripts run there; docs/deployment.md,
+"Redis Cluster", says what that allows and what it does not.
 """
 
 from __future__ import annotations
@@ -21,7 +30,9 @@ import redis
 from redis.sentinel import Sentinel
 
 SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}  # scheme -> TLS
+CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}  # scheme -> TLS
 DEFAULT_SENTINEL_PORT = 26379
+DEFAULT_CLUSTER_PORT = 6379
 SSL_PARAMS = {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname"}
 
 
@@ -41,14 +52,23 @@ def is_sentinel_url(url: str) -> bool:
     return url.split("://", 1)[0].lower() in SENTINEL_SCHEMES
 
 
-def parse_sentinel_url(url: str) -> SentinelURL:
-    """A redis+sentinel:// URL's parts; ValueError saying what is wrong with it otherwise."""
-    scheme, sep, _ = url.partition("://")
-    if not sep or scheme.lower() not in SENTINEL_SCHEMES:
-        raise ValueError(f"not a sentinel URL (expected redis+sentinel:// or rediss+sentinel://): {scheme}://...")
+@dataclass(frozen=True)
+class ClusterURL:
+    hosts: tuple[tuple[str, int], ...]  # startup nodes
+    username: str | None = None
+    password: str | None = None
+    ssl: bool = False
+    ssl_options: tuple[tuple[str, str], ...] = ()
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.split("://", 1)[0].lower() in CLUSTER_SCHEMES
+
+
+def _userinfo_and_hosts(netloc: str, default_port: int, what: str) -> tuple[str | None, str | None, list]:
+    """(username, password, [(host, port)]) of `[[user]:password@]h1[:p1],h2[:p2],...`."""
     # urlsplit would read "h1:1,h2:2" as one host with a bad port: split the netloc by hand.
-    parts = urlsplit(url)
-    userinfo, at, hostlist = parts.netloc.rpartition("@")
+    userinfo, at, hostlist = netloc.rpartition("@")
     username = password = None
     if at:
         user, colon, pw = userinfo.partition(":")
@@ -60,11 +80,41 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     for item in hostlist.split(","):
         host, colon, port = item.strip().rpartition(":") if ":" in item else (item.strip(), "", "")
         if not host:
-            raise ValueError(f"empty sentinel host in {hostlist!r}: write host[:port],host[:port],...")
+            raise ValueError(f"empty {what} host in {hostlist!r}: write host[:port],host[:port],...")
         try:
-            hosts.append((host, int(port) if colon else DEFAULT_SENTINEL_PORT))
+            hosts.append((host, int(port) if colon else default_port))
         except ValueError:
-            raise ValueError(f"bad sentinel port {port!r} in {hostlist!r}") from None
+            raise ValueError(f"bad {what} port {port!r} in {hostlist!r}") from None
+    return username, password, hosts
+
+
+def parse_cluster_url(url: str) -> ClusterURL:
+    """A redis+cluster:// URL's parts; ValueError saying what is wrong with it otherwise."""
+    scheme, sep, _ = url.partition("://")
+    if not sep or scheme.lower() not in CLUSTER_SCHEMES:
+        raise ValueError(f"not a cluster URL (expected redis+cluster:// or rediss+cluster://): {scheme}://...")
+    parts = urlsplit(url)
+    username, password, hosts = _userinfo_and_hosts(parts.netloc, DEFAULT_CLUSTER_PORT, "cluster node")
+    if parts.path.strip("/") not in ("", "0"):
+        raise ValueError(f"cluster URL path {parts.path!r}: a Redis Cluster has only db 0, write no path")
+    query = parse_qs(parts.query)
+    ssl = CLUSTER_SCHEMES[scheme.lower()]
+    unknown = set(query) - (SSL_PARAMS if ssl else set())
+    if unknown:
+        raise ValueError(f"unknown cluster URL parameter(s) {sorted(unknown)}: "
+                         + (f"rediss+cluster:// reads {', '.join(sorted(SSL_PARAMS))}" if ssl else
+                            "redis+cluster:// reads none (TLS options go with rediss+cluster://)"))
+    ssl_options = tuple(sorted((k, v[0]) for k, v in query.items() if k in SSL_PARAMS))
+    return ClusterURL(tuple(hosts), username, password, ssl, ssl_options)
+
+
+def parse_sentinel_url(url: str) -> SentinelURL:
+    """A redis+sentinel:// URL's parts; ValueError saying what is wrong with it otherwise."""
+    scheme, sep, _ = url.partition("://")
+    if not sep or scheme.lower() not in SENTINEL_SCHEMES:
+        raise ValueError(f"not a sentinel URL (expected redis+sentinel:// or rediss+sentinel://): {scheme}://...")
+    parts = urlsplit(url)
+    username, password, hosts = _userinfo_and_hosts(parts.netloc, DEFAULT_SENTINEL_PORT, "sentinel")
     segments = [s for s in parts.path.split("/") if s]
     if not segments:
         raise ValueError("sentinel URL names no service: write redis+sentinel://host:port/SERVICE_NAME[/db]")
@@ -89,7 +139,13 @@ def parse_sentinel_url(url: str) -> SentinelURL:
 def redis_from_url(url: str, **kwargs: Any) -> redis.Redis:
     """A client for `url`; kwargs as redis.Redis.from_url takes them (decode_responses, socket_timeout, ...).
 
-    For a sentinel URL, the client's connections come from the sentinels' current primary for the service."""
+    For a sentinel URL, the client's connections come from the sentinels' current primary for the service; for
+    a cluster URL it is a redis.cluster.RedisCluster (the same commands, each sent to its key's shard)."""
+    if is_cluster_url(url):
+        from redis.cluster import ClusterNode, RedisCluster
+
+        hosts, node = _cluster_parts(url, kwargs)
+        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in hosts], **node)
     if not is_sentinel_url(url):
         return redis.Redis.from_url(url, **kwargs)
     hosts, service, node, sentinel_kwargs = _sentinel_parts(url, kwargs)
@@ -101,10 +157,65 @@ def async_redis_from_url(url: str, **kwargs: Any) -> Any:
     import redis.asyncio as aioredis
     from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 
+    if is_cluster_url(url):
+        from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+        hosts, node = _cluster_parts(url, kwargs)
+        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in hosts], **node)
     if not is_sentinel_url(url):
         return aioredis.Redis.from_url(url, **kwargs)
     hosts, service, node, sentinel_kwargs = _sentinel_parts(url, kwargs)
     return AsyncSentinel(hosts, sentinel_kwargs=sentinel_kwargs).master_for(service, **node)
+
+
+def _tls(ssl: bool, options: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    tls: dict[str, Any] = {"ssl": True, **dict(options)} if ssl else {}
+    if "ssl_check_hostname" in tls:
+        tls["ssl_check_hostname"] = tls["ssl_check_hostname"].lower() in ("1", "true", "yes", "on")
+    return tls
+
+
+def _cluster_parts(url: str, kwargs: dict[str, Any]) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+    """(startup nodes, the nodes' connection kwargs)."""
+    c = parse_cluster_url(url)
+    node: dict[str, Any] = {k: v for k, v in kwargs.items() if k != "db"}
+    if c.password is not None:
+        node.setdefault("password", c.password)
+    if c.username is not None:
+        node.setdefault("username", c.username)
+    for key, value in _tls(c.ssl, c.ssl_options).items():
+        node.setdefault(key, value)
+    return list(c.hosts), node
+
+
+def is_cluster(r: Any) -> bool:
+    """Whether `r` is a Redis Cluster client (sync or async) or one of its pipelines."""
+    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+    from redis.cluster import ClusterPipeline, RedisCluster
+
+    return isinstance(r, RedisCluster | ClusterPipeline | AsyncRedisCluster)
+
+
+def on_shard(r: Any, key: str) -> dict[str, Any]:
+    """kwargs that send a keyless command (WAIT, INFO) to the shard that owns `key`: `{"target_nodes": node}`
+    for a cluster client, {} otherwise (a single Redis is that shard)."""
+    if not is_cluster(r):
+        return {}
+    return {"target_nodes": r.nodes_manager.get_node_from_slot(r.keyslot(key))}
+
+
+def shard_client(r: Any, key: str) -> Any:
+    """A plain client of the shard that owns `key` (all of a namespace's keys share its slot), for code that
+    drives a connection itself (SubmitPipe's pipelined raw replies); `r` itself when it is not a cluster."""
+    if not is_cluster(r):
+        return r
+    return r.nodes_manager.get_node_from_slot(r.keyslot(key)).redis_connection
+
+
+def socket_timeout(r: Any) -> float | None:
+    """The socket timeout `r`'s connections were made with (None: none)."""
+    kwargs = r.nodes_manager.connection_kwargs if is_cluster(r) else r.connection_pool.connection_kwargs
+    return kwargs.get("socket_timeout")
 
 
 def _sentinel_parts(url: str, kwargs: dict[str, Any]) -> tuple[list, str, dict[str, Any], dict[str, Any]]:
@@ -115,9 +226,7 @@ def _sentinel_parts(url: str, kwargs: dict[str, Any]) -> tuple[list, str, dict[s
         node.setdefault("password", s.password)
     if s.username is not None:
         node.setdefault("username", s.username)
-    tls: dict[str, Any] = {"ssl": True, **dict(s.ssl_options)} if s.ssl else {}
-    if "ssl_check_hostname" in tls:
-        tls["ssl_check_hostname"] = tls["ssl_check_hostname"].lower() in ("1", "true", "yes", "on")
+    tls = _tls(s.ssl, s.ssl_options)
     for key, value in tls.items():
         node.setdefault(key, value)
     # The sentinels answer fast or not at all: a short timeout lets the client move on to the next one.

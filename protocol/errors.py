@@ -1,8 +1,22 @@
-"""Errors the producer side raises. Every message says what was wrong and what to do about it."""
+"""Errors: the codes a failed job's record carries (every process reads them), and the exceptions the producer
+side raises. Every message says what was wrong and what to do about it."""
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 MAX_ERRORS_SHOWN = 20
+
+
+class ErrorCode(StrEnum):
+    """`error_code` values in a job record; workers may add others (clients must accept any string)."""
+
+    invalid_request = "invalid_request"  # failed the worker's re-validation or the engine's checks
+    model_mismatch = "model_mismatch"  # request.model is not the worker's model
+    worker_error = "worker_error"  # an exception while generating
+    max_attempts = "max_attempts"  # reclaimed too often (worker crashes); also dead-lettered
+    cancelled = "cancelled"
+    grammar_too_costly = "grammar_too_costly"  # one mask of its constraint took over mask_budget_ms of CPU
 
 
 def listing(problems: list[str]) -> str:

@@ -1,6 +1,11 @@
 """Every Redis key of one tokenbus namespace, and the job priorities that pick a job's queue.
 
 Part of the wire protocol (protocol/models.py re-exports these names; docs/protocol.md describes them).
+
+Every key starts with the namespace in braces, `{ns}:` (namespace `tokenbus`: `{tokenbus}:q:default`): a Redis
+Cluster hash tag, so all the keys of one namespace hash to one slot and live on one shard, where the Lua scripts
+may touch any of them (docs/deployment.md, "Redis Cluster"). The gateway's keys (gateway/keys.py) use the same
+prefix. Before 0.3.0 the prefix had no braces (`tokenbus:q:default`): docs/operations.md says how to move.
 """
 
 from __future__ import annotations
@@ -30,6 +35,15 @@ class Priority(StrEnum):
 PRIORITIES = tuple(Priority)  # the order intake serves them in
 
 
+def key_prefix(ns: str) -> str:
+    """`{ns}`, the hash tag every key of the namespace starts with (a namespace with a brace in it could not be
+    one: Redis hashes the text between the first `{` and the next `}`)."""
+    if not ns or "{" in ns or "}" in ns:
+        raise ValueError(f"namespace {ns!r}: must be non-empty and hold no '{{' or '}}' (it becomes the key "
+                         "prefix {ns}:, a Redis Cluster hash tag)")
+    return "{" + ns + "}"
+
+
 def _template(key: str) -> list[str]:
     """[prefix, suffix] of a key built around one id (built with the id "\0"): Lua joins prefix .. id .. suffix."""
     prefix, suffix = key.split("\0")
@@ -42,6 +56,20 @@ class Keys:
 
     ns: str = DEFAULT_NAMESPACE
 
+    def __post_init__(self) -> None:
+        key_prefix(self.ns)  # refuse a namespace that cannot be a hash tag now, not at the first key
+
+    @property
+    def prefix(self) -> str:
+        """`{ns}`: every key below is this + `:` + the rest."""
+        return key_prefix(self.ns)
+
+    @property
+    def routing_key(self) -> str:
+        """A key in the namespace's slot, passed as KEYS[1] to the scripts that find every other key through the
+        layout, so that a Redis Cluster client sends them to the namespace's shard (it routes by KEYS)."""
+        return self.config
+
     @cached_property
     def layout(self) -> str:
         """The keys the Lua scripts find for themselves, and the priorities, as one JSON table (an ARGV of the
@@ -53,6 +81,9 @@ class Keys:
             "batch_queue": {p.value: _template(self.queue(p, "\0")) for p in PRIORITIES},
             "registry": {p.value: self.registry(p) for p in PRIORITIES},
             "turn": {p.value: self.turn(p) for p in PRIORITIES},
+            "ready": {p.value: self.ready(p) for p in PRIORITIES},
+            "depth": self.depth,
+            "wake": self.wake,
             "batch": _template(self.batch("\0")),
             "batch_jobs": _template(self.batch_jobs("\0")),
         }, separators=(",", ":"))
@@ -60,49 +91,67 @@ class Keys:
     def queue(self, priority: str = Priority.default, batch_id: str = "") -> str:
         """The stream a job is queued on: `{ns}:q:{priority}` for a loose job, `{ns}:q:{priority}:{batch_id}`
         for a batch's jobs (one stream per batch, so batches of one priority take turns)."""
-        base = f"{self.ns}:q:{Priority(priority).value}"
+        base = f"{self.prefix}:q:{Priority(priority).value}"
         return f"{base}:{batch_id}" if batch_id else base
 
     def registry(self, priority: str) -> str:
         """Sorted set of the live batch queues of one priority (member: stream key, score: first submit)."""
-        return f"{self.ns}:queues:{Priority(priority).value}"
+        return f"{self.prefix}:queues:{Priority(priority).value}"
 
     def turn(self, priority: str) -> str:
         """The queue of this priority that intake read from last (round-robin position, shared by workers)."""
-        return f"{self.ns}:turn:{Priority(priority).value}"
+        return f"{self.prefix}:turn:{Priority(priority).value}"
+
+    def ready(self, priority: str) -> str:
+        """Sorted set of the batch queues of one priority that may hold entries no worker has read yet (member:
+        stream key, score: its registry score). Intake visits only these, so a read costs the same with 1 or
+        1,000 live batches; a queue found empty leaves it, the next submit to it puts it back."""
+        return f"{self.prefix}:ready:{Priority(priority).value}"
+
+    @property
+    def depth(self) -> str:
+        """Hash of counters kept exact by the scripts that write queue entries: field <priority> = entries in
+        that priority's queues (queued + running), field `pending` = entries READ delivered, not acked yet."""
+        return f"{self.prefix}:depth"
+
+    @property
+    def wake(self) -> str:
+        """Stream with an entry each time a batch queue becomes ready: an idle worker's XREAD BLOCK waits on it
+        (and on the loose queues) instead of on every batch queue."""
+        return f"{self.prefix}:wake"
 
     @property
     def events(self) -> str:
-        return f"{self.ns}:events"
+        return f"{self.prefix}:events"
 
     @property
     def dead(self) -> str:
-        return f"{self.ns}:dead"
+        return f"{self.prefix}:dead"
 
     @property
     def cancel(self) -> str:
-        return f"{self.ns}:cancel"
+        return f"{self.prefix}:cancel"
 
     @property
     def workers(self) -> str:
-        return f"{self.ns}:workers"
+        return f"{self.prefix}:workers"
 
     @property
     def config(self) -> str:
-        return f"{self.ns}:config"
+        return f"{self.prefix}:config"
 
     def job(self, job_id: str) -> str:
-        return f"{self.ns}:job:{job_id}"
+        return f"{self.prefix}:job:{job_id}"
 
     def tokens(self, job_id: str) -> str:
         """Stream of a `stream: true` job's partial output: entries {offset, token_ids (JSON), text, done}."""
-        return f"{self.ns}:job:{job_id}:tokens"
+        return f"{self.prefix}:job:{job_id}:tokens"
 
     def worker(self, name: str) -> str:
-        return f"{self.ns}:worker:{name}"
+        return f"{self.prefix}:worker:{name}"
 
     def batch(self, batch_id: str) -> str:
-        return f"{self.ns}:batch:{batch_id}"
+        return f"{self.prefix}:batch:{batch_id}"
 
     def batch_jobs(self, batch_id: str) -> str:
-        return f"{self.ns}:batch:{batch_id}:jobs"
+        return f"{self.prefix}:batch:{batch_id}:jobs"

@@ -1,5 +1,5 @@
-"""The wire protocol between producers and workers: statuses and pydantic models (key names and priorities
-in protocol/keys.py, re-exported here).
+"""The wire protocol between producers and workers: a job's request, its limits and checks (key names and
+priorities in protocol/keys.py, a job's record and result in protocol/jobs.py; both re-exported here).
 
 This module is the source of truth for docs/protocol.md. It imports no torch: clients in other processes
 (and other languages, via the doc) only need Redis and these shapes.
@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticSerializationError
 
 from protocol.constraints import check_choice, check_regex, check_response_format, grammar_error, grammar_for
-from protocol.errors import InvalidJob
+from protocol.errors import ErrorCode, InvalidJob  # noqa: F401  (ErrorCode: part of the protocol)
+from protocol.jobs import TERMINAL_STATUSES, Job, JobResult, JobStatus, ResultChoice, TokenText, Usage  # noqa: F401
 from protocol.keys import DEFAULT_NAMESPACE, PRIORITIES, Keys, Priority  # noqa: F401  (part of the protocol)
 
 GROUP = "workers"  # the one consumer group, on every job queue
@@ -39,17 +40,6 @@ MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what a torch generator accepts
 MAX_CHOICES = 32  # n: completions of one prompt
 
 
-class JobStatus(StrEnum):
-    queued = "queued"
-    running = "running"
-    finished = "finished"
-    failed = "failed"
-    cancelled = "cancelled"
-
-
-TERMINAL_STATUSES = frozenset({JobStatus.finished, JobStatus.failed, JobStatus.cancelled})
-
-
 class BatchStatus(StrEnum):
     validating = "validating"  # record written, jobs being submitted
     in_progress = "in_progress"
@@ -59,17 +49,6 @@ class BatchStatus(StrEnum):
 
 
 TERMINAL_BATCH_STATUSES = frozenset({BatchStatus.completed, BatchStatus.cancelled})
-
-
-class ErrorCode(StrEnum):
-    """`error_code` values in a job record; workers may add others (clients must accept any string)."""
-
-    invalid_request = "invalid_request"  # failed the worker's re-validation or the engine's checks
-    model_mismatch = "model_mismatch"  # request.model is not the worker's model
-    worker_error = "worker_error"  # an exception while generating
-    max_attempts = "max_attempts"  # reclaimed too often (worker crashes); also dead-lettered
-    cancelled = "cancelled"
-    grammar_too_costly = "grammar_too_costly"  # one mask of its constraint took over mask_budget_ms of CPU
 
 
 # Wire models are strict: "64" is not an int and 1 is not a bool, so a typo fails at submit, not on a GPU.
@@ -220,117 +199,6 @@ class JobRequest(GenerationParams):
             raise InvalidJob(f"invalid job: a text field is not valid Unicode text ({err})") from None
         check_request_size(len(text.encode()))
         return text
-
-
-class Usage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class TokenText(BaseModel):
-    """One token on its own: its text (U+FFFD where it holds part of a character) and its exact bytes."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    text: str
-    bytes: list[int]
-
-
-class ResultChoice(BaseModel):
-    """One of a job's n completions."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = Field(default_factory=list)
-    finish_reason: Literal["stop", "length", "abort"] | None = None
-    logprobs: list[dict[int, float]] | None = None
-
-
-class JobResult(BaseModel):
-    """The `result` field of a finished job (JSON). text, token_ids, finish_reason and logprobs are choice 0's;
-    `choices` holds every one of the n (usage.completion_tokens counts them all)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    text: str = ""
-    token_ids: list[int] = Field(default_factory=list)
-    finish_reason: Literal["stop", "length", "abort"] | None = None
-    usage: Usage = Field(default_factory=Usage)
-    logprobs: list[dict[int, float]] | None = None  # per generated token: {token_id: logprob}
-    # with logprobs: every token id they name (sampled and top candidates) -> its text and bytes
-    logprob_tokens: dict[int, TokenText] | None = None
-    model: str | None = None  # the worker's model name
-    choices: list[ResultChoice] = Field(default_factory=list)  # empty from a worker that wrote none
-
-    def all_choices(self) -> list[ResultChoice]:
-        """The n choices; for a result without `choices`, the one its own fields describe."""
-        return self.choices or [ResultChoice(index=0, text=self.text, token_ids=self.token_ids,
-                                             finish_reason=self.finish_reason, logprobs=self.logprobs)]
-
-
-class Job(BaseModel):
-    """A job record as read back from `{ns}:job:{id}`."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    id: str
-    status: JobStatus
-    request: dict[str, Any] | None = None
-    created_at: float | None = None  # queued
-    started_at: float | None = None  # latest attempt started running
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    attempts: int = 0
-    worker: str | None = None
-    result: JobResult | None = None
-    error: str | None = None
-    error_code: str | None = None
-    batch_id: str | None = None
-    custom_id: str | None = None
-    entry_id: str | None = None  # id of its entry in its queue
-    queue: str | None = None  # the stream it waits on: {ns}:q:{priority}[:{batch_id}]
-    priority: Priority | None = None
-
-    @classmethod
-    def from_record(cls, fields: dict[str, str]) -> Job:
-        data: dict[str, Any] = dict(fields)
-        for key in ("request", "result"):
-            if data.get(key):
-                try:
-                    value = json.loads(data[key])
-                except (ValueError, RecursionError):  # not JSON, a huge integer, deep nesting
-                    value = None
-                if not isinstance(value, dict):
-                    value = None if key == "result" else {"_unparsed": data[key]}
-                data[key] = value
-            else:
-                data.pop(key, None)
-        return cls.model_validate({k: v for k, v in data.items() if v != ""})
-
-    @property
-    def done(self) -> bool:
-        return self.status in TERMINAL_STATUSES
-
-    @property
-    def queue_seconds(self) -> float | None:
-        return _span(self.created_at, self.started_at)
-
-    @property
-    def ttft_seconds(self) -> float | None:
-        return _span(self.started_at, self.first_token_at)
-
-    @property
-    def latency_seconds(self) -> float | None:
-        return _span(self.created_at, self.finished_at)
-
-
-def _span(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else b - a
 
 
 def is_valid_id(value: object) -> bool:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protocol.models import TERMINAL_BATCH_STATUSES, BatchStatus, Priority
 
@@ -16,7 +18,9 @@ class Heartbeat(BaseModel):
     name: str
     pid: int | None = None
     model: str | None = None
-    model_path: str | None = None  # "native" (tokenbus's own model code) or "transformers" (the fallback)
+    model_path: str | None = None  # which code runs the model: "native" (tokenbus's) or "transformers" (fallback)
+    backend: str | None = None  # which kernels run it: "cpu-cpp", "triton", "triton-interpreter", "torch-reference"
+    device: str | None = None  # where: "cpu", "cuda:0"
     started_at: float | None = None
     last_seen: float | None = None
     running: int = 0
@@ -24,7 +28,6 @@ class Heartbeat(BaseModel):
     free_blocks: int | None = None
     used_blocks: int | None = None
     jobs_done: int = 0
-    serving_path: str | None = None  # the engine's backend and device, e.g. "cpu-cpp on cpu", "triton on cuda:0"
     generated_tokens: int = 0  # since the engine started (the dashboard's tokens/s is its rate)
     step_ms: list[float] = Field(default_factory=list)  # the latest steps' wall times, oldest first (<= 32)
     draining: bool = False  # stopping: takes no new jobs, hands back what it has not started
@@ -33,6 +36,15 @@ class Heartbeat(BaseModel):
     prefix_hit_tokens: int = 0
     prefix_queried_blocks: int = 0
     prefix_hit_blocks: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_serving_path(cls, data: Any) -> Any:
+        """Workers up to 0.2.0 sent backend and device as one string, serving_path = "cpu-cpp on cpu"."""
+        if isinstance(data, dict) and isinstance(data.get("serving_path"), str) and "backend" not in data:
+            backend, _, device = data["serving_path"].partition(" on ")
+            data = {**data, "backend": backend, "device": device or None}
+        return data
 
     @property
     def prefix_hit_rate(self) -> float | None:
@@ -48,12 +60,12 @@ class WorkerInfo(BaseModel):
 
 class QueueInfo(BaseModel):
     namespace: str
-    queue_depth: int  # XLEN summed over every queue: queued + running entries (ended ones are XDELed)
-    pending: int  # delivered to a worker, not acked yet (XPENDING, summed)
+    queue_depth: int  # entries in every queue: queued + running (ended ones are XDELed); the depth counter
+    pending: int  # delivered to a worker by READ, not acked yet (the depth counter's `pending`)
     waiting: int  # queue_depth - pending: not picked up yet
     by_priority: dict[str, int] = Field(default_factory=dict)  # queue_depth of each priority
-    queues: int = 0  # streams that hold entries (loose queues and batch queues)
-    consumers: int
+    queues: int = 0  # non-empty loose queues + live batch queues (in a registry)
+    consumers: int  # workers whose heartbeat is live (each reads as one consumer of the group)
     workers: list[WorkerInfo]
     dead_letters: int
     cancel_requested: int

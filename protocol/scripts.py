@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.cluster import ClusterPipeline
 from redis.commands.core import Script
 
 from protocol.models import (
@@ -75,10 +76,11 @@ CANCEL_JOB = lua("cancel_job")
 BUMP_BATCH = lua("bump_batch")
 START_BATCH = lua("start_batch")
 CANCEL_BATCH = lua("cancel_batch")
+DROP_ENTRY = lua("drop_entry")
 
 
 class _Script(Script):
-    """A redis-py Script bound to no client: pass client= (a Redis or a Pipeline) on each call.
+    """A redis-py Script bound to no client: pass client= (a Redis, a RedisCluster or a pipeline) on each call.
 
     EVALSHA first; redis-py loads the text on NOSCRIPT (e.g. after a Redis restart)."""
 
@@ -86,6 +88,13 @@ class _Script(Script):
         self.registered_client = None
         self.script = text
         self.sha = hashlib.sha1(text.encode()).hexdigest()
+
+    def __call__(self, keys=(), args=(), client=None):  # noqa: ANN001, ANN204 (redis-py's signature)
+        # redis-py refuses EVALSHA in a Redis Cluster pipeline (it could not load the script on NOSCRIPT):
+        # there the script goes as EVAL with its text, ~3-4 KB more per call on the wire (docs/deployment.md).
+        if isinstance(client, ClusterPipeline):
+            return client.execute_command("EVAL", self.script, len(keys), *keys, *args)
+        return super().__call__(keys=keys, args=args, client=client)
 
 
 _SCRIPTS: dict[str, _Script] = {}
@@ -111,7 +120,7 @@ def start_job(r: redis.Redis, keys: Keys, job_id: str, entry_id: str, worker: st
     """Worker: mark a job delivered from `queue` ('' = the default loose queue) running. Returns (status,
     attempts): run it only if 'running'."""
     status, attempts = _run(r, START_JOB, [keys.job(job_id), queue or keys.queue()],
-                            [group, entry_id, worker, now or time.time()])
+                            [group, entry_id, worker, now or time.time(), keys.layout])
     return _s(status), int(attempts)
 
 
@@ -161,7 +170,7 @@ def cancel_job(r: redis.Redis, keys: Keys, job_id: str, now: float | None = None
 
 def bump_batch(r: redis.Redis, keys: Keys, batch_id: str, status: str, now: float, result_ttl: int) -> None:
     """Count a job of the batch that will never run (never written) as ended with `status`."""
-    _run(r, BUMP_BATCH, [], [keys.layout, batch_id, status, now, result_ttl])
+    _run(r, BUMP_BATCH, [keys.routing_key], [keys.layout, batch_id, status, now, result_ttl])
 
 
 def submit_args(keys: Keys, job: PendingJob, now: float, max_queue_len: int, result_ttl: int,
@@ -172,9 +181,31 @@ def submit_args(keys: Keys, job: PendingJob, now: float, max_queue_len: int, res
              job.priority, keys.layout, group])
 
 
+def drop_entry(r: redis.Redis | redis.client.Pipeline, keys: Keys, queue: str, entry_id: str,
+               group: str = GROUP) -> Any:
+    """Worker: XACK + XDEL an entry that names no job to end, counted in the depth counter. 1 deleted, 0 gone
+    already (`r` may be a pipeline)."""
+    return _run(r, DROP_ENTRY, [queue], [group, entry_id, keys.layout])
+
+
+@dataclass
+class Depth:
+    """The depth counter `{ns}:depth` (protocol/lua/_queue_depth.lua), read in O(1)."""
+
+    total: int  # entries in every queue: queued + running (what max_queue_len bounds)
+    pending: int  # delivered by READ, not acknowledged yet
+    by_priority: dict[str, int]
+
+
+def depth(r: redis.Redis, keys: Keys) -> Depth:
+    """The namespace's depth counter (recounted from the queues first if it is missing)."""
+    total, pending, *each = _run(r, QUEUE_DEPTH, [keys.routing_key], [keys.layout])
+    return Depth(int(total), int(pending), {p.value: int(n) for p, n in zip(PRIORITIES, each, strict=True)})
+
+
 def queue_depth(r: redis.Redis, keys: Keys) -> int:
-    """Entries in every queue of the namespace: what max_queue_len bounds."""
-    return int(_run(r, QUEUE_DEPTH, [], [keys.layout]))
+    """Entries in every queue of the namespace: what max_queue_len bounds (the counter, O(1))."""
+    return depth(r, keys).total
 
 
 def queue_streams(r: redis.Redis, keys: Keys) -> dict[str, list[str]]:
@@ -189,7 +220,8 @@ def queue_streams(r: redis.Redis, keys: Keys) -> dict[str, list[str]]:
 
 
 def queue_totals(r: redis.Redis, keys: Keys) -> tuple[int, int]:
-    """(entries in every queue, entries delivered to a worker and not yet acknowledged)."""
+    """(entries in every queue, entries delivered to a worker and not yet acknowledged), recounted from every
+    queue: O(live batches). What the depth counter must equal (tests, repair); `depth` reads the counter."""
     streams = [q for qs in queue_streams(r, keys).values() for q in qs]
     pipe = r.pipeline(transaction=False)
     for q in streams:

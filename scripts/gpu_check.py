@@ -6,11 +6,12 @@ killed, a row says so, and the next stage runs. Each row is appended to gpu_chec
 $OUT (./gpu-check-out when OUT is unset) the moment it is measured; the stages' output goes to
 gpu_check_stages.log beside them.
 
-    scripts/gpu_check                 # CUDA: stages a-e and m, caps summing to 480 s
+    scripts/gpu_check                 # CUDA: stages a-e and k (m on request), caps summing to 540 s
     scripts/gpu_check --cpu-smoke     # no GPU: the same stages on tiny shapes, kernels under TRITON_INTERPRET=1
     scripts/gpu_check --rehearse      # no GPU: the smoke run inside a venv holding only what the GPU image
                                       # holds, after installing the carry (.whl/) as the GPU run does
     scripts/gpu_check --stages a,e    # a subset
+    scripts/gpu_check --stages q      # opt-in, like m: FP8 weights against bf16 (issue 24, gpu_check_fp8.py)
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from gpu_check_report import Report, md_line, verdict  # noqa: E402
 
 def run_stage_here(key: str, smoke: bool, rehearsal: bool, out_dir: str) -> int:
     """Child process: one stage; its rows appended to the report as they are measured."""
-    if smoke and key in "ab":
+    if smoke and key in "abk":  # k: the fp8 KV cache is the Triton kernels' (the interpreter, off the GPU)
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernels module defines its @triton.jit functions
     elif smoke:
         os.environ.pop("TRITON_INTERPRET", None)  # a CPU engine on the interpreter: minutes a step
@@ -52,7 +53,7 @@ def run_stage_here(key: str, smoke: bool, rehearsal: bool, out_dir: str) -> int:
     ctx = stages.Ctx(smoke=smoke, rehearsal=rehearsal, emit=emit)
     if rehearsal:
         stages.check_imports(key, ctx)
-    if key in "cde":  # the stages that build models (transformers' import alone is seconds)
+    if key in "cdekq":  # the stages that build models (transformers' import alone is seconds)
         stages.tokenizer_setup()
     (stages.STAGES | stages.HIDDEN_STAGES)[key][1](ctx)
     return 0
@@ -146,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (no GPU needed)")
     ap.add_argument("--rehearse", action="store_true", help="the smoke run in a venv of the GPU image's packages")
-    ap.add_argument("--stages", default="a,b,c,d,e", help="comma-separated subset of a,b,c,d,e")
+    ap.add_argument("--stages", default="a,b,c,d,e,k",
+                    help="comma-separated subset of a,b,c,d,e,k; opt-in: m (fused MoE), q (FP8 weights)")
     ap.add_argument("--rehearsal", action="store_true", help=argparse.SUPPRESS)  # inside the rehearsal venv
     ap.add_argument("--run-stage", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)

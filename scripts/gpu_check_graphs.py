@@ -13,7 +13,7 @@ import torch
 
 def compare_graphs(ctx, path: str) -> None:
     """Rows: the tiny checkpoint at `path`, graphs on against off, per dtype."""
-    from gpu_check_stages import row
+    from gpu_check_measure import row
 
     from worker import Engine, SamplingParams
 

@@ -17,62 +17,26 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
+from gpu_check_measure import (
+    SYNC_CALLS,
+    Ctx,
+    checkpoint,
+    copy_bandwidth,
+    hf_greedy,
+    model_name,
+    prefix_share,
+    profile_counts,
+    row,
+    sync,
+    time_ms,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN_HEADS = (14, 2, 64)  # Qwen2.5-0.5B: q heads, kv heads, head_dim
-
-
-@dataclass
-class Ctx:
-    smoke: bool
-    rehearsal: bool = False  # inside the rehearsal venv (scripts/gpu_check --rehearse)
-    emit: Callable[[dict], None] = print  # appends a row to the report the moment it is measured
-
-    @property
-    def device(self) -> str:
-        return "cpu" if self.smoke else "cuda"
-
-    @property
-    def dtype(self) -> str:
-        return "float32" if self.smoke else "bfloat16"
-
-
-def row(check: str, value: str, reference: str = "", ok: bool | None = None, note: str = "") -> dict:
-    return dict(check=check, value=value, reference=reference, ok=ok, note=note)
-
-
-def sync(ctx: Ctx) -> None:
-    if not ctx.smoke:
-        torch.cuda.synchronize()
-
-
-def time_ms(ctx: Ctx, fn) -> float:
-    """Median milliseconds of fn: CUDA events via do_bench on the GPU, a few host-timed calls on the CPU."""
-    if not ctx.smoke:
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=25, rep=100, return_mode="median")
-    fn()
-    times = []
-    for _ in range(2):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
-
-
-def copy_bandwidth(ctx: Ctx) -> float:
-    """Bytes read + written per second by a large device copy (64 MiB on the CPU smoke, 2 GiB on the GPU)."""
-    src = torch.empty((64 << 20) if ctx.smoke else (2 << 30), dtype=torch.uint8, device=ctx.device)
-    dst = torch.empty_like(src)
-    ms = time_ms(ctx, lambda: dst.copy_(src))
-    return 2 * src.numel() / (ms * 1e-3)
 
 
 # ---------------------------------------------------------------- (a) kernels against their references
@@ -80,7 +44,8 @@ def copy_bandwidth(ctx: Ctx) -> float:
 # A representative third of tests/kernels/test_kernels*.py's 154 CUDA tests, sized for stage a's cap with a cold
 # Triton cache: every kernel test in bfloat16 and float32 (float16, which the engine never picks, dropped),
 # the decode/prefill block x GQA grid at block 16 for every group and at blocks 32/64 for one group
-STAGE_A_TESTS = ["tests/kernels/test_kernels.py", "tests/kernels/test_kernels_fused.py"]
+STAGE_A_TESTS = ["tests/kernels/test_kernels.py", "tests/kernels/test_kernels_fused.py",
+                 "tests/kernels/test_fused_checks.py"]
 STAGE_A_SELECT = ("not interpreter_suite and not sm90 and not bench_script and not (float16 and not bfloat16) "
                   "and not -32-2-2-32 and not -32-16-2-32 and not -64-2-2-32 and not -64-16-2-32")
 
@@ -194,44 +159,10 @@ def stage_bandwidth(ctx: Ctx) -> None:
                          None if sdpa is None else ours <= 1.5 * sdpa, f"{r[8]:.0f} TFLOP/s"))
 
 
-# ---------------------------------------------------------------- model checkpoints in real shapes
-
-def model_name(ctx: Ctx) -> str:
-    # the smoke run takes SmolLM2's shape (bench_gpu's SMOKE sizes): a 151,936-token vocabulary costs a
-    # minute of random init on a CPU
-    return "SmolLM2-135M" if ctx.smoke else "Qwen2.5-0.5B"
-
-
-def checkpoint(ctx: Ctx, name: str) -> str:
-    """A random-weight checkpoint in `name`'s shapes, made once per gpu_check run (stages c and d share it)."""
-    from benchmarks import bench_gpu
-    directory = Path(os.environ.get("GPU_CHECK_CACHE") or tempfile.mkdtemp(prefix="gpu-check-")) / name
-    if not (directory / "config.json").is_file():
-        shape = bench_gpu.SHAPES[name] | (bench_gpu.SMOKE if ctx.smoke else {})
-        bench_gpu.make_checkpoint(str(directory), shape, ctx.device)
-    return str(directory)
-
-
 # ---------------------------------------------------------------- (c) decode step time against the floor
 
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
-
-
-def profile_counts(ctx: Ctx, engine, steps: int) -> tuple[float, float]:
-    """(kernel launches, host syncs) per engine step, from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([] if ctx.smoke else [ProfilerActivity.CUDA])
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            engine.step()
-    events = prof.events()
-    launches = sum(1 for e in events if "LaunchKernel" in e.name or e.name == "cudaGraphLaunch")
-    syncs = sum(1 for e in events if e.name in SYNC_CALLS)
-    return launches / steps, syncs / steps
-
-
 def stage_decode(ctx: Ctx) -> None:
+    from benchmarks.bench_overlap import HostTimer
     from worker import Engine, SamplingParams
     from worker.engine.model_runner import kv_bytes_per_block
 
@@ -257,20 +188,29 @@ def stage_decode(ctx: Ctx) -> None:
                 engine.step()
             sync(ctx)
             times = []
+            host = HostTimer(engine)  # the main thread's CPU time in engine.step(), split by phase
             for _ in range(3 if ctx.smoke else 20):
                 t = time.perf_counter()
+                cpu = time.thread_time()
                 engine.step()
+                host.totals["step"] = host.totals.get("step", 0.0) + time.thread_time() - cpu
                 sync(ctx)
                 times.append(time.perf_counter() - t)
             step_ms = 1000 * statistics.median(times)
+            phases = {k: 1000 * v / len(times) for k, v in host.take().items()}
             launches, syncs = profile_counts(ctx, engine, 3)
             weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-            kv = batch * (context + 30) * kv_bytes_per_block(engine.model, 1, engine.dtype)
+            kv = batch * (context + 30) * kv_bytes_per_block(engine.model, 1, engine.kv_dtype)
             floor_ms = 1000 * (weights + kv) / bw
             ratio = step_ms / floor_ms
             mode = f"batch {batch} ctx {context} graphs {'on' if graphs else 'off'}"
             ctx.emit(row(f"decode step {mode}", f"{step_ms:.2f} ms = {ratio:.1f}x floor",
                          f"floor {floor_ms:.2f} ms; <= 1.5x at batch 256", (ratio <= 1.5) if batch == 256 else None))
+            other = phases["step"] - phases["schedule"] - phases["prepare"] - phases["postprocess"]
+            ctx.emit(row(f"host critical path per decode step, {mode}", f"{phases['step']:.2f} ms",
+                         "<= 1.5 ms at batch 256", (phases["step"] <= 1.5) if batch == 256 else None,
+                         f"main thread CPU: schedule {phases['schedule']:.2f} / prepare {phases['prepare']:.2f} / "
+                         f"postprocess {phases['postprocess']:.2f} / other {other:.2f} ms"))
             ctx.emit(row(f"kernel launches / host syncs per decode step, {mode} (torch.profiler)",
                          f"{launches:.0f} / {syncs:.1f}", "<= 1 host sync per step",
                          None if ctx.smoke else syncs <= 1,
@@ -306,14 +246,6 @@ def stage_throughput(ctx: Ctx) -> None:
 
 # ---------------------------------------------------------------- (e) tokens against HF generate
 
-@torch.inference_mode()
-def hf_greedy(model, prompt: list[int], n: int, device: str) -> list[int]:
-    ids = torch.tensor([prompt], device=device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
-
-
 def stage_parity(ctx: Ctx) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -335,7 +267,7 @@ def stage_parity(ctx: Ctx) -> None:
             got = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=n_new, temperature=0.0,
                                                                                 ignore_eos=True))]
             same = sum(a == b for a, b in zip(got, want, strict=True))
-            agree = statistics.mean(_prefix_share(a, b) for a, b in zip(got, want, strict=True))
+            agree = statistics.mean(prefix_share(a, b) for a, b in zip(got, want, strict=True))
             exact = dtype == "float32"
             ctx.emit(row(f"tiny llama {dtype} tokens vs HF generate ({ctx.device})",
                          f"{same}/{len(prompts)} identical, {agree:.0%} agreement",
@@ -346,20 +278,19 @@ def stage_parity(ctx: Ctx) -> None:
         gpu_check_graphs.compare_graphs(ctx, path)
 
 
-def _prefix_share(a: list[int], b: list[int]) -> float:
-    n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    return n / max(len(b), 1)
-
-
 # the modules each stage imports on the GPU (its smoke run skips some): the rehearsal imports them all
 STAGE_IMPORTS = {
     "a": ("benchmarks.bench_kernels", "pytest", "triton.testing", "kernels.decode_attention"),
     "b": ("benchmarks.bench_kernels", "triton.testing", "kernels.decode_attention", "kernels.prefill_attention"),
-    "c": ("worker", "worker.engine.model_runner", "worker.engine.cuda_graphs", "torch.profiler"),
+    "c": ("worker", "worker.engine.model_runner", "worker.engine.cuda_graphs", "torch.profiler",
+          "benchmarks.bench_overlap"),
     "d": ("benchmarks.bench_gpu", "worker", "transformers"),
     "e": ("tests.support.tiny_models", "worker", "transformers", "gpu_check_graphs", "worker.engine.guided",
           "protocol.constraints"),
     "m": ("kernels.moe", "kernels.moe_reference", "triton.testing"),
+    "k": ("gpu_check_kv", "kernels.kv_quant", "kernels.decode_attention", "worker", "benchmarks.bench_gpu"),
+    "q": ("gpu_check_fp8", "kernels.fp8_linear", "worker.engine.fp8", "tests.support.fp8_checkpoints", "worker",
+          "triton.testing"),
 }
 
 
@@ -418,7 +349,20 @@ def stage_moe(ctx: Ctx) -> None:
                             f"relative error {err:.1e}"))
 
 
-# caps in seconds on the GPU with a cold Triton cache: 480 in all
+def stage_fp8(ctx: Ctx) -> None:
+    """Stage q (issue 24, not in the default list): FP8 weights against bf16, in gpu_check_fp8.py."""
+    import gpu_check_fp8
+
+    gpu_check_fp8.stage_fp8_weights(ctx)
+
+
+def stage_kv_fp8(ctx: Ctx) -> None:
+    import gpu_check_kv  # scripts/gpu_check_kv.py: the fp8 KV cache (issue 24)
+
+    gpu_check_kv.stage_kv_fp8(ctx)
+
+
+# caps in seconds on the GPU with a cold Triton cache: 540 in all
 STAGES = {
     "a": ("kernels vs reference", stage_kernels, 70),
     "b": ("kernel bandwidth", stage_bandwidth, 50),
@@ -426,8 +370,11 @@ STAGES = {
     "d": ("engine vs transformers CB", stage_throughput, 115),
     "e": ("tokens vs HF generate; graphs on vs off", stage_parity, 105),
     "m": ("fused MoE vs reference", stage_moe, 20),
+    "k": ("fp8 KV cache vs bf16: attention error, engine tok/s", stage_kv_fp8, 60),
+    "q": ("FP8 weights vs bf16", stage_fp8, 150),
 }
-SMOKE_CAPS = {"a": 240, "b": 240, "c": 240, "d": 240, "e": 240, "m": 240, "z": 8}  # a loaded 2-core CI box
+SMOKE_CAPS = {"a": 240, "b": 240, "c": 240, "d": 240, "e": 240, "m": 240, "k": 240, "q": 240,
+              "z": 8}  # a loaded 2-core CI box
 HIDDEN_STAGES = {"z": ("self-test: overrun", stage_overrun_selftest, 8)}
 
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 
+import redis
 import structlog
 from pydantic import ValidationError
+from redis.exceptions import RedisClusterException
 
 from protocol.connection import redis_from_url
 from protocol.logs import configure_logging
@@ -27,13 +30,19 @@ def main(argv: list[str] | None = None) -> int:
     log.info("worker_starting", **settings.model_dump(exclude={"redis_url"}),
              redis=redact_url(settings.redis_url))
 
-    try:
-        client = redis_from_url(
-            settings.redis_url, socket_timeout=10, socket_connect_timeout=3, health_check_interval=15
-        )
-    except ValueError as err:
-        log.error("bad_redis_url", url=redact_url(settings.redis_url), error=scrub(str(err), settings.redis_url))
-        return 2
+    while True:
+        try:
+            client = redis_from_url(
+                settings.redis_url, socket_timeout=10, socket_connect_timeout=3, health_check_interval=15
+            )
+            break
+        except ValueError as err:
+            log.error("bad_redis_url", url=redact_url(settings.redis_url), error=scrub(str(err), settings.redis_url))
+            return 2
+        except (redis.RedisError, RedisClusterException, OSError) as err:
+            # Only a cluster client dials when made (it maps the slots): wait for the cluster as for any outage.
+            log.warning("redis_unavailable", during="connect", error=scrub(str(err), settings.redis_url))
+            time.sleep(2)
 
     from worker.engine import Engine  # torch: imported after the cheap checks
     from worker.serve.metrics import WorkerMetrics

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from gateway.context import GatewayContext
+from gateway.keys import GatewayKeys
 from protocol.records import QueueInfo
 
 SAMPLE_S = 2.0
@@ -17,7 +18,7 @@ KEEP = 900  # samples: half an hour at SAMPLE_S
 
 
 def _key(ns: str) -> str:
-    return f"{ns}:gw:ui:samples"
+    return GatewayKeys(ns).ui_samples
 
 
 def sample_of(info: QueueInfo, now: float) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from fastapi import Request
 
+from gateway.keys import GatewayKeys
 from gateway.settings import owner_id
 
 COOKIE = "tb_session"
@@ -47,7 +48,7 @@ class Session:
 
 
 def _key(ns: str, token_hash: str) -> str:
-    return f"{ns}:gw:ui:session:{token_hash}"
+    return GatewayKeys(ns).ui_session(token_hash)
 
 
 def _hash(token: str) -> str:

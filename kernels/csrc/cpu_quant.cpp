@@ -1,5 +1,6 @@
 // Weight-only int8 linear layers for the CPU serving path (worker/engine/quantization.py, issue 24).
-// Built after cpu_kernels.cpp in the same translation unit (kernels/cpu.py), beside its fp32 panel kernel.
+// Built after cpu_kernels.cpp in the same translation unit (kernels/cpu.py), beside its fp32 panel kernel, whose
+// tile loop (for_each_panel_tile) and store (store_tile) it shares.
 //
 // y [m, n] = x [m, k] · (W_int8 · diag(scale))ᵀ (+ bias). The weight is the int8 twin of the fp32 panels,
 // [ceil(n / 16), k, 16] int8 (worker/engine/backends/cpu_linear.py packs it), with one fp32 scale per output
@@ -70,19 +71,8 @@ void panel_rows_int8(const float* x, int64_t x_stride, const int8_t* panel, cons
   for (int r = 0; r < ROWS; ++r)
     for (int e = 0; e < kPanelCols; ++e) out[r][e] = acc[r][e] * scale[col0 + e];
 #endif
-  const int64_t cols = std::min<int64_t>(kPanelCols, n - col0);
-  for (int r = 0; r < ROWS; ++r)
-    for (int64_t e = 0; e < cols; ++e) y[r * y_stride + col0 + e] = out[r][e] + (bias ? bias[col0 + e] : 0.f);
+  store_tile<ROWS>(out, y, y_stride, col0, n, bias);
 }
-
-using PanelRowsInt8Fn = void (*)(const float*, int64_t, const int8_t*, const float*, int64_t, float*, int64_t,
-                                 int64_t, int64_t, const float*);
-
-template <int... R>
-constexpr std::array<PanelRowsInt8Fn, sizeof...(R)> panel_rows_int8_table(std::integer_sequence<int, R...>) {
-  return {panel_rows_int8<R + 1>...};
-}
-constexpr auto kPanelRowsInt8For = panel_rows_int8_table(std::make_integer_sequence<int, kMaxTileRows>{});
 
 }  // namespace
 
@@ -104,14 +94,9 @@ torch::Tensor panel_linear_int8_cpu(torch::Tensor x, torch::Tensor panels, torch
   float* yp = y.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int64_t xs = x.stride(0);
-  at::parallel_for(0, num_panels, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      for (int64_t r0 = 0; r0 < rows; r0 += kMaxTileRows) {
-        const int64_t tile = std::min<int64_t>(kMaxTileRows, rows - r0);
-        kPanelRowsInt8For[tile - 1](xp + r0 * xs, xs, wp + p * k * kPanelCols, sp, k, yp + r0 * out_features,
-                                    out_features, p * kPanelCols, out_features, bp);
-      }
-    }
+  for_each_panel_tile(rows, num_panels, [&](int64_t p, int64_t r0, auto height) {
+    panel_rows_int8<decltype(height)::value>(xp + r0 * xs, xs, wp + p * k * kPanelCols, sp, k,
+                                             yp + r0 * out_features, out_features, p * kPanelCols, out_features, bp);
   });
   return y;
 }

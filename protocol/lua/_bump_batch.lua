@@ -14,7 +14,9 @@ local function bump_batch(L, batch_id, status, now, ttl)
     if v[5] == 'cancelling' then final = 'cancelled' end
     redis.call('HSET', bkey, 'status', final, 'completed_at', now)
     if v[6] and v[6] ~= '' then
-      redis.call('ZREM', L.registry[v[7] or ''] or L.registry[L.default_priority], v[6])
+      local p = L.registry[v[7] or ''] and v[7] or L.default_priority
+      redis.call('ZREM', L.registry[p], v[6])
+      redis.call('ZREM', L.ready[p], v[6])
       if redis.call('XLEN', v[6]) == 0 then redis.call('DEL', v[6]) end
     end
     if ttl and ttl > 0 then

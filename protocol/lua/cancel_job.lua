@@ -6,6 +6,8 @@
 --       | its terminal status (no-op) | '' no such job
 -- #include _is_terminal.lua
 -- #include _bump_batch.lua
+-- #include _queue_depth.lua
+local L = cjson.decode(ARGV[5])
 local cur = redis.call('HMGET', KEYS[1], 'status', 'entry_id', 'result_ttl', 'batch_id', 'queue')
 if not cur[1] then return '' end
 if is_terminal(cur[1]) then return cur[1] end
@@ -19,8 +21,8 @@ local ttl = tonumber(cur[3] or ARGV[4])
 if ttl and ttl > 0 then redis.call('EXPIRE', KEYS[1], ttl) end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'job_id', ARGV[2], 'status', 'cancelled')
 if cur[2] and cur[5] then
-  redis.call('XACK', cur[5], ARGV[1], cur[2])
-  redis.call('XDEL', cur[5], cur[2])
+  depth_init(L)
+  ack_del(L, cur[5], ARGV[1], cur[2])
 end
-bump_batch(cjson.decode(ARGV[5]), cur[4], 'cancelled', ARGV[3], ttl)
+bump_batch(L, cur[4], 'cancelled', ARGV[3], ttl)
 return 'cancelled'

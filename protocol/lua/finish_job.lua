@@ -7,22 +7,23 @@
 --       9 default result_ttl (used when the record has none), 10 the namespace's layout (JSON, _layout.lua),
 --       11 events maxlen
 -- returns 1 ended now | 0 was already terminal (not overwritten) | -1 no record; the entry is always
---         acked + deleted and the id removed from the cancel set
+--         acked + deleted (the depth counter counts both) and the id removed from the cancel set
 -- #include _is_terminal.lua
 -- #include _bump_batch.lua
+-- #include _queue_depth.lua
+-- #include _keep_request.lua
 local st = ARGV[4]
 if not is_terminal(st) then
   return redis.error_reply('ERR finish: status must be finished, failed or cancelled, got ' .. st)
 end
+local L = cjson.decode(ARGV[10])
+depth_init(L)
 local cur = redis.call('HMGET', KEYS[1], 'status', 'entry_id', 'result_ttl', 'batch_id', 'queue')
 local entry, stream = ARGV[2], KEYS[2]
 if entry == '' and cur[2] then entry, stream = cur[2], cur[5] or KEYS[2] end
 redis.call('SREM', KEYS[4], ARGV[3])
 local function ack()
-  if entry ~= '' then
-    redis.call('XACK', stream, ARGV[1], entry)
-    redis.call('XDEL', stream, entry)
-  end
+  if entry ~= '' then ack_del(L, stream, ARGV[1], entry) end
 end
 if not cur[1] then ack() return -1 end
 if is_terminal(cur[1]) then ack() return 0 end
@@ -33,6 +34,7 @@ if ARGV[7] ~= '' then redis.call('HSET', KEYS[1], 'error_code', ARGV[7]) end
 local ttl = tonumber(cur[3] or ARGV[9])
 if ttl and ttl > 0 then redis.call('EXPIRE', KEYS[1], ttl) end
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[11], '*', 'job_id', ARGV[3], 'status', st)
+keep_request(KEYS[1], stream, entry)  -- before the entry goes
 ack()  -- before bump_batch: the batch's last entry gone, its ended queue can be deleted
-bump_batch(cjson.decode(ARGV[10]), cur[4], st, ARGV[8], ttl)
+bump_batch(L, cur[4], st, ARGV[8], ttl)
 return 1

@@ -1,5 +1,10 @@
 -- QUEUE_DEPTH (client)
--- KEYS: none (the queues are found from the layout). ARGV: 1 the namespace's layout (JSON, _layout.lua).
--- Returns the entries in every queue.
+-- KEYS: none (the counter is found from the layout). ARGV: 1 the namespace's layout (JSON, _layout.lua).
+-- Returns {entries in every queue, pending (delivered, not acked), entries of each priority in layout order}:
+-- the depth counter {ns}:depth (recounted first if it is missing), read in O(1).
 -- #include _queue_depth.lua
-return queue_depth(cjson.decode(ARGV[1]))
+local L = cjson.decode(ARGV[1])
+local total = queue_depth(L)
+local out = {total, tonumber(redis.call('HGET', L.depth, 'pending') or 0)}
+for _, v in ipairs(redis.call('HMGET', L.depth, unpack(L.priorities))) do table.insert(out, tonumber(v or 0)) end
+return out

@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from producer import Client, InvalidJob, JobNotFound, QueueFull, WaitTimeout
+from protocol import scripts
 from protocol.models import GROUP, JobResult, JobStatus, parse_request
 from protocol.scripts import finish_job, mark_first_token, start_job
 
@@ -69,7 +70,11 @@ def test_submit_get_and_stream_entry(client):
     ids = client.submit(prompt_token_ids=[1, 2, 3], seed=7, logprobs=2)
     assert chat == "chat-1"
     assert client.get(chat).request["messages"] == [{"role": "user", "content": "hi"}]
-    assert parse_request(client.redis.hget(client.keys.job(ids), "request")).engine_prompt() == [1, 2, 3]
+    # the request is stored once, in the entry (Client.get reads it from there); the record holds short fields
+    record = client.redis.hgetall(client.keys.job(ids))
+    assert "request" not in record and "id" not in record and record["status"] == "queued"
+    entry = client.redis.xrange(record["queue"], record["entry_id"], record["entry_id"])[0][1]
+    assert parse_request(entry["request"]).engine_prompt() == [1, 2, 3] == client.get(ids).request["prompt_token_ids"]
 
 
 @pytest.mark.parametrize("fields, expect", [
@@ -89,7 +94,7 @@ def test_invalid_jobs_are_refused_and_nothing_is_written(client, fields, expect)
     with pytest.raises(InvalidJob) as err:
         client.submit(**fields)
     assert expect in str(err.value)
-    assert client.redis.keys(f"{client.keys.ns}:job:*") == []
+    assert client.redis.keys(f"{client.keys.prefix}:job:*") == []
     assert client.redis.exists(client.keys.queue()) == 0 or client.redis.xlen(client.keys.queue()) == 0
 
 
@@ -98,7 +103,7 @@ def test_submit_many_validates_all_before_writing(client):
     reqs[3] = {"prompt": "p3", "bogus": 1}
     with pytest.raises(InvalidJob, match=r"1 of 5 requests are invalid; nothing was submitted:\n  request 3"):
         client.submit_many(reqs)
-    assert client.redis.keys(f"{client.keys.ns}:job:*") == []
+    assert client.redis.keys(f"{client.keys.prefix}:job:*") == []
     with pytest.raises(InvalidJob, match="invalid job id"):
         client.submit("x", job_id="has space")
 
@@ -252,22 +257,30 @@ def test_as_completed_resyncs_when_events_are_lost(client):
 
 def test_info_reports_queue_workers_and_dead_letters(client):
     client.submit_many([{"prompt": f"p{i}"} for i in range(4)])
-    client.redis.xreadgroup(GROUP, "w1", {client.keys.queue(): ">"}, count=1)
+    # a worker reads one (READ counts it in the depth counter's pending)
+    scripts.script(scripts.lua("read"))(keys=[client.keys.routing_key], args=[client.keys.layout, GROUP, "w1", 1],
+                                        client=client.redis)
     client.redis.sadd(client.keys.workers, "w1", "w-old")
     beat = {"name": "w1", "model": "smollm2-135m", "started_at": time.time() - 60, "last_seen": time.time(),
-            "running": 1, "waiting": 0, "free_blocks": 100, "jobs_done": 7, "model_path": "transformers"}
+            "running": 1, "waiting": 0, "free_blocks": 100, "jobs_done": 7, "model_path": "transformers",
+            "backend": "triton", "device": "cuda:0"}
     client.redis.set(client.keys.worker("w1"), json.dumps(beat), ex=30)
+    # a 0.2.0 worker sent backend and device as one string: the reader splits it
+    client.redis.sadd(client.keys.workers, "w-020")
+    old = {"name": "w-020", "last_seen": time.time(), "serving_path": "cpu-cpp on cpu"}
+    client.redis.set(client.keys.worker("w-020"), json.dumps(old), ex=30)
     dead = {"job_id": "j", "reason": "max_attempts", "attempts": 3, "request": "{}"}
     client.redis.xadd(client.keys.dead, dead)
     info = client.info()
     assert (info.queue_depth, info.pending, info.waiting, info.dead_letters) == (4, 1, 3, 1)
-    assert info.consumers == 1
-    assert [(w.name, w.alive) for w in info.workers] == [("w-old", False), ("w1", True)]
-    assert info.workers[1].heartbeat.jobs_done == 7 and info.workers[1].heartbeat.model == "smollm2-135m"
-    assert info.workers[1].heartbeat.model_path == "transformers"  # which code serves the model
+    assert info.consumers == 2, "the workers whose heartbeat is live (w1 and w-020; w-old's expired)"
+    assert [(w.name, w.alive) for w in info.workers] == [("w-020", True), ("w-old", False), ("w1", True)]
+    assert (info.workers[0].heartbeat.backend, info.workers[0].heartbeat.device) == ("cpu-cpp", "cpu")
+    assert info.workers[2].heartbeat.jobs_done == 7 and info.workers[2].heartbeat.model == "smollm2-135m"
+    assert info.workers[2].heartbeat.model_path == "transformers"  # which code serves the model
     from producer.cli import format_info
 
-    assert "model=smollm2-135m path=transformers" in format_info(info)
+    assert "model=smollm2-135m path=transformers backend=triton device=cuda:0" in format_info(info)
 
 
 def test_info_on_an_empty_namespace(client):

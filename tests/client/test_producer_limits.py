@@ -29,7 +29,7 @@ def client(redis_server):
 
 
 def nothing_written(c: Client) -> bool:
-    return c.redis.keys(f"{c.keys.ns}:job:*") == [] and c.redis.keys(f"{c.keys.ns}:batch:*") == []
+    return c.redis.keys(f"{c.keys.prefix}:job:*") == [] and c.redis.keys(f"{c.keys.prefix}:batch:*") == []
 
 
 def chat_line(cid: str, **body) -> str:

@@ -67,7 +67,7 @@ def test_bad_constraints_are_refused_at_submit_and_nothing_is_written(client, fi
         client.submit("hello", **fields)
     assert expect in str(err.value)
     assert scripts.queue_depth(client.redis, client.keys) == 0
-    assert not client.redis.keys(f"{client.keys.ns}:job:*")
+    assert not client.redis.keys(f"{client.keys.prefix}:job:*")
 
 
 def test_openai_batch_line_and_gateway_body_carry_response_format():

@@ -254,7 +254,7 @@ def test_compose_redis_auth_acl_healthcheck_and_aof(compose, compose_redis):
     assert healthcheck_rc(test, srv.port, "wrong") != 0
 
     app = redis.Redis.from_url(app_url(srv.port))
-    app.set("tokenbus:probe", "1")
+    app.set("{tokenbus}:probe", "1")
     for denied in (lambda: app.set("other:key", "1"), lambda: app.config_get("*"), app.flushall,
                    lambda: app.keys("*"), lambda: app.get("rq:job:1")):
         with pytest.raises(redis.exceptions.NoPermissionError):
@@ -265,7 +265,7 @@ def test_compose_redis_auth_acl_healthcheck_and_aof(compose, compose_redis):
     time.sleep(1.5)
     srv.kill()
     srv.start(admin.ping)
-    assert admin.get("tokenbus:probe") == b"1"
+    assert admin.get("{tokenbus}:probe") == b"1"
 
 
 def test_the_tokenbus_acl_user_runs_the_real_producer_and_worker_operations(compose_redis):
@@ -323,7 +323,7 @@ def test_tls_recipe_in_the_docs(compose, tmp_path):
     app = redis.Redis.from_url(url, socket_timeout=5)
     srv.start(app.ping)
     try:
-        assert app.set("tokenbus:over-tls", "1")
+        assert app.set("{tokenbus}:over-tls", "1")
         with pytest.raises(redis.ConnectionError):  # plain text to the TLS port
             redis.Redis(port=srv.port, password=ENV["REDIS_PASSWORD"], socket_timeout=2).ping()
         test = override["services"]["redis"]["healthcheck"]["test"]

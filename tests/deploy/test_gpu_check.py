@@ -35,7 +35,9 @@ def test_bench_scripts_import_without_structlog_pydantic_or_redis():
         "sys.meta_path.insert(0, Block())\n"
         f"sys.path.insert(0, {str(ROOT / 'scripts')!r})\n"
         "from benchmarks import bench_gpu, bench_kernels\n"
-        "import gpu_carry, gpu_check, gpu_check_graphs, gpu_check_report, gpu_check_stages, gpu_env\n"
+        "import gpu_carry, gpu_check, gpu_check_fp8, gpu_check_graphs, gpu_check_kv, gpu_check_measure\n"
+        "import gpu_check_report\n"
+        "import gpu_check_stages, gpu_env\n"
         "assert gpu_env.missing() == ['structlog', 'pydantic', 'redis', 'llguidance'], gpu_env.missing()\n"
         "print('imported')\n"
     )

@@ -48,7 +48,7 @@ def run_staggered(engine: Any, short: bool = False) -> dict[str, Any]:
     engine.block_manager.check_invariants([])
     return {"tokens": {i: outputs[i] for i in requests}, "preemptions": stats.preemptions,
             "prefix_hit_tokens": stats.prefix_hit_tokens, "backend": engine.backend.name,
-            "serving_path": engine.serving_path, "short": short}
+            "model_path": engine.model_path, "short": short}
 
 
 def hf_tokens(directory: str) -> list[list[int]]:

@@ -14,6 +14,7 @@ from protocol.constraints import LIMITS, ConstraintLimits, grammar_for, regex_re
 from protocol.errors import InvalidJob
 from protocol.models import ErrorCode
 from worker.engine import loader
+from worker.engine.errors import InvalidRequest
 from worker.engine.guided import GrammarTooCostly, GuidedDecoding
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import Sequence
@@ -117,8 +118,8 @@ def test_a_mask_over_budget_fails_that_request_alone(tokenizer, lltokenizer):
     while not (failed := guided.take_failed()):
         assert not guided.is_ready(seq) and time.monotonic() < deadline
         guided.wait(0.1)
-    assert failed[0][0] is seq and failed[0][1].startswith(ErrorCode.grammar_too_costly)
-    assert "mask_budget_ms" in failed[0][1]
+    assert failed[0][0] is seq and isinstance(failed[0][1], InvalidRequest)
+    assert failed[0][1].code == ErrorCode.grammar_too_costly and "mask_budget_ms" in str(failed[0][1])
 
     strict = guided_for(tokenizer, lltokenizer, limits=ConstraintLimits(mask_budget_ms=1e9))
     victim = Sequence("victim", [1, 2, 3], SamplingParams(regex="[a-z]{1,40}"), time.time(), detokenizer=None)
@@ -133,4 +134,5 @@ def test_a_mask_over_budget_fails_that_request_alone(tokenizer, lltokenizer):
     with pytest.raises(GrammarTooCostly) as err:
         strict.apply(logits, [plain, victim])
     assert err.value.request_id == "victim" and err.value.code == ErrorCode.grammar_too_costly
+    assert isinstance(err.value, InvalidRequest), "the constraint's cost is the client's to fix"
     assert torch.equal(logits, before)

@@ -18,15 +18,11 @@ def test_tiny_family_equals_hf(tmp_path_factory, model_type):
     directory = make_tiny_model(str(tmp_path_factory.mktemp(model_type)), model_type)
     hf = load_hf(directory)
     engine = Engine(directory, device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=16)
-    for i, (prompt, m) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs[out.request_id] = out.token_ids
-    for i, (prompt, m) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
+    outputs = engine.generate(PROMPTS, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+                                        for m in MAX_TOKENS])
+    for prompt, m, out in zip(PROMPTS, MAX_TOKENS, outputs, strict=True):
         expected = hf_greedy(hf, engine.tokenize(prompt), m, ignore_eos=True)
-        assert outputs[str(i)] == expected, f"{model_type}: prompt {prompt!r} differs"
+        assert out.token_ids == expected, f"{model_type}: prompt {prompt!r} differs"
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
 
 

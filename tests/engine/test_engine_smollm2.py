@@ -6,7 +6,7 @@ import pytest
 
 from tests.support.hf_reference import hf_greedy, load_hf
 from worker import Engine, SamplingParams
-from worker.engine.errors import InvalidRequest
+from worker.engine.errors import EngineFault, InvalidRequest
 from worker.engine.loader import resolve
 
 PROMPTS = [
@@ -256,9 +256,10 @@ def test_request_that_can_never_fit_the_cache_is_refused(small_engine):
 
 def test_duplicate_request_id_is_refused(engine):
     engine.add_request("dup", "hello", SamplingParams(max_tokens=2))
-    with pytest.raises(ValueError, match="already") as err:
+    with pytest.raises(EngineFault, match="already") as err:
         engine.add_request("dup", "hello", SamplingParams(max_tokens=2))
     assert not isinstance(err.value, InvalidRequest), "a caller's bug, not the request's: a worker_error"
+    assert err.value.code == "worker_error"
     engine.abort("dup")
 
 

@@ -6,14 +6,14 @@ prefix-cache hit (the last prompt starts with the first one's full block).
 
 The tiny configs (tests/tiny_models.py) make each difference bite: Gemma 2's window of 7 (shorter than a
 block) and its soft-caps of 2 and 3, Gemma 3's window of 20 (longer than a block) with its two RoPE bases
-(the global one linearly scaled), Phi-3's window of 24, half-rotary heads and longrope switching to the long
-factors at position 32, which the decodes cross. Phi-3's reference is HF's model stepped with its own cache
+(the global one linearly scaled), Phi-3's head_dim 96, window of 24, half-rotary heads and longrope switching
+to the long factors at position 32, which the decodes cross. Phi-3's reference is HF's model stepped with its own cache
 (hf_stepwise): HF `generate` alone recomputes a Phi-3 sequence's whole cache with the long factors when it
 first crosses the original context, which tokenbus does not (docs/architecture.md, "Phi-3 longrope").
 
 On the CPU serving path (C++ kernels) in this process; on the Triton path in a TRITON_INTERPRET=1 child (see
 tests/engine/test_engine_triton.py for why a child), which refuses the PyTorch attention references outright.
-Run directly, this file is that child: `python tests/engine/test_gemma_phi3.py MODEL_DIR` prints JSON.
+Run directly, this file is that child: `python -m tests.engine.test_gemma_phi3 MODEL_DIR...` prints JSON.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def family_dirs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_cpu_serving_path_equals_hf(family_dirs, family):
+def test_cpu_kernels_equal_hf(family_dirs, family):
     result = run_workload(family_dirs[family])
     assert result["backend"] == "cpu-cpp", result["backend"]
     check_against_hf(family_dirs[family], result, family)
@@ -145,19 +145,20 @@ def run_with_triton(directory: str) -> dict:
 
 @pytest.mark.slow
 def test_triton_path_equals_hf(family_dirs):
-    """Gemma 2 only (the interpreter runs every kernel program in Python: minutes a family on a busy CPU): it
-    carries the window below a block, both soft-caps and GeGLU through the Triton kernels. Gemma 3's and
-    Phi-3's differences are in weights and RoPE tables the same kernels read; their windows are the same
-    kernel switch, checked on awkward shapes in tests/kernels/test_sliding_window.py."""
+    """All three families in one interpreter child (one start-up): Gemma 2's window below a block, both
+    soft-caps and GeGLU; Gemma 3's window above a block with its two RoPE bases; Phi-3's head_dim 96 (padded
+    to 128 lanes in every attention kernel), half-rotary heads and longrope through the Triton kernels."""
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tests.engine.test_gemma_phi3", family_dirs["gemma2"]], cwd=root,
-                          env=env, capture_output=True, text=True, timeout=900)
+    dirs = [family_dirs[f] for f in FAMILIES]
+    proc = subprocess.run([sys.executable, "-m", "tests.engine.test_gemma_phi3", *dirs], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"engine child failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["backend"] == "triton-interpreter", result["backend"]
-    check_against_hf(family_dirs["gemma2"], result, "gemma2", TRITON_WORKLOAD)
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    for family, directory in zip(FAMILIES, dirs, strict=True):
+        assert results[directory]["backend"] == "triton-interpreter", results[directory]["backend"]
+        check_against_hf(directory, results[directory], family, TRITON_WORKLOAD)
 
 
 if __name__ == "__main__":
-    print(json.dumps(run_with_triton(sys.argv[1])))
+    print(json.dumps({directory: run_with_triton(directory) for directory in sys.argv[1:]}))

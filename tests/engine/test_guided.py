@@ -94,7 +94,8 @@ def test_grammar_that_fails_to_compile_leaves_through_take_failed(tokenizer):
         assert not guided.is_ready(bad)
         guided.wait(0.1)
         failed = guided.take_failed()
-    assert failed and failed[0][0] is bad and "cannot be compiled" in failed[0][1]
+    assert failed and failed[0][0] is bad and "cannot be compiled" in str(failed[0][1])
+    assert isinstance(failed[0][1], GrammarError) and failed[0][1].code == "invalid_request"
     with pytest.raises(GrammarError, match="cannot be compiled"):
         guided.add(make_seq("again", SamplingParams.model_construct(regex="(")))
 

@@ -3,8 +3,9 @@ modeling code with the paged cache: GPT-NeoX, Phi-2, StableLM, OLMo 2, Granite),
 random-weight model built here, through one staggered mixed batch (staggered_batch.py: chunked prefill,
 preemption, a prefix-cache hit), greedy fp32 token for token against Hugging Face `generate`: on the CPU
 serving path; and on the Triton path under TRITON_INTERPRET=1 (a child process, since Triton reads the flag
-at import): Mixtral over the same batch, Qwen3-MoE and GPT-NeoX over a short one (the interpreter runs each
-kernel program in Python: the whole batch costs ~13 s of CPU per model). Plus what is refused at load, and why."""
+at import): Mixtral over the same batch, Qwen3-MoE over a short one (the interpreter runs each
+kernel program in Python: the whole batch costs ~13 s of CPU per model); the five fallbacks over a short one
+too. Plus what is refused at load, and why."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ ARCHS = {
                     logits_scaling=3.0),  # its own attention scale and logit divisor
 }
 NATIVE = ("mixtral", "qwen3_moe")
-TRITON_ARCHS = {"mixtral": False, "qwen3_moe": True, "gpt_neox": True}  # arch -> the short batch
+# arch -> the short batch; every fallback architecture runs, short, on the Triton path too
+TRITON_ARCHS = {"mixtral": False, "qwen3_moe": True, **{arch: True for arch in ARCHS if arch not in NATIVE}}
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -52,10 +54,10 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_cpu_serving_path_equals_hf(tiny, arch):
+def test_cpu_model_path_equals_hf(tiny, arch):
     directory, expected = tiny(arch)
     result = run_in_engine(directory)
-    assert result["serving_path"] == ("native" if arch in NATIVE else "transformers")
+    assert result["model_path"] == ("native" if arch in NATIVE else "transformers")
     assert result["backend"] == "cpu-cpp"
     check(result, expected, arch)
 
@@ -112,7 +114,7 @@ def test_model_impl_transformers_forces_the_fallback(tiny):
     """A Llama-family model (Mixtral) through transformers' own code when asked: the same tokens."""
     directory, expected = tiny("mixtral")
     engine = Engine(directory, **{**ENGINE_KWARGS, "model_impl": "transformers"})
-    assert engine.serving_path == "transformers"
+    assert engine.model_path == "transformers"
     check(run_staggered(engine, short=True), expected, "mixtral through transformers")
 
 
@@ -134,3 +136,26 @@ def _child(directories: list[str]) -> None:
 
 if __name__ == "__main__":
     _child(sys.argv[1:])
+
+
+def test_only_llama_form_rms_norms_go_to_the_backend():
+    """The fallback's norm swap is decided by running each module: Llama's form moves to the backend kernel
+    (same output), Gemma's (1 + w) form and a LayerNorm stay transformers' own."""
+    import torch
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from worker.engine.backends.reference import ReferenceBackend
+    from worker.engine.models.fallback_norms import BackendRMSNorm, swap_rms_norms
+
+    model = torch.nn.ModuleDict({"llama": LlamaRMSNorm(24, eps=1e-5), "gemma": GemmaRMSNorm(24, eps=1e-6),
+                                 "layer": torch.nn.LayerNorm(24)})
+    for p in model.parameters():
+        torch.nn.init.normal_(p, 0.5, 0.3)
+    x = torch.randn(2, 5, 24)
+    before = {name: module(x) for name, module in model.items()}
+    assert swap_rms_norms(model, ReferenceBackend()) == 1
+    assert isinstance(model["llama"], BackendRMSNorm)
+    assert isinstance(model["gemma"], GemmaRMSNorm) and isinstance(model["layer"], torch.nn.LayerNorm)
+    for name, module in model.items():
+        torch.testing.assert_close(module(x), before[name])

@@ -5,8 +5,11 @@ penalties, min_tokens, n > 1 forks (seeded top-p), logprobs, and an abort while 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from tests.support.hf_reference import hf_greedy, load_hf
 from worker import Engine, SamplingParams
 
 PROMPTS = [
@@ -117,3 +120,49 @@ def test_abort_while_a_step_is_in_flight(model_dir):
     assert outputs["new"].token_ids == off.generate([PROMPTS[2]], params)[0].token_ids
     on.block_manager.check_invariants([])
     assert on.block_manager.num_free == on.block_manager.num_blocks
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(model_dir):
+    return load_hf(model_dir)
+
+
+_lltokenizer: dict[str, object] = {}  # llguidance's table of the tokenizer, built once for the module (seconds)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["overlap-off", "overlap-on"])
+def test_greedy_equals_hf_with_overlap_on_and_off(model_dir, hf_tiny, overlap):
+    """Greedy fp32 token for token against HF generate, through preemption (6 KV blocks of 8 tokens), seats
+    reused (10 requests, 4 seats), n > 1 forks, a stop token id, a stop string, a guided row beside them."""
+    engine = make_engine(model_dir, overlap)
+    if "table" in _lltokenizer:
+        engine.guided._lltokenizer = _lltokenizer["table"]
+    max_tokens = [12, 7, 16, 5, 14, 9, 11, 6]
+    refs = [hf_greedy(hf_tiny, engine.tokenize(p), m) for p, m in zip(PROMPTS, max_tokens, strict=True)]
+    prompts = list(PROMPTS)
+    params = [SamplingParams(max_tokens=m, temperature=0.0) for m in max_tokens]
+    stop_id = next(t for t in refs[2][4:] if t not in refs[2][:4])  # ends row 2 where only its token tells
+    params[2] = SamplingParams(max_tokens=max_tokens[2], temperature=0.0, stop_token_ids=[stop_id])
+    params[4] = SamplingParams(max_tokens=max_tokens[4], temperature=0.0, n=3)  # forks of one prompt
+    full = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0.0))[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    prompts.append(PROMPTS[0])  # row 8: row 0 again, cut at a stop string from the middle of its text
+    params.append(SamplingParams(max_tokens=12, temperature=0.0, stop=stop))
+    prompts.append(PROMPTS[1])  # row 9: a guided row (its grammar masks; its neighbours must not notice)
+    params.append(SamplingParams(max_tokens=6, temperature=0.0, regex="[0-9]{2,6}"))
+    outs = engine.generate(prompts, params)
+    _lltokenizer.setdefault("table", engine.guided._lltokenizer)
+
+    for i in (0, 1, 3, 5, 6, 7):
+        assert outs[i].token_ids == refs[i], f"prompt {i} differs from HF"
+    cut = refs[2].index(stop_id) + 1
+    assert outs[2].token_ids == refs[2][:cut] and outs[2].finish_reason == "stop"
+    assert [c.token_ids for c in outs[4].choices] == [refs[4]] * 3
+    assert outs[8].text == full[: full.find(stop)] and outs[8].finish_reason == "stop"
+    assert outs[8].token_ids == refs[0][: len(outs[8].token_ids)]
+    assert re.fullmatch("[0-9]{2,6}", outs[9].text), outs[9].text
+    assert engine.scheduler.num_preemptions > 0, "the workload should preempt"
+    if overlap:
+        assert engine.overlap.breaks > 0, "preemption and the guided row should have broken the overlap"
+    engine.block_manager.check_invariants([])
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks

@@ -47,13 +47,9 @@ def hf_dequantized(directory: str):
 
 
 def generate(engine: Engine) -> dict[str, list[int]]:
-    for i, (prompt, m) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs[out.request_id] = out.token_ids
-    return outputs
+    outputs = engine.generate(PROMPTS, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+                                        for m in MAX_TOKENS])
+    return {str(i): out.token_ids for i, out in enumerate(outputs)}
 
 
 def test_int8_engine_equals_hf_on_dequantized_weights(tiny_dir, fresh_cache):
@@ -92,27 +88,25 @@ def test_the_cache_is_read_back_and_a_mismatched_scale_layout_is_a_clear_error(t
 
 
 def test_unsupported_scheme_is_a_clear_error(tiny_dir):
-    with pytest.raises(ValueError, match=r"quantization must be unset or one of \['int8'\], got 'fp8'"):
-        EngineConfig(quantization="fp8")  # not built yet: refused rather than served unquantized
-    with pytest.raises(ValueError, match=r"got 'int4'"):
+    with pytest.raises(ValueError, match=r"quantization must be unset or one of \['int8', 'fp8'\], got 'int4'"):
         EngineConfig(quantization="int4")
     with pytest.raises(ValueError, match="'int8' is the CPU float32 path"):
         Engine(tiny_dir, device="cpu", dtype="bfloat16", quantization="int8")
 
 
-def test_a_quantized_checkpoint_is_a_clear_error_at_load(tiny_dir, tmp_path):
-    """An FP8 checkpoint (the `fp8` quantization_config) is refused before any weight is read, saying what to
-    load instead."""
+def test_a_quantized_checkpoint_of_another_scheme_is_a_clear_error_at_load(tiny_dir, tmp_path):
+    """A GPTQ checkpoint is refused before any weight is read, saying what loads instead (FP8 checkpoints
+    load: tests/engine/test_fp8.py)."""
     import json
     import shutil
 
-    fp8_dir = tmp_path / "fp8"
-    shutil.copytree(tiny_dir, fp8_dir)
-    config = json.loads((fp8_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    (fp8_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"quantized \('fp8' in its quantization_config\).*unquantized"):
-        Engine(str(fp8_dir), device="cpu", dtype="float32", num_kv_blocks=8)
+    gptq_dir = tmp_path / "gptq"
+    shutil.copytree(tiny_dir, gptq_dir)
+    config = json.loads((gptq_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (gptq_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"quantized with 'gptq'.*unquantized \(fp32/bf16/fp16\) checkpoints"):
+        Engine(str(gptq_dir), device="cpu", dtype="float32", num_kv_blocks=8)
 
 
 def test_quantization_setting_reaches_the_engine_config(monkeypatch):

@@ -13,6 +13,7 @@ import pytest
 from protocol.models import JobRequest
 from protocol.scripts import PendingJob
 from worker import Engine, SamplingParams
+from worker.engine.errors import InvalidRequest
 
 OBJ = {"type": "object", "additionalProperties": False}
 SCHEMAS = [
@@ -161,11 +162,12 @@ def test_grammar_the_engine_cannot_compile_fails_that_request_only(smollm2):
     while smollm2.has_unfinished_requests():
         outputs.update({o.request_id: o for o in smollm2.step()})
         rejected.update(smollm2.rejected)
-    assert list(rejected) == ["bad-regex"] and "cannot be compiled" in rejected["bad-regex"]
+    assert list(rejected) == ["bad-regex"] and "cannot be compiled" in str(rejected["bad-regex"])
+    assert rejected["bad-regex"].code == "invalid_request"  # the serve loop fails the job with this code
     assert sorted(outputs) == [f"good-{i}" for i in range(7)]
     assert "bad-regex" not in smollm2.requests
     # the failure is cached: the same grammar again is refused at once
-    with pytest.raises(ValueError, match="cannot be compiled"):
+    with pytest.raises(InvalidRequest, match="cannot be compiled"):
         smollm2.add_request("bad-again", "Say something.", bad)
 
 

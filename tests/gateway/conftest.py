@@ -5,24 +5,18 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.gateway_harness import Shared
 from tests.support.light_gateway import LightStack, start_light_stack, stop_light_stack
 
-_LIGHT: LightStack | None = None
+_LIGHT = Shared(start_light_stack, stop_light_stack, "light-gateway")
 
 
 @pytest.fixture
 def light_stack(tmp_path_factory) -> LightStack:
-    global _LIGHT
-    if _LIGHT is None:
-        _LIGHT = start_light_stack(tmp_path_factory.mktemp("light-gateway"))
-    for p in _LIGHT.procs.values():
-        p.check_alive()
-    return _LIGHT
+    return _LIGHT.get(tmp_path_factory)
 
 
 def pytest_runtest_teardown(item, nextitem):
-    global _LIGHT
     module = getattr(getattr(nextitem, "module", None), "__name__", "").rsplit(".", 1)[-1]
-    if _LIGHT is not None and not module.startswith("test_gw_"):
-        stop_light_stack(_LIGHT)
-        _LIGHT = None
+    if not module.startswith("test_gw_"):
+        _LIGHT.release()

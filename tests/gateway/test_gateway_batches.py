@@ -131,7 +131,7 @@ def test_batch_past_its_window_ends_expired_with_partial_output(gateway_stack, t
     wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1, 120,
                "a first finished request", list(gateway_stack.procs.values()), every=0.1)
     # As if 24 hours had passed: the watcher cancels what is left and the batch ends expired.
-    gateway_stack.redis.client().hset(f"tokenbus:gw:batch:{batch.id}", "expires_at", 1.0)
+    gateway_stack.redis.client().hset(f"{{tokenbus}}:gw:batch:{batch.id}", "expires_at", 1.0)
     done = gateway_stack.wait_batch(client, batch.id, timeout=120)
     assert done.status == "expired" and done.expired_at and done.cancelled_at is None
     assert done.request_counts.completed >= 1 and done.request_counts.failed >= 1

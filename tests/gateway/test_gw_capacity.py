@@ -16,9 +16,9 @@ from tests.support.light_gateway import chat_line, wait_until
 def _set(r, **limits):
     for k, v in limits.items():
         if v is None:
-            r.hdel("tokenbus:gw:config", k)
+            r.hdel("{tokenbus}:gw:config", k)
         else:
-            r.hset("tokenbus:gw:config", k, v)
+            r.hset("{tokenbus}:gw:config", k, v)
 
 
 def test_byte_limits_refuse_before_anything_is_queued(light_stack, tmp_path):
@@ -36,7 +36,7 @@ def test_byte_limits_refuse_before_anything_is_queued(light_stack, tmp_path):
         with pytest.raises(openai.RateLimitError) as err:  # 2 + 2 + 2 > 5 for everyone together
             light_stack.batch("carol", [chat_line(f"d{i}", "Hello there") for i in range(2)], tmp_path)
         assert err.value.code == "queued_bytes_exceeded"
-        assert len(r.keys("tokenbus:job:*")) == 4, "a refused batch wrote no job"
+        assert len(r.keys("{tokenbus}:job:*")) == 4, "a refused batch wrote no job"
         # An ended batch gives its bytes back: alice fits again.
         light_stack.openai("alice").batches.cancel(a1.id)
         light_stack.wait_status("alice", a1.id, ("cancelled",))
@@ -69,14 +69,14 @@ def test_redis_oom_during_ingest_fails_that_batch_only(light_stack, tmp_path):
         done = light_stack.wait_status("alice", big.id, ("failed",), timeout=20)
         assert done.errors.data[0].code == "redis_out_of_memory", done.errors
         used_after = int(r.info("memory")["used_memory"])
-        queued = [k for k in r.scan_iter(f"tokenbus:job:{big.id}-*", count=1000) if r.hget(k, "status") == "queued"]
-        assert not queued and r.xlen(f"tokenbus:q:bulk:{big.id}") == 0, "the failed ingest's jobs still hold memory"
+        queued = [k for k in r.scan_iter(f"{{tokenbus}}:job:{big.id}-*", count=1000) if r.hget(k, "status") == "queued"]
+        assert not queued and r.xlen(f"{{tokenbus}}:q:bulk:{big.id}") == 0, "the failed ingest's jobs still hold memory"
         assert used_after < int(r.config_get("maxmemory")["maxmemory"])
     finally:
         r.config_set("maxmemory", 0)
     # bob's batch and its queued job are untouched; the tasks process is alive and submits the next batch.
     assert light_stack.openai("bob").batches.retrieve(other.id).status == "in_progress"
-    assert r.hget(f"tokenbus:job:{other.id}-0", "status") == "queued"
+    assert r.hget(f"{{tokenbus}}:job:{other.id}-0", "status") == "queued"
     light_stack.procs["tasks"].check_alive()
     nxt = light_stack.batch("alice", [chat_line("n", "Hi")], tmp_path)
     light_stack.wait_status("alice", nxt.id, ("in_progress",))

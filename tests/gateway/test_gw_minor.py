@@ -66,20 +66,24 @@ def _closed(s: socket.socket) -> bytes | None:
     return rest
 
 
+def _trickle(s, piece) -> tuple[bytes | None, float]:
+    """Send piece(i) every 0.1 s, 40 at most, until the gateway answers or closes (b""): (that, seconds)."""
+    t0 = time.monotonic()
+    for i in range(40):  # bounded: the gateway's deadlines are 1-2 s
+        try:
+            s.sendall(piece(i))
+        except OSError:
+            return b"", time.monotonic() - t0
+        if (answer := _closed(s)) is not None:
+            return answer, time.monotonic() - t0
+        time.sleep(0.1)
+    return None, time.monotonic() - t0
+
+
 def test_slowloris_headers_are_cut(light_stack):
     s = _connect(light_stack)
-    t0, closed = time.monotonic(), None
     s.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n")
-    for i in range(40):  # bounded: 40 x 0.2 s; the gateway's header deadline is 1 s
-        try:
-            s.sendall(f"x-slow-{i}: y\r\n".encode())
-        except OSError:
-            closed = b""
-            break
-        if (closed := _closed(s)) is not None:
-            break
-        time.sleep(0.1)
-    took = time.monotonic() - t0
+    closed, took = _trickle(s, lambda i: f"x-slow-{i}: y\r\n".encode())  # the header deadline is 1 s
     s.close()
     assert closed is not None, "the connection was still open after 8 s of trickled headers"
     assert took < 1.0 + 1.0, f"closed after {took:.1f} s"
@@ -90,16 +94,8 @@ def test_slow_body_gets_408(light_stack):
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEYS['alice']}\r\n"
             "content-type: application/json\r\ncontent-length: 100000\r\n\r\n").encode()
     s.sendall(head)
-    t0, answer = time.monotonic(), None
-    for _ in range(40):  # bounded; grace 1 s, then 1 KiB/s wanted: 10 bytes every 0.2 s falls behind
-        try:
-            s.sendall(b"x" * 10)
-        except OSError:
-            break
-        if (answer := _closed(s)) is not None:
-            break
-        time.sleep(0.1)
-    took = time.monotonic() - t0
+    # grace 1 s, then 1 KiB/s wanted: 10 bytes every 0.1 s falls behind
+    answer, took = _trickle(s, lambda i: b"x" * 10)
     s.close()
     assert answer is not None and answer.startswith(b"HTTP/1.1 408"), answer
     assert took < 1.0 + 1.5, f"answered after {took:.1f} s"
@@ -121,8 +117,8 @@ def test_huge_max_tokens_is_refused_up_front(light_stack):
         client.files.create(file=("huge.jsonl", data), purpose="batch")
     assert "line 2: max_tokens 1000000000 is above this gateway's limit of 4096" in err.value.body["message"]
     r = light_stack.r()
-    before = len(r.keys("tokenbus:job:*"))
+    before = len(r.keys("{tokenbus}:job:*"))
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=10**9)
     assert err.value.param == "max_tokens" and err.value.code == "max_tokens_too_large"
-    assert len(r.keys("tokenbus:job:*")) == before, "no job was queued"
+    assert len(r.keys("{tokenbus}:job:*")) == before, "no job was queued"

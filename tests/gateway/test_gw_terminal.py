@@ -24,13 +24,13 @@ def test_queue_full_submit_fails_at_once_with_errors(light_stack, tmp_path):
         done = light_stack.wait_status("alice", b.id, ("failed",), timeout=15)
         took = time.monotonic() - t0
     finally:
-        r.xtrim("tokenbus:q:default", maxlen=0)
-        for keys in _chunks(r.scan_iter("tokenbus:job:*", count=2000)):
+        r.xtrim("{tokenbus}:q:default", maxlen=0)
+        for keys in _chunks(r.scan_iter("{tokenbus}:job:*", count=2000)):
             r.unlink(*keys)
     assert done.errors.data[0].code == "queue_full" and "queue" in done.errors.data[0].message
     assert took < 10, f"QueueFull took {took:.1f} s to fail the batch (RQ used to retry for 72 s, then hang)"
-    assert not r.keys("tokenbus:job:" + b.id + "-*"), "no job of the failed batch is left queued"
-    assert r.hget(f"tokenbus:gw:batch:{b.id}", "bytes_released_at"), "its byte reservation was given back"
+    assert not r.keys("{tokenbus}:job:" + b.id + "-*"), "no job of the failed batch is left queued"
+    assert r.hget(f"{{tokenbus}}:gw:batch:{b.id}", "bytes_released_at"), "its byte reservation was given back"
 
 
 def _chunks(it, n=1000):
@@ -56,7 +56,7 @@ def test_cancel_ends_cancelled_even_when_no_submit_runs(light_stack, tmp_path):
     time.sleep(1.0)  # the submit task now runs, and must not undo the cancel
     again = light_stack.openai("bob").batches.retrieve(b.id)
     assert again.status == "cancelled"
-    assert not light_stack.r().exists(f"tokenbus:batch:{b.id}"), "a cancelled batch was queued anyway"
+    assert not light_stack.r().exists(f"{{tokenbus}}:batch:{b.id}"), "a cancelled batch was queued anyway"
 
 
 def test_expiry_ends_batches_expired_with_partial_output(light_stack, tmp_path):
@@ -65,7 +65,7 @@ def test_expiry_ends_batches_expired_with_partial_output(light_stack, tmp_path):
     light_stack.pause("tasks")
     try:
         stale = light_stack.batch("alice", [chat_line("s", "Hi")], tmp_path)
-        r.hset(f"tokenbus:gw:batch:{stale.id}", "expires_at", time.time() - 1)
+        r.hset(f"{{tokenbus}}:gw:batch:{stale.id}", "expires_at", time.time() - 1)
     finally:
         light_stack.resume("tasks")
     # (b) in progress: one line answered, one failed at request level, one never ran
@@ -73,7 +73,7 @@ def test_expiry_ends_batches_expired_with_partial_output(light_stack, tmp_path):
     light_stack.wait_status("alice", b.id, ("in_progress",))
     light_stack.end_job(f"{b.id}-0", text="hello")
     light_stack.end_job(f"{b.id}-1", error_code="model_mismatch")
-    r.hset(f"tokenbus:gw:batch:{b.id}", "expires_at", time.time() - 1)
+    r.hset(f"{{tokenbus}}:gw:batch:{b.id}", "expires_at", time.time() - 1)
 
     assert light_stack.wait_status("alice", stale.id, ("expired",)).output_file_id is None
     done = light_stack.wait_status("alice", b.id, ("expired",))
@@ -97,13 +97,13 @@ def test_killed_submit_ends_failed_and_its_jobs_are_removed(light_stack, tmp_pat
         light_stack.pause("tasks")
         b = light_stack.batch("carol", lines, tmp_path)
         light_stack.resume("tasks")
-        lease = f"tokenbus:gw:submit-lease:{b.id}"
+        lease = f"{{tokenbus}}:gw:submit-lease:{b.id}"
         deadline = time.monotonic() + 10
         while not r.exists(lease) and time.monotonic() < deadline:
             time.sleep(0.002)
         os.kill(light_stack.procs["tasks"].proc.pid, signal.SIGKILL)
         light_stack.procs["tasks"].proc.wait(10)
-        if not r.hget(f"tokenbus:gw:batch:{b.id}", "submitted_at"):
+        if not r.hget(f"{{tokenbus}}:gw:batch:{b.id}", "submitted_at"):
             break
         light_stack.start("tasks")  # the submit won the race: try again
     else:
@@ -111,5 +111,5 @@ def test_killed_submit_ends_failed_and_its_jobs_are_removed(light_stack, tmp_pat
     light_stack.start("tasks")  # the supervisor restarts it
     done = light_stack.wait_status("carol", b.id, ("failed",), timeout=20)
     assert done.errors.data[0].code == "submit_failed" and "died" in done.errors.data[0].message
-    queued = [k for k in r.scan_iter(f"tokenbus:job:{b.id}-*", count=1000) if r.hget(k, "status") == "queued"]
+    queued = [k for k in r.scan_iter(f"{{tokenbus}}:job:{b.id}-*", count=1000) if r.hget(k, "status") == "queued"]
     assert not queued, f"{len(queued)} jobs of the failed batch are still queued"

@@ -40,7 +40,7 @@ def csrf_of(client: TestClient) -> str:
 
 def dead_letter(r) -> str:
     request = json.dumps({"prompt": "hi", "max_tokens": 3})
-    return r.xadd("tokenbus:dead", {"job_id": "j-dead", "reason": "no job record", "attempts": 0,
+    return r.xadd("{tokenbus}:dead", {"job_id": "j-dead", "reason": "no job record", "attempts": 0,
                                     "request": request, "worker": "w1", "at": repr(time.time())})
 
 
@@ -74,7 +74,7 @@ def test_login_sets_a_strict_httponly_cookie_and_refuses_bad_keys(ui):
         assert page.status_code in (200, 404), path
         assert ADMIN not in page.text and VIEWER not in page.text, path  # no key is ever shown
     # Redis holds the session by the cookie's hash, never the key
-    for key in r.scan_iter("tokenbus:gw:ui:session:*"):
+    for key in r.scan_iter("{tokenbus}:gw:ui:session:*"):
         assert ADMIN not in json.dumps(r.hgetall(key))
 
 
@@ -86,9 +86,9 @@ def test_actions_need_csrf_same_origin_and_the_operator_role(ui):
     assert client.post(f"/ui/dead/{entry}/delete").status_code == 403  # no token
     assert client.post(f"/ui/dead/{entry}/delete", headers={"x-csrf-token": "x" * 43}).status_code == 403
     evil = client.post(f"/ui/dead/{entry}/delete", headers={"x-csrf-token": csrf, "origin": "https://evil.test"})
-    assert evil.status_code == 403 and r.xlen("tokenbus:dead") == 1
+    assert evil.status_code == 403 and r.xlen("{tokenbus}:dead") == 1
     ok = client.post(f"/ui/dead/{entry}/delete", headers={"x-csrf-token": csrf, "origin": "http://gw.test"})
-    assert ok.status_code == 200 and "Deleted" in ok.text and r.xlen("tokenbus:dead") == 0
+    assert ok.status_code == 200 and "Deleted" in ok.text and r.xlen("{tokenbus}:dead") == 0
 
     viewer = TestClient(client.app, base_url="http://gw.test")
     login(viewer, VIEWER)
@@ -96,7 +96,7 @@ def test_actions_need_csrf_same_origin_and_the_operator_role(ui):
     page = viewer.get("/ui/dead").text
     assert "Read-only" in page and "/retry" not in page and "Submit batch" not in viewer.get("/ui/batches").text
     refused = viewer.post(f"/ui/dead/{entry}/retry", headers={"x-csrf-token": csrf_of(viewer)})
-    assert refused.status_code == 403 and r.xlen("tokenbus:dead") == 1
+    assert refused.status_code == 403 and r.xlen("{tokenbus}:dead") == 1
 
 
 def test_retry_queues_the_request_again_as_the_operators_job(ui):
@@ -105,7 +105,7 @@ def test_retry_queues_the_request_again_as_the_operators_job(ui):
     entry = dead_letter(r)
     resp = client.post(f"/ui/dead/{entry}/retry", headers={"x-csrf-token": csrf_of(client)})
     job_id = re.search(r'href="/ui/jobs/([0-9a-f]+)"', resp.text).group(1)
-    assert r.xlen("tokenbus:dead") == 0 and r.hget(f"tokenbus:job:{job_id}", "status") == "queued"
+    assert r.xlen("{tokenbus}:dead") == 0 and r.hget(f"{{tokenbus}}:job:{job_id}", "status") == "queued"
     assert client.get(f"/ui/jobs/{job_id}").status_code == 200  # recorded as this key's job
     again = client.post(f"/ui/dead/{entry}/retry", headers={"x-csrf-token": csrf_of(client)})
     assert "Not retried" in again.text  # gone: no second job

@@ -113,14 +113,14 @@ def test_dashboard_in_chromium(stack, tmp_path):
         streamer.join(30)
         assert "error" not in got, got
         shown = tokens.inner_text()
-        result = json.loads(r.hget(f"tokenbus:job:{job_id}", "result") or "{}")
+        result = json.loads(r.hget(f"{{tokenbus}}:job:{job_id}", "result") or "{}")
         assert result.get("finish_reason") == "abort" and shown.strip() and result["text"].startswith(shown[:20])
 
         # ---- a dead letter: an entry with no job record (as a worker meets an expired job), then retry it ---
         request = json.dumps({"messages": [{"role": "user", "content": "again"}], "max_tokens": 4,
                               "model": stack.model})
-        r.xadd("tokenbus:q:default", {"job_id": "ui-orphan-1", "request": request})
-        wait_until(lambda: r.xlen("tokenbus:dead") >= 1, 30, "the dead letter", stack.all())
+        r.xadd("{tokenbus}:q:default", {"job_id": "ui-orphan-1", "request": request})
+        wait_until(lambda: r.xlen("{tokenbus}:dead") >= 1, 30, "the dead letter", stack.all())
         page.get_by_role("link", name="Dead letters").click()
         expect(page.get_by_role("heading", name="Job ui-orphan-1")).to_be_visible()
         page.get_by_text("Payload").first.click()
@@ -128,14 +128,14 @@ def test_dashboard_in_chromium(stack, tmp_path):
         page.get_by_role("button", name="Retry dead letter ui-orphan-1").click()
         retried = page.get_by_role("status").get_by_role("link")
         expect(retried).to_be_visible()
-        assert r.xlen("tokenbus:dead") == 0
+        assert r.xlen("{tokenbus}:dead") == 0
         retried.click()
         expect(page.locator("#job-status")).to_have_text("finished", timeout=60_000)
 
         # ---- workers and overview (after the samples above) -------------------------------------------------
         page.get_by_role("link", name="Workers").click()
         worker_row = page.locator(f'tr[data-worker="{WORKER}"]')
-        expect(worker_row).to_contain_text("on cpu")  # the serving path from the heartbeat
+        expect(worker_row).to_contain_text("on cpu")  # the heartbeat's backend on device
         expect(worker_row.locator("svg.spark")).to_be_visible()  # step times drawn
         page.screenshot(path=shots / "workers.png")
         page.get_by_role("link", name="Overview").click()

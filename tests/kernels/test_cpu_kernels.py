@@ -14,6 +14,7 @@ import torch
 from kernels import cpu
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
 from tests.kernels.test_kernels import LENGTH_CASES, paged_cache, strided
+from tests.support.kernel_cases import count_calls
 from worker.engine.backends import CpuBackend, select_backend
 
 
@@ -164,15 +165,7 @@ def test_cpu_linear_matches_f_linear(ext, rows):
     wide = torch.randn(rows, 250, generator=gen)
     x = wide[:, 25:225]
     cpu_linear = CpuLinear(linear, ext)
-    calls = []
-    real = cpu_linear.ext
-
-    class Spy:
-        def panel_linear_cpu(self, *args):
-            calls.append(args[0].shape[0])
-            return real.panel_linear_cpu(*args)
-
-    cpu_linear.ext = Spy()
+    calls = count_calls(cpu_linear, "panel_linear_cpu")
     with torch.inference_mode():
         out = cpu_linear(x)
         expected = torch.nn.functional.linear(x, linear.weight, linear.bias)

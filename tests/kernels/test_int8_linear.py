@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu
+from tests.support.kernel_cases import count_calls
 from worker.engine.backends.cpu_linear import PANEL_MAX_ROWS, CpuLinear, pack_panels
 from worker.engine.quantization import INT8_MAX, check_int8_layout, quantize_int8
 
@@ -82,15 +83,7 @@ def test_cpu_linear_int8_panels_then_onednn(ext, rows):
     linear.int8 = q
     cpu_linear = CpuLinear(linear, ext)
     assert cpu_linear.panels.dtype == torch.int8 and cpu_linear.scales.shape == (80,)
-    calls = []
-    real = cpu_linear.ext
-
-    class Spy:
-        def panel_linear_int8_cpu(self, *args):
-            calls.append(args[0].shape[0])
-            return real.panel_linear_int8_cpu(*args)
-
-    cpu_linear.ext = Spy()
+    calls = count_calls(cpu_linear, "panel_linear_int8_cpu")
     x = torch.randn(rows, 200, generator=gen)
     with torch.inference_mode():
         out = cpu_linear(x)

@@ -23,14 +23,9 @@ import pytest
 import torch
 
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
-from tests.support.sm90_compile import compile_for_sm90, stack_bytes
+from tests.support.kernel_cases import DEVICE, INTERPRETED, attention_plan_inputs, case_id, needs_kernels
+from tests.support.sm90_compile import check_attention_compiles
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRETED else "cuda"
-needs_kernels = pytest.mark.skipif(
-    not INTERPRETED and not torch.cuda.is_available(),
-    reason="no GPU: runs on the CPU in scripts/test's TRITON_INTERPRET=1 process",
-)
 TOL = {
     torch.float32: dict(rtol=1e-5, atol=1e-5),
     torch.float16: dict(rtol=2e-3, atol=2e-3),
@@ -71,10 +66,6 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), **TOL[out.dtype])
 
 
-def case_id(value) -> str:
-    return str(value).removeprefix("torch.")
-
-
 LENGTH_CASES = lambda bs: [1, bs - 1, bs, bs + 1, 4 * bs + 7]  # noqa: E731
 
 # (dtype, block_size, num_q_heads, num_kv_heads, head_dim, partition_size)
@@ -86,6 +77,8 @@ DECODE_CASES = [
     (torch.bfloat16, 32, 8, 1, 128, 64),  # MQA, group 8
     (torch.float16, 64, 12, 4, 64, 128),
     (torch.bfloat16, 16, 16, 2, 256, None),  # group 8, head_dim 256
+    (torch.float32, 16, 6, 2, 96, 32),  # Phi-3's head_dim 96: padded to 128 lanes, split + reduce
+    (torch.bfloat16, 32, 4, 4, 80, None),  # head_dim 80 (Phi-2, StableLM), one partition
 ] + [  # every dtype x block size x GQA ratio 1/3/8, split into partitions
     (dtype, block_size, 2 * group, 2, 32, 24)
     for dtype, block_size, group in itertools.product(TOL, (16, 32, 64), (1, 3, 8))
@@ -143,6 +136,8 @@ PREFILL_CASES = [
     (torch.bfloat16, 32, 8, 1, 64),
     (torch.float16, 64, 24, 8, 32),
     (torch.bfloat16, 16, 3, 1, 128),
+    (torch.float32, 16, 6, 2, 96),  # Phi-3's head_dim 96: padded lanes masked
+    (torch.float16, 32, 4, 2, 24),
 ] + [
     (dtype, block_size, 2 * group, 2, 32)
     for dtype, block_size, group in itertools.product(TOL, (16, 32, 64), (1, 3, 8))
@@ -177,6 +172,7 @@ def test_prefill_matches_reference(dtype, block_size, hq, hk, head_dim):
 @needs_kernels
 @pytest.mark.parametrize("dtype,block_size,hk,head_dim", [
     (torch.float32, 16, 2, 32), (torch.bfloat16, 32, 3, 64), (torch.float16, 64, 8, 128),
+    (torch.float32, 16, 3, 96),  # padded lanes must not write past a head
 ], ids=case_id)
 def test_write_kv_matches_reference(dtype, block_size, hk, head_dim):
     from kernels.kv_write import write_kv_triton
@@ -262,7 +258,7 @@ def test_compiled_kernels_refuse_cpu_tensors_clearly():
 @pytest.mark.skipif(INTERPRETED, reason="compiles the GPU plans; the interpreter run has no compiler")
 @pytest.mark.parametrize("dtype,hq,hk,head_dim", [
     (torch.bfloat16, 14, 2, 64), (torch.bfloat16, 32, 8, 128), (torch.float16, 16, 1, 256),
-    (torch.float32, 12, 4, 32),
+    (torch.float32, 12, 4, 32), (torch.bfloat16, 32, 32, 96),  # Phi-3-mini: head_dim 96 on 128 lanes
 ])
 def test_gpu_plans_compile_for_sm90(dtype, hq, hk, head_dim, tmp_path):
     """Every launch the wrappers plan on a GPU compiles for sm_90 without register spills, and the K/V
@@ -271,13 +267,8 @@ def test_gpu_plans_compile_for_sm90(dtype, hq, hk, head_dim, tmp_path):
     from kernels.kv_write import plan_write_kv
     from kernels.prefill_attention import plan_prefill
 
-    num_seqs, block_size = 4, 16
-    k_cache = torch.randn(64, block_size, hk, head_dim).to(dtype)
-    table = torch.zeros(num_seqs, 16, dtype=torch.int32)
-    seq_lens = torch.full((num_seqs,), 200, dtype=torch.int32)
-    q = torch.randn(num_seqs, hq, head_dim).to(dtype)
-    q_prefill = torch.randn(40, hq, head_dim).to(dtype)
-    cu = torch.tensor([0, 10, 20, 30, 40], dtype=torch.int32)
+    block_size = 16
+    k_cache, table, seq_lens, q, q_prefill, cu = attention_plan_inputs(dtype, hq, hk, head_dim, block_size)
     launches = [
         *plan_decode(q, k_cache, k_cache, table, seq_lens, 0.1, torch.empty_like(q), on_gpu=True,
                      partition_size=16 * block_size),  # one partition: direct write
@@ -291,12 +282,7 @@ def test_gpu_plans_compile_for_sm90(dtype, hq, hk, head_dim, tmp_path):
         "_decode_partition_kernel", "_decode_partition_kernel", "_decode_reduce_kernel", "_prefill_kernel",
         "_write_kv_kernel",
     ]
-    for launch in launches:
-        compiled = compile_for_sm90(launch)
-        name = launch.kernel.__name__
-        assert stack_bytes(compiled.asm["cubin"], tmp_path) == 0, f"{name} spills registers"
-        if name in ("_decode_partition_kernel", "_prefill_kernel"):
-            assert "async_copy_global_to_local" in compiled.asm["ttgir"], f"{name}: K/V loop not pipelined"
+    check_attention_compiles(launches, tmp_path)
 
 
 

@@ -12,23 +12,14 @@ tiles forced to 16 and 64 rows.
 
 from __future__ import annotations
 
-import os
 import re
-import zlib
 
 import pytest
 import torch
 
 from kernels.moe_reference import fused_moe_ref, route_topk_ref
+from tests.support.kernel_cases import DEVICE, generator, needs_kernels, parent_only
 from tests.support.sm90_compile import compile_for_sm90, stack_bytes
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRETED else "cuda"
-needs_kernels = pytest.mark.skipif(
-    not INTERPRETED and not torch.cuda.is_available(),
-    reason="no GPU: runs on CPU in scripts/test's TRITON_INTERPRET=1 process",
-)
-parent_only = pytest.mark.skipif(INTERPRETED, reason="runs once, in the parent process")
 
 # (tokens, experts, top_k, hidden, inter, routing, tiles (block_m, block_n, block_k) or None for the defaults)
 CASES = [
@@ -41,7 +32,7 @@ CASES = [
 
 
 def inputs(n, experts, top_k, hidden, inter, routing, dtype=torch.float32, device=DEVICE):
-    gen = torch.Generator().manual_seed(zlib.crc32(repr((n, experts, top_k, hidden, inter, routing)).encode()))
+    gen = generator(n, experts, top_k, hidden, inter, routing)
     x = torch.randn(n, hidden, generator=gen)
     w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
     w2 = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5

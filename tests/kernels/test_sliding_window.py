@@ -11,15 +11,13 @@ The new constexpr variants also compile for sm_90 (ptxas ships with triton).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
-from tests.support.sm90_compile import compile_for_sm90, stack_bytes
+from tests.support.kernel_cases import INTERPRETED, attention_plan_inputs
+from tests.support.sm90_compile import check_attention_compiles
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 UNUSED_BLOCK = 2**30  # table entries past a sequence's blocks: any read of one would fault
 BLOCK = 16
 WINDOWS = [5, BLOCK, BLOCK + 3, 1000]  # shorter than a block, one block, longer, longer than any sequence
@@ -150,13 +148,8 @@ def test_windowed_plans_compile_for_sm90(tmp_path):
     from kernels.decode_attention import plan_decode
     from kernels.prefill_attention import plan_prefill
 
-    dtype, head_dim, hq, hk, num_seqs = torch.bfloat16, 256, 8, 4, 4
-    k_cache = torch.randn(64, BLOCK, hk, head_dim).to(dtype)
-    table = torch.zeros(num_seqs, 16, dtype=torch.int32)
-    seq_lens = torch.full((num_seqs,), 200, dtype=torch.int32)
-    q = torch.randn(num_seqs, hq, head_dim).to(dtype)
-    q_prefill = torch.randn(40, hq, head_dim).to(dtype)
-    cu = torch.tensor([0, 10, 20, 30, 40], dtype=torch.int32)
+    dtype, head_dim, hq, hk = torch.bfloat16, 256, 8, 4
+    k_cache, table, seq_lens, q, q_prefill, cu = attention_plan_inputs(dtype, hq, hk, head_dim, BLOCK)
     gate_up = torch.randn(8, 512).to(dtype)
     launches = [
         *plan_decode(q, k_cache, k_cache, table, seq_lens, 0.1, torch.empty_like(q), on_gpu=True,
@@ -166,10 +159,5 @@ def test_windowed_plans_compile_for_sm90(tmp_path):
         *plan_silu_and_mul(gate_up, torch.empty(8, 256).to(dtype), on_gpu=True, gelu=True),
     ]
     assert all(launch.meta.get("SLIDING", True) and launch.meta.get("GELU", True) for launch in launches)
-    for launch in launches:
-        compiled = compile_for_sm90(launch)
-        name = launch.kernel.__name__
-        assert stack_bytes(compiled.asm["cubin"], tmp_path) == 0, f"{name} spills registers"
-        if name in ("_decode_partition_kernel", "_prefill_kernel"):
-            assert "async_copy_global_to_local" in compiled.asm["ttgir"], f"{name}: K/V loop not pipelined"
+    check_attention_compiles(launches, tmp_path)
 

@@ -1,11 +1,18 @@
-"""protocol.connection: the sentinel URL form, parsed; plain URLs still reach a real server."""
+"""protocol.connection: the sentinel and cluster URL forms, parsed; plain URLs still reach a real server. (The
+cluster client against a real 3-shard cluster: tests/serve/test_cluster.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import redis
 
-from protocol.connection import is_sentinel_url, parse_sentinel_url, redis_from_url
+from protocol.connection import (
+    is_cluster_url,
+    is_sentinel_url,
+    parse_cluster_url,
+    parse_sentinel_url,
+    redis_from_url,
+)
 from protocol.redaction import redact_url
 
 
@@ -60,3 +67,27 @@ def test_plain_url_makes_a_plain_client(redis_server):
     assert type(r.connection_pool) is redis.ConnectionPool
     r.set("k", "v")
     assert r.get("k") == "v"
+
+
+def test_cluster_urls():
+    c = parse_cluster_url("redis+cluster://app:p%40w@10.0.0.1:7000,node-b,node-c:7002")
+    assert c.hosts == (("10.0.0.1", 7000), ("node-b", 6379), ("node-c", 7002))
+    assert (c.username, c.password, c.ssl) == ("app", "p@w", False)
+    t = parse_cluster_url("rediss+cluster://:pw@h1:7000/?ssl_ca_certs=/tls/ca.crt")
+    assert (t.password, t.ssl, t.ssl_options) == ("pw", True, (("ssl_ca_certs", "/tls/ca.crt"),))
+    assert is_cluster_url("REDIS+CLUSTER://h") and not is_cluster_url("redis://h/0")
+    assert not is_sentinel_url("redis+cluster://h")
+    shown = redact_url("redis+cluster://:hunter2@h1:7000,h2:7001")
+    assert "hunter2" not in shown and "h1:7000,h2:7001" in shown
+
+
+@pytest.mark.parametrize("url, problem", [
+    ("redis+cluster://h1:7000/3", "only db 0"),
+    ("redis+cluster://h1:x", "bad cluster node port"),
+    ("redis+cluster://h1,,h2", "empty cluster node host"),
+    ("redis+cluster://h1?ssl_ca_certs=/ca.crt", "unknown cluster URL parameter"),  # TLS options need rediss
+    ("redis+sentinel://h1/svc", "not a cluster URL"),
+])
+def test_bad_cluster_urls_say_what_is_wrong(url, problem):
+    with pytest.raises(ValueError, match=problem):
+        parse_cluster_url(url)

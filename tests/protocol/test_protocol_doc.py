@@ -28,7 +28,8 @@ def test_every_lua_file_is_linked_and_every_link_resolves():
 def test_the_lua_spells_no_key_name_or_priority():
     k = Keys("NS")
     spelled = [":q:", ":queues:", ":turn:", ":batch:", ":jobs", ":events", ":cancel", *(p.value for p in Priority)]
-    assert k.queue(Priority.bulk, "B") == "NS:q:bulk:B" and k.batch_jobs("B") == "NS:batch:B:jobs"  # what we look for
+    # what we look for
+    assert k.queue(Priority.bulk, "B") == "{NS}:q:bulk:B" and k.batch_jobs("B") == "{NS}:batch:B:jobs"
     for path in LUA.glob("*.lua"):
         code = "\n".join(line.split("--")[0] for line in path.read_text().splitlines())  # comments may name keys
         for literal in re.findall(r"'([^']*)'|\"([^\"]*)\"", code):

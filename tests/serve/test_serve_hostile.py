@@ -109,7 +109,7 @@ def test_sampler_pins_a_row_failure_on_its_request(serve_engine):
     import torch
 
     from worker.engine.detokenizer import IncrementalDetokenizer
-    from worker.engine.sampler import RequestError
+    from worker.engine.errors import EngineFault
     from worker.engine.sampling_params import SamplingParams
     from worker.engine.sequence import Sequence
 
@@ -122,8 +122,8 @@ def test_sampler_pins_a_row_failure_on_its_request(serve_engine):
     logits = torch.zeros(2, serve_engine.model.arch.vocab_size)
     try:
         serve_engine.sampler(logits, [ok, bad])
-    except RequestError as err:
-        assert err.request_id == "bad" and "IndexError" in str(err)
+    except EngineFault as err:  # the engine's own failure (an IndexError inside it), pinned on its row
+        assert err.request_id == "bad" and "IndexError" in str(err) and err.code == "worker_error"
     else:
         raise AssertionError("an out-of-range stop token id must fail the sampler")
 
@@ -140,7 +140,7 @@ def test_a_step_failure_is_pinned_on_the_job_that_caused_it(serve_engine, serve,
     jobs = {j.id: j for j in client.as_completed(good + bad, timeout=180)}
     for job_id in bad:
         assert jobs[job_id].status == "failed" and jobs[job_id].error_code == "worker_error"
-        assert "IndexError" in jobs[job_id].error and "broke the engine step" in jobs[job_id].error
+        assert "IndexError" in jobs[job_id].error and jobs[job_id].error.startswith("worker error: the engine failed")
     assert all(jobs[g].status == "finished" and jobs[g].attempts == 1 for g in good)
     assert handle.server.suspects == deque() and handle.server.step_failures == 0, "nobody was isolated"
     assert handle.stop() == 0

@@ -73,21 +73,62 @@ def wait_until(predicate, timeout: float, what: str, procs: list[Proc] = (), eve
         time.sleep(every)
 
 
-@dataclass
-class Stack:
+def healthy(base_url: str) -> bool:
+    """The gateway at base_url answers its /healthz."""
+    try:
+        return httpx.get(base_url + "/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@dataclass(kw_only=True)
+class Deployment:
+    """A started gateway deployment (this module's, tests/support/light_gateway.py's, ui_stack.py's): its
+    redis-server, its URL and processes, and API clients as one of the KEYS."""
+
     redis: RedisServer
     base_url: str
-    files_dir: Path
     procs: dict[str, Proc] = field(default_factory=dict)
+    timeout: float = 120  # the API clients'
+
+    def all(self) -> list[Proc]:
+        return list(self.procs.values())
 
     def openai(self, who: str = "alice", **kwargs: Any):
         from openai import OpenAI
 
-        return OpenAI(api_key=KEYS[who], base_url=self.base_url + "/v1", max_retries=0, timeout=120, **kwargs)
+        return OpenAI(api_key=KEYS[who], base_url=self.base_url + "/v1", max_retries=0, timeout=self.timeout,
+                      **kwargs)
 
     def http(self, who: str | None = "alice") -> httpx.Client:
         headers = {"authorization": f"Bearer {KEYS[who]}"} if who else {}
-        return httpx.Client(base_url=self.base_url, headers=headers, timeout=120)
+        return httpx.Client(base_url=self.base_url, headers=headers, timeout=self.timeout)
+
+
+class Shared:
+    """A deployment started by the first test that asks for it and shared by the tests after it; release()
+    stops it (a later user starts it again)."""
+
+    def __init__(self, start: Any, stop: Any, name: str) -> None:
+        self.start, self.stop, self.name = start, stop, name
+        self.deployment: Any = None
+
+    def get(self, tmp_path_factory: pytest.TempPathFactory) -> Any:
+        if self.deployment is None:
+            self.deployment = self.start(tmp_path_factory.mktemp(self.name))
+        for p in self.deployment.procs.values():
+            p.check_alive()
+        return self.deployment
+
+    def release(self) -> None:
+        if self.deployment is not None:
+            self.stop(self.deployment)
+            self.deployment = None
+
+
+@dataclass(kw_only=True)
+class Stack(Deployment):
+    files_dir: Path
 
     def producer(self):
         from producer import Client
@@ -102,13 +143,6 @@ class Stack:
 
         return wait_until(done, timeout, f"batch {batch_id} to reach {statuses}", list(self.procs.values()),
                           every=0.2)
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(url + "/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def start_stack(tmp: Path) -> Stack:
@@ -133,9 +167,9 @@ def start_stack(tmp: Path) -> Stack:
         stack.procs["tasks"] = Proc("tasks", ["-m", "gateway", "tasks"], env, tmp)
         stack.procs["webhooks"] = Proc("webhooks", ["-m", "gateway", "webhooks"], env, tmp)
         procs = list(stack.procs.values())
-        wait_until(lambda: _ready(stack.base_url), 60, "the gateway's /healthz", procs, every=0.1)
+        wait_until(lambda: healthy(stack.base_url), 60, "the gateway's /healthz", procs, every=0.1)
         r = srv.client()
-        wait_until(lambda: r.exists("tokenbus:worker:gw-worker"), 300, "the worker's heartbeat", procs, every=0.2)
+        wait_until(lambda: r.exists("{tokenbus}:worker:gw-worker"), 300, "the worker's heartbeat", procs, every=0.2)
         wait_until(lambda: r.scard("rq:workers") >= 2, 60, "the RQ workers", procs, every=0.1)
     except BaseException:
         stop_stack(stack)
@@ -149,27 +183,20 @@ def stop_stack(stack: Stack) -> None:
     stack.redis.cleanup()
 
 
-_STACK: Stack | None = None
+_STACK = Shared(start_stack, stop_stack, "gateway")
 
 
 @pytest.fixture
 def gateway_stack(tmp_path_factory) -> Stack:
     """The running deployment, started by the first test that asks and shared by the tests after it."""
-    global _STACK
-    if _STACK is None:
-        _STACK = start_stack(tmp_path_factory.mktemp("gateway"))
-    for p in _STACK.procs.values():
-        p.check_alive()
-    return _STACK
+    return _STACK.get(tmp_path_factory)
 
 
 def release_gateway_stack(nextitem: pytest.Item | None) -> None:
     """conftest's pytest_runtest_teardown: stop the deployment once the next test does not use it, so its
     worker (a model in memory) does not idle through the rest of the suite. A later user restarts it."""
-    global _STACK
-    if _STACK is not None and (nextitem is None or "gateway_stack" not in getattr(nextitem, "fixturenames", ())):
-        stop_stack(_STACK)
-        _STACK = None
+    if nextitem is None or "gateway_stack" not in getattr(nextitem, "fixturenames", ()):
+        _STACK.release()
 
 
 # ---- batch files ---------------------------------------------------------------------------------------------
@@ -187,42 +214,60 @@ def write_jsonl(path: Path, lines: list[str]) -> Path:
 
 # ---- webhook receiver ----------------------------------------------------------------------------------------
 
-class WebhookReceiver:
-    """A tiny HTTP server thread: answers 500 to the first `fail_first` attempts of each webhook-id, then 200."""
+class LoopbackReceiver:
+    """An HTTP server thread on 127.0.0.1 (a context manager) whose POSTs go to on_post(handler)."""
 
-    def __init__(self, fail_first: int = 2) -> None:
-        self.fail_first = fail_first
-        self.attempts: list[dict[str, Any]] = []  # every request: headers, body, answered status
+    path = "/hook"
+
+    def __init__(self) -> None:
         self.lock = threading.Lock()
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-                body = self.rfile.read(int(self.headers.get("content-length", 0)))
-                with receiver.lock:
-                    msg_id = self.headers.get("webhook-id")
-                    seen = sum(1 for a in receiver.attempts if a["headers"].get("webhook-id") == msg_id)
-                    status = 500 if seen < receiver.fail_first else 200
-                    receiver.attempts.append({"headers": {k.lower(): v for k, v in self.headers.items()},
-                                              "body": body, "status": status, "at": time.time()})
-                self.send_response(status)
-                self.send_header("content-length", "0")
-                self.end_headers()
+                receiver.on_post(self)
 
             def log_message(self, *args: Any) -> None:
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/tokenbus"
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}{self.path}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def __enter__(self) -> WebhookReceiver:
+    def on_post(self, handler: BaseHTTPRequestHandler) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
         self.thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class WebhookReceiver(LoopbackReceiver):
+    """Answers 500 to the first `fail_first` attempts of each webhook-id, then 200."""
+
+    path = "/hooks/tokenbus"
+
+    def __init__(self, fail_first: int = 2) -> None:
+        self.fail_first = fail_first
+        self.attempts: list[dict[str, Any]] = []  # every request: headers, body, answered status
+        super().__init__()
+
+    def on_post(self, handler: BaseHTTPRequestHandler) -> None:
+        body = handler.rfile.read(int(handler.headers.get("content-length", 0)))
+        with self.lock:
+            msg_id = handler.headers.get("webhook-id")
+            seen = sum(1 for a in self.attempts if a["headers"].get("webhook-id") == msg_id)
+            status = 500 if seen < self.fail_first else 200
+            self.attempts.append({"headers": {k.lower(): v for k, v in handler.headers.items()},
+                                  "body": body, "status": status, "at": time.time()})
+        handler.send_response(status)
+        handler.send_header("content-length", "0")
+        handler.end_headers()
 
     def delivered(self) -> list[dict[str, Any]]:
         with self.lock:

@@ -9,16 +9,23 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import threading
 import time
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from tests.support.gateway_harness import KEYS, WEBHOOK_SECRET, Proc, chat_line, wait_until, write_jsonl
+from tests.support.gateway_harness import (
+    KEYS,
+    WEBHOOK_SECRET,
+    Deployment,
+    LoopbackReceiver,
+    Proc,
+    chat_line,
+    healthy,
+    wait_until,
+    write_jsonl,
+)
 from tests.support.local_redis import RedisServer, free_port
 
 __all__ = ["KEYS", "WEBHOOK_SECRET", "chat_line", "write_jsonl", "wait_until", "LightStack", "TrickleReceiver"]
@@ -34,31 +41,17 @@ ENV = {  # short deadlines: each attack resolves in a few seconds
 }
 
 
-@dataclass
-class LightStack:
-    redis: RedisServer
-    base_url: str
+@dataclass(kw_only=True)
+class LightStack(Deployment):
     env: dict[str, str]
     log_dir: Path
-    procs: dict[str, Proc] = field(default_factory=dict)
+    timeout: float = 30
 
     def start(self, name: str) -> Proc:
         cmd = {"gateway": "serve", "tasks": "tasks", "webhooks": "webhooks"}[name]
         self.procs[name] = Proc(f"{name}-{time.monotonic_ns()}", ["-m", "gateway", cmd], self.env,
                                 self.log_dir)
         return self.procs[name]
-
-    def all(self) -> list[Proc]:
-        return list(self.procs.values())
-
-    def openai(self, who: str = "alice"):
-        from openai import OpenAI
-
-        return OpenAI(api_key=KEYS[who], base_url=self.base_url + "/v1", max_retries=0, timeout=30)
-
-    def http(self, who: str | None = "alice") -> httpx.Client:
-        headers = {"authorization": f"Bearer {KEYS[who]}"} if who else {}
-        return httpx.Client(base_url=self.base_url, headers=headers, timeout=30)
 
     def r(self):
         return self.redis.client(decode_responses=True)
@@ -102,13 +95,6 @@ class LightStack:
                                result={"text": text, "finish_reason": "stop", "model": "smollm2-135m"})
 
 
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(url + "/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def start_light_stack(tmp: Path) -> LightStack:
     srv = RedisServer().start()
     port = free_port()
@@ -117,11 +103,11 @@ def start_light_stack(tmp: Path) -> LightStack:
                TOKENBUS_GATEWAY_FILES_DIR=str(tmp / "files"), TOKENBUS_GATEWAY_WEBHOOK_SECRET=WEBHOOK_SECRET, **ENV)
     stack = LightStack(redis=srv, base_url=f"http://127.0.0.1:{port}", env=env, log_dir=tmp)
     # The queue's limit, read once by each producer Client: low enough that a test can fill the queue.
-    srv.client().hset("tokenbus:config", "max_queue_len", MAX_QUEUE_LEN)
+    srv.client().hset("{tokenbus}:config", "max_queue_len", MAX_QUEUE_LEN)
     try:
         for name in ("gateway", "tasks", "webhooks"):
             stack.start(name)
-        wait_until(lambda: _ready(stack.base_url), 60, "the gateway's /healthz", stack.all(), every=0.1)
+        wait_until(lambda: healthy(stack.base_url), 60, "the gateway's /healthz", stack.all(), every=0.1)
         r = srv.client()
         wait_until(lambda: r.scard("rq:workers") >= 2, 60, "the two RQ workers", stack.all(), every=0.1)
     except BaseException:
@@ -140,54 +126,36 @@ def stop_light_stack(stack: LightStack) -> None:
     stack.redis.cleanup()
 
 
-class TrickleReceiver:
-    """A webhook receiver on 127.0.0.1 that answers one byte of its status line every `every` seconds (a slow
-    receiver holding each attempt as long as the sender lets it). Records when each connection opened/closed."""
+class TrickleReceiver(LoopbackReceiver):
+    """A webhook receiver that answers one byte of its status line every `every` seconds (a slow receiver
+    holding each attempt as long as the sender lets it). Records when each connection opened/closed."""
 
     def __init__(self, every: float = 0.5, total_s: float = 30) -> None:
         self.every, self.total_s = every, total_s
         self.connections: list[dict[str, float]] = []  # ended ones
         self.active = 0  # connections being answered now
-        self.lock = threading.Lock()
-        receiver = self
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-                opened = time.monotonic()
-                with receiver.lock:
-                    receiver.active += 1
-                self.rfile.read(int(self.headers.get("content-length", 0)))
-                answer = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
-                deadline = opened + receiver.total_s
-                try:
-                    for byte in answer:  # bounded: the answer has ~40 bytes, and total_s caps it
-                        if time.monotonic() > deadline:
-                            break
-                        self.wfile.write(bytes([byte]))
-                        self.wfile.flush()
-                        time.sleep(receiver.every)
-                except OSError:  # the sender gave up and closed: what we measure
-                    pass
-                with receiver.lock:
-                    receiver.active -= 1
-                    receiver.connections.append({"opened": opened, "closed": time.monotonic()})
-                self.close_connection = True
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> TrickleReceiver:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    def on_post(self, handler: BaseHTTPRequestHandler) -> None:
+        opened = time.monotonic()
+        with self.lock:
+            self.active += 1
+        handler.rfile.read(int(handler.headers.get("content-length", 0)))
+        answer = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
+        deadline = opened + self.total_s
+        try:
+            for byte in answer:  # bounded: the answer has ~40 bytes, and total_s caps it
+                if time.monotonic() > deadline:
+                    break
+                handler.wfile.write(bytes([byte]))
+                handler.wfile.flush()
+                time.sleep(self.every)
+        except OSError:  # the sender gave up and closed: what we measure
+            pass
+        with self.lock:
+            self.active -= 1
+            self.connections.append({"opened": opened, "closed": time.monotonic()})
+        handler.close_connection = True
 
 
 def listener(port: int = 0) -> tuple[socket.socket, int]:

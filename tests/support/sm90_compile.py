@@ -39,6 +39,17 @@ def compile_for_sm90(launch):
     return triton.compile(ASTSource(launch.kernel, signature, constants, attrs), target=target, options=options)
 
 
+def check_attention_compiles(launches, tmp_path: Path) -> None:
+    """Every launch compiles for sm_90 without register spills, and the attention kernels' K/V loops are
+    software-pipelined (async copies), which the bandwidth target depends on."""
+    for launch in launches:
+        compiled = compile_for_sm90(launch)
+        name = launch.kernel.__name__
+        assert stack_bytes(compiled.asm["cubin"], tmp_path) == 0, f"{name} spills registers"
+        if name in ("_decode_partition_kernel", "_prefill_kernel"):
+            assert "async_copy_global_to_local" in compiled.asm["ttgir"], f"{name}: K/V loop not pipelined"
+
+
 def stack_bytes(cubin: bytes, tmp_path: Path) -> int:
     import triton.backends.nvidia
 

@@ -13,7 +13,7 @@ import torch
 
 SMOLLM2_VOCAB = 49152
 
-# head_dim 32: the smallest the Triton kernels accept (a power of two 32–256)
+# head_dim 32 unless a family says otherwise (Phi-3: 96, which the Triton kernels run padded)
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": dict(
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -31,12 +31,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                          "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                             "rope_theta": 1000000.0}}),
-    # partial rotary (16 of 32 dims), longrope switching to the long factors at position 32
-    "phi3": dict(max_position_embeddings=128, original_max_position_embeddings=32, sliding_window=24,
-                 tie_word_embeddings=False,
+    # Phi-3-mini's head_dim 96 (not a power of two: the Triton kernels pad it to 128 lanes); partial rotary
+    # (48 of 96 dims: 24 frequencies), longrope switching to the long factors at position 32
+    "phi3": dict(hidden_size=192, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                 original_max_position_embeddings=32, sliding_window=24, tie_word_embeddings=False,
                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                                  "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0],
-                                  "long_factor": [0.25, 0.5, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0],
+                                  "short_factor": [1.0 + 0.125 * i for i in range(24)],
+                                  "long_factor": [0.25 * 1.4**i for i in range(24)],
                                   "original_max_position_embeddings": 32}),
 }
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.support.gateway_harness import KEYS, Proc, wait_until
+from tests.support.gateway_harness import KEYS, Deployment, Proc, healthy, wait_until
 from tests.support.local_redis import RedisServer, free_port
 
 CHROMIUM = "/usr/bin/chromium"
@@ -21,27 +20,9 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 WORKER = "ui-worker"
 
 
-@dataclass
-class UiStack:
-    redis: RedisServer
-    base_url: str
+@dataclass(kw_only=True)
+class UiStack(Deployment):
     model: str  # the worker's model: batch lines and requests name it
-    procs: dict[str, Proc] = field(default_factory=dict)
-
-    def all(self) -> list[Proc]:
-        return list(self.procs.values())
-
-    def openai(self, who: str = "alice"):
-        from openai import OpenAI
-
-        return OpenAI(api_key=KEYS[who], base_url=self.base_url + "/v1", max_retries=0, timeout=120)
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(url + "/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def start_ui_stack(tmp: Path) -> UiStack:
@@ -66,10 +47,10 @@ def start_ui_stack(tmp: Path) -> UiStack:
             "-m", "worker", "--model", model, "--worker-name", WORKER, "--max-num-seqs", "8",
             "--max-num-batched-tokens", "512", "--kv-cache-gb", "0.05", "--heartbeat-s", "0.5",
             "--cpu-kernels", "false"], env, tmp)
-        wait_until(lambda: _ready(stack.base_url), 60, "the gateway's /healthz", stack.all(), every=0.1)
+        wait_until(lambda: healthy(stack.base_url), 60, "the gateway's /healthz", stack.all(), every=0.1)
         r = srv.client()
         wait_until(lambda: r.exists("rq:workers"), 60, "the RQ worker", stack.all(), every=0.1)
-        wait_until(lambda: r.exists(f"tokenbus:worker:{WORKER}"), 180, "the worker's heartbeat", stack.all(), 0.1)
+        wait_until(lambda: r.exists(f"{{tokenbus}}:worker:{WORKER}"), 180, "the worker's heartbeat", stack.all(), 0.1)
     except BaseException:
         stop_ui_stack(stack)
         raise

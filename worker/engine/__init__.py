@@ -13,12 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from worker.engine.config import EngineConfig
-    from worker.engine.engine import Delta, Engine, EngineStats, RequestOutput
+    from worker.engine.engine import Engine
+    from worker.engine.outputs import Delta, EngineStats, RequestOutput
     from worker.engine.sampling_params import SamplingParams
 
 __all__ = ["Delta", "Engine", "EngineConfig", "EngineStats", "RequestOutput", "SamplingParams"]
 
-_HOMES = {"EngineConfig": "config", "SamplingParams": "sampling_params"}
+_HOMES = {"EngineConfig": "config", "SamplingParams": "sampling_params", "Delta": "outputs", "EngineStats": "outputs",
+          "RequestOutput": "outputs"}
 
 
 def __getattr__(name: str) -> Any:

@@ -11,7 +11,9 @@ import math
 from dataclasses import dataclass
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
-QUANTIZATIONS = ("int8",)  # worker/engine/quantization.py (fp8: issue 24, not built yet)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")  # kernels/kv_quant.py
+KV_CACHE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8_e4m3": "fp8"}
+QUANTIZATIONS = ("int8", "fp8")  # worker/engine/quantization.py
 
 
 def bulk_min_seats(fraction: float, seats: int) -> int:
@@ -46,10 +48,16 @@ class EngineConfig:
     overlap: bool | None = None  # schedule and prepare step N+1 while step N runs (overlap.py); None = on for
     # cuda, off on the cpu (there the forward and the host share the same cores)
     quantization: str | None = None  # weights: None = as loaded; "int8" (CPU fp32, weight-only per-channel);
-    # worker/engine/quantization.py
+    # "fp8" (CUDA sm_89+, e4m3 per-channel through torch._scaled_mm); worker/engine/quantization.py
+    kv_cache_dtype: str = "auto"  # "auto" = the model dtype; "bfloat16", "float32"; "int8" (CPU: the C++
+    # kernels, a scale per token and KV head); "fp8" (CUDA sm_89+: e4m3, the same scales). kernels/kv_quant.py
 
     def __post_init__(self) -> None:
         problems = []
+        self.kv_cache_dtype = KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            problems.append(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)} (or bf16, fp32, fp16), "
+                            f"got {self.kv_cache_dtype!r}")
         if self.block_size not in (8, 16, 32, 64, 128):
             problems.append(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:

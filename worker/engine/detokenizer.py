@@ -25,6 +25,12 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
 
+    def feed(self, token_ids: list[int]) -> str:
+        """The text these tokens complete: what step() on each in turn would return, joined."""
+        if self._stream is not None:
+            return self._stream.step(self._fast, token_ids) or ""
+        return "".join([self.step(t) for t in token_ids])
+
     def step(self, token_id: int) -> str:
         """The text this token completes ("" while a multi-byte character is still incomplete)."""
         if self._stream is not None:

@@ -15,16 +15,16 @@ from typing import Any
 import structlog
 import torch
 
-from worker.engine import loader, quantization, warmup
+from worker.engine import fp8, kv_cache, loader, quantization, warmup
 from worker.engine.backends import select_backend
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig, bulk_min_seats
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.errors import InvalidRequest
-from worker.engine.guided import GrammarError, GuidedDecoding
+from worker.engine.errors import EngineError, EngineFault, InvalidRequest, fault
+from worker.engine.guided import GuidedDecoding
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_block
 from worker.engine.models import registry
-from worker.engine.outputs import Choice, Delta, EngineStats, RequestOutput
+from worker.engine.outputs import Choice, EngineStats, RequestOutput, StepDeltas
 from worker.engine.overlap import Overlap
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_params import SamplingParams
@@ -57,15 +57,16 @@ class Engine:
         source = loader.resolve(cfg.model, cfg.cache_dir)
         hf_config = loader.load_config(source)
         arch = registry.model_arch(hf_config, cfg.model, cfg.model_impl)
-        self.serving_path = registry.serving_path(arch)  # "native" or "transformers"
+        self.model_path = registry.model_path(arch)  # "native" or "transformers"
         self.model_name = cfg.model
         self.tokenizer = loader.load_tokenizer(source)
         self.eos_token_ids = loader.load_generation_eos(source, hf_config, self.tokenizer)
         self.max_model_len = min(cfg.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
         quantization.check_scheme(cfg.quantization, self.device, self.dtype)
-        quantization.check_checkpoint(hf_config)
+        fp8_loading = fp8.plan(hf_config, source.directory, cfg, self.device, self.model_path)
         self.backend = select_backend(self.device, self.dtype, cfg.cpu_kernels, cfg.cache_dir)
         self.backend.check_model(arch, cfg.model)
+        self.kv_dtype = kv_cache.storage_dtype(cfg.kv_cache_dtype, self.device, self.dtype, self.backend.name)
         self.max_num_seqs = cfg.max_num_seqs or (CUDA_MAX_NUM_SEQS if self.device.type == "cuda" else CPU_MAX_NUM_SEQS)
         if cfg.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
@@ -75,10 +76,12 @@ class Engine:
         # graphs replay the padded decode path, so they need it; static_decode None follows the graphs
         self.cuda_graphs = self.device.type == "cuda" and cfg.cuda_graphs and cfg.static_decode is not False
         # transformers' own modeling code was never checked under graph capture: the fallback runs eagerly
-        self.cuda_graphs = self.cuda_graphs and self.serving_path == "native"
+        self.cuda_graphs = self.cuda_graphs and self.model_path == "native"
         static_decode = cfg.static_decode if cfg.static_decode is not None else self.cuda_graphs
         self.model = registry.build_model(arch, hf_config, source, self.backend, self.dtype, self.device,
-                                          self.max_model_len, loader.iter_weights)
+                                          self.max_model_len, fp8_loading.weights(loader.iter_weights),
+                                          prepare=fp8_loading.prepare)
+        fp8_loading.finish(self.model, self.device)
         self.quantized_cache = None  # the int8 cache file this engine read or wrote
         if cfg.quantization == "int8":
             self.quantized_cache = quantization.apply_int8(self.model, source.directory, cfg.cache_dir)
@@ -94,7 +97,7 @@ class Engine:
                                    cfg.max_num_batched_tokens, self.guided,
                                    bulk_min_seats=bulk_min_seats(cfg.bulk_min_fraction, self.max_num_seqs))
         self.sampler = Sampler(arch.vocab_size, self.device, self.eos_token_ids, self.backend)
-        self.runner = ModelRunner(self.model, self.sampler, num_blocks, cfg.block_size, self.device, self.dtype,
+        self.runner = ModelRunner(self.model, self.sampler, num_blocks, cfg.block_size, self.device, self.kv_dtype,
                                   self.max_num_seqs, self.max_model_len, static_decode, guided=self.guided)
         if self.device.type == "cuda":
             self._warm_up()
@@ -103,8 +106,8 @@ class Engine:
         # choices 1.. of an n > 1 request wait here until choice 0 has computed (and so cached) the prompt:
         # then they take its full blocks from the prefix cache, a fork without copying
         self.forks: dict[str, list[Sequence]] = {}
-        self.deltas: dict[str, Delta] = {}
-        self.rejected: dict[str, str] = {}  # request id -> why: left the engine in the last step, never ran
+        self.deltas = StepDeltas()
+        self.rejected: dict[str, EngineError] = {}  # request id -> why (its code): left in the last step, never ran
         self.generated_tokens = 0
         self.steps = 0
         # overlap (overlap.py): the next step is scheduled and prepared while the device runs this one
@@ -113,16 +116,17 @@ class Engine:
         self.overlap = Overlap(self.scheduler, self.runner, self.guided, self.finish_step) if overlap else None
         log.info(
             "engine_ready", model=cfg.model, device=str(self.device), dtype=str(self.dtype), kv_blocks=num_blocks,
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             block_size=cfg.block_size, max_model_len=self.max_model_len, backend=self.backend.name,
             max_num_seqs=self.max_num_seqs, static_decode=static_decode, cuda_graphs=self.cuda_graphs,
-            serving_path=self.serving_path, overlap=overlap, load_s=round(time.perf_counter() - started, 2),
+            model_path=self.model_path, overlap=overlap, load_s=round(time.perf_counter() - started, 2),
         )
 
     def _num_kv_blocks(self) -> int:
         """Blocks for the sequences (the runner adds one pad block): a fixed count, kv_cache_gb, or on CUDA
         what the card has left after the profiled peak of the largest step and the graphs' pool."""
         cfg = self.config
-        per_block = kv_bytes_per_block(self.model, cfg.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.model, cfg.block_size, self.kv_dtype)
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks
         if cfg.kv_cache_gb is not None:
@@ -139,7 +143,7 @@ class Engine:
     def _cuda_kv_budget(self) -> float:
         cfg = self.config
         width = -(-self.max_model_len // cfg.block_size)
-        args = (cfg.block_size, self.dtype, self.device)
+        args = (cfg.block_size, self.kv_dtype, self.device)
         peak = warmup.profile_peak(self.model, cfg.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
                                    *args)
         graphs = warmup.decode_peak(self.model, self.max_num_seqs, width, *args) if self.cuda_graphs else 0
@@ -195,12 +199,17 @@ class Engine:
         """Queue a request. priority: lower is seated sooner (the serve loop passes the job's priority rank);
         requests of one priority are seated in arrival order."""
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in the engine")
+            raise EngineFault(f"request id {request_id!r} is already in the engine")  # the caller's bug
         if params is None:
             params = SamplingParams()
         elif isinstance(params, dict):
             params = SamplingParams.from_dict(params)
-        prompt_ids = self.tokenize(prompt)
+        try:
+            prompt_ids = self.tokenize(prompt)
+        except EngineError:
+            raise
+        except Exception as err:  # the tokenizer's own failure (a chat template that raises) is the engine's
+            raise fault(err, "tokenizing the prompt") from err
         self._check_stop_token_ids(params)
         total = len(prompt_ids) + params.max_tokens
         if len(prompt_ids) >= self.max_model_len:
@@ -227,11 +236,8 @@ class Engine:
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             seqs.append(Sequence(request_id, prompt_ids, params, now, detokenizer, generator=generator,
                                  choice_index=i, priority=priority))
-        try:
-            for seq in seqs:  # compiles response_format / regex / choice off this thread
-                self.guided.add(seq)
-        except GrammarError as err:
-            raise InvalidRequest(str(err)) from None
+        for seq in seqs:  # compiles response_format / regex / choice off this thread (GrammarError: failed before)
+            self.guided.add(seq)
         self.requests[request_id] = seqs[0]
         self.choices[request_id] = seqs
         self.scheduler.add(seqs[0])
@@ -270,9 +276,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One forward pass. Returns the requests that ended in it; `deltas` holds what every request that
         sampled a token gained (streaming, time to first token)."""
-        self.deltas = {}
+        self.deltas = StepDeltas()
         self.rejected = {}
-        for seq, why in self.guided.take_failed():  # a grammar the engine could not compile: that request only
+        for seq, err in self.guided.take_failed():  # a grammar the engine could not compile: that request only
             seqs = self.choices.pop(seq.request_id, None)
             if seqs is None:  # another choice of the same request already took it out
                 continue
@@ -280,7 +286,7 @@ class Engine:
             self.forks.pop(seq.request_id, None)
             for choice in seqs:
                 self.scheduler.remove(choice)
-            self.rejected[seq.request_id] = why
+            self.rejected[seq.request_id] = err
         if self.overlap is not None:
             return self.overlap.step()
         batch = self.scheduler.schedule()
@@ -294,9 +300,7 @@ class Engine:
                     logprob_rows: list | None) -> list[RequestOutput]:
         """After a step's forward pass: postprocess, deltas, forks, and the requests that ended."""
         finished = self.scheduler.postprocess(batch, sampled, tokens, logprob_rows, time.time())
-        for seq, token in zip(sampled, tokens, strict=True):
-            if seq.choice_index == 0:  # a stream carries choice 0
-                self.deltas[seq.request_id] = Delta([token], seq.take_text())
+        self.deltas = StepDeltas(sampled, tokens)  # a stream carries choice 0
         self.generated_tokens += len(tokens)
         self.steps += 1
         self._release_forks()
@@ -351,8 +355,9 @@ class Engine:
         prompts: Seq[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Offline: run every prompt to the end and return the outputs in input order. InvalidRequest, once every
-        other request ended, when the engine could not compile a prompt's grammar (structured output)."""
+        """Offline: run every prompt to the end and return the outputs in input order. InvalidRequest (with the
+        code), once every other request ended, when the engine refused a prompt's grammar (structured output);
+        EngineFault when compiling one broke."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt given bare
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -360,13 +365,17 @@ class Engine:
         for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
             self.add_request(rid, prompt, p)
         results: dict[str, RequestOutput] = {}
-        rejected: dict[str, str] = {}
+        rejected: dict[str, EngineError] = {}
         while len(results) + len(rejected) < len(ids):
             for out in self.step():
                 results[out.request_id] = out
             rejected.update(self.rejected)
         if rejected:
-            raise InvalidRequest("; ".join(f"prompt {ids.index(rid)}: {why}" for rid, why in rejected.items()))
+            why = "; ".join(f"prompt {ids.index(rid)}: {err}" for rid, err in rejected.items())
+            errors = list(rejected.values())
+            if all(isinstance(err, InvalidRequest) for err in errors):
+                raise InvalidRequest(why, code=errors[0].code)
+            raise EngineFault(why)
         return [results[rid] for rid in ids]
 
 

@@ -32,8 +32,8 @@ import structlog
 import torch
 
 from protocol.constraints import LIMITS, ConstraintLimits
-from protocol.models import ErrorCode
-from worker.engine.sampler import RequestError
+from protocol.errors import ErrorCode
+from worker.engine.errors import EngineError, EngineFault, InvalidRequest, fault
 from worker.engine.sequence import Sequence
 
 log = structlog.get_logger("tokenbus.guided")
@@ -42,12 +42,13 @@ CACHE_SIZE = 256  # compiled grammars kept (least recently used go first)
 TOO_COSTLY = ErrorCode.grammar_too_costly.value  # the error code, and the first word of the reason
 
 
-class GrammarError(ValueError):
-    """The engine could not compile a request's grammar against its tokenizer."""
+class GrammarError(InvalidRequest):
+    """The engine could not compile a request's grammar against its tokenizer (code invalid_request), or its
+    first mask took more CPU than the budget (code grammar_too_costly)."""
 
 
-class GrammarTooCostly(RequestError):
-    """One sequence's mask took more CPU than the budget: that request fails alone (code grammar_too_costly)."""
+class GrammarTooCostly(InvalidRequest):
+    """One sequence's mask took more CPU than the budget mid-run: that request fails alone (request_id)."""
 
     code = TOO_COSTLY
 
@@ -97,7 +98,8 @@ class GuidedDecoding:
         else:
             self._compiled.move_to_end(key)
             if future.done() and future.exception() is not None:
-                raise GrammarError(str(future.exception()))
+                failed = fault(future.exception(), "compiling the grammar")
+                raise type(failed)(str(failed), code=failed.code)  # a fresh one: the cached one keeps no trace
         self._pending[seq] = future
 
     def is_ready(self, seq: Sequence) -> bool:
@@ -111,9 +113,10 @@ class GuidedDecoding:
         del self._pending[seq]
         return True
 
-    def take_failed(self) -> list[tuple[Sequence, str]]:
-        """Sequences whose grammar did not compile, with why; they are forgotten here."""
-        failed = [(seq, str(f.exception())) for seq, f in self._pending.items()
+    def take_failed(self) -> list[tuple[Sequence, EngineError]]:
+        """Sequences whose grammar did not compile, with why: a GrammarError (the client's), or an EngineFault
+        when the compile itself broke. They are forgotten here."""
+        failed = [(seq, fault(f.exception(), "compiling the grammar")) for seq, f in self._pending.items()
                   if f.done() and f.exception() is not None]
         for seq, _ in failed:
             del self._pending[seq]
@@ -138,8 +141,8 @@ class GuidedDecoding:
             return
         for _, matcher, seq in rows:
             if matcher.is_error():  # raised before any sequence changed: the serve loop fails this job alone
-                raise RequestError(seq.request_id, f"guided decoding failed for request {seq.request_id!r}: "
-                                                   f"{matcher.get_error()}")
+                raise EngineFault(f"guided decoding failed for request {seq.request_id!r}: "
+                                  f"{matcher.get_error()}", request_id=seq.request_id)
         n, vocab = len(rows), logits.shape[1]
         words = (vocab + 31) // 32
         if self._bitmask.shape[0] < n or self._bitmask.shape[1] != words:
@@ -160,8 +163,8 @@ class GuidedDecoding:
                 m.unsafe_compute_mask_ptr(bitmask[k].data_ptr(), words * 4)
                 ms = (time.thread_time() - start) * 1000
                 if ms > budget_ms:  # raised before any sequence changed, as is_error above
-                    raise GrammarTooCostly(seq.request_id, too_costly(
-                        f"the grammar mask of request {seq.request_id!r}", ms, self.limits))
+                    raise GrammarTooCostly(too_costly(f"the grammar mask of request {seq.request_id!r}", ms,
+                                                      self.limits), request_id=seq.request_id)
         if logits.device.type == "cpu":
             forbidden = forbidden_numpy(bitmask, vocab)
         else:  # the packed mask travels (4 KiB a row at 32k tokens), the device unpacks it
@@ -201,7 +204,7 @@ class GuidedDecoding:
         matcher.compute_bitmask()  # the first mask builds the lexer's start state; every copy then shares it
         ms = (time.thread_time() - start) * 1000
         if ms > self.limits.mask_budget_ms:
-            raise GrammarError(too_costly("the grammar's first mask", ms, self.limits))
+            raise GrammarError(too_costly("the grammar's first mask", ms, self.limits), code=TOO_COSTLY)
         return matcher
 
     def _tokenizer(self) -> llguidance.LLTokenizer:

@@ -1,13 +1,15 @@
 """Turns a scheduled batch into flat tensors (StepInputs), runs the model once, and samples.
 
 Owns the model weights and the paged KV cache (per layer a K and a V tensor of shape
-[num_blocks + 1, block_size, num_kv_heads, head_dim]; the last block is the padding rows' scratch block).
+[num_blocks + 1, block_size, num_kv_heads, head_dim] (+ 4 per row for int8/fp8: kernels/kv_quant.py); the
+last block is the padding rows' scratch block).
 """
 
 from __future__ import annotations
 
 import torch
 
+from worker.engine import kv_cache
 from worker.engine.cuda_graphs import StaticDecode
 from worker.engine.guided import GuidedDecoding
 from worker.engine.models.llama import LlamaForCausalLM
@@ -18,15 +20,14 @@ from worker.engine.step_inputs import Ahead, PreparedStep, StepInputs
 
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    arch = model.arch
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+    """dtype: the cache's (EngineConfig.kv_cache_dtype's storage, kernels/kv_quant.py)."""
+    return kv_cache.bytes_per_block(model.arch, block_size, dtype)
 
 
 class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, sampler: Sampler, num_blocks: int, block_size: int,
-        device: torch.device, dtype: torch.dtype, max_num_seqs: int, max_model_len: int,
+        device: torch.device, kv_dtype: torch.dtype, max_num_seqs: int, max_model_len: int,
         static_decode: bool = False, guided: GuidedDecoding | None = None,
     ) -> None:
         self.model = model
@@ -37,14 +38,10 @@ class ModelRunner:
         arch = model.arch
         # one block past the pool, never handed to a sequence: padding rows of a padded step write there
         self.pad_block = num_blocks
-        shape = (num_blocks + 1, block_size, arch.num_kv_heads, arch.head_dim)
         # zeros, not empty: on the CPU an untouched page faults on its first write, and a decode step writing
         # into fresh blocks took ~700 such faults (~7 ms at 64 sequences); touching the cache once at start-up
         # moves that cost out of serving
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(arch.num_layers)
-        ]
+        self.kv_caches = kv_cache.allocate(arch, num_blocks + 1, block_size, kv_dtype, device)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.inputs = StepInputs(max_num_seqs, self.max_blocks_per_seq, block_size, self.pad_block, device)
         # pure decode steps padded to fixed shapes (cuda_graphs.py); capture() turns them into graph replays

@@ -3,7 +3,12 @@ running one (Delta), and the engine's counters (EngineStats)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from worker.engine.sequence import Sequence
 
 
 @dataclass
@@ -35,12 +40,55 @@ class RequestOutput:
     choices: list[Choice] = field(default_factory=list)
 
 
-@dataclass
 class Delta:
-    """What one step added to a request's output: its new token ids and the text that is final now."""
+    """What one step added to a request's output: its new token ids and the text that is final now. The text
+    is taken from the sequence when first read (only a streamed request's is): read it before the next step."""
 
-    token_ids: list[int]
-    text: str
+    __slots__ = ("token_ids", "_text", "_seq")
+
+    def __init__(self, token_ids: list[int], text: str | None = None, seq: Sequence | None = None) -> None:
+        self.token_ids = token_ids
+        self._text = text
+        self._seq = seq
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            self._text = self._seq.take_text() if self._seq is not None else ""
+        return self._text
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Delta) and (self.token_ids, self.text) == (other.token_ids, other.text)
+
+    def __repr__(self) -> str:
+        return f"Delta(token_ids={self.token_ids!r}, text={self.text!r})"
+
+
+class StepDeltas(Mapping[str, Delta]):
+    """Engine.deltas: request id -> Delta of every request whose choice 0 sampled in the last step. Built on
+    first read (the text is detokenized then), so a step whose deltas nobody reads (offline generate) pays
+    nothing for them; a Delta's text is detokenized when read (a streamed request's). Read it before the next
+    step."""
+
+    def __init__(self, sampled: list[Sequence] | None = None, tokens: list[int] | None = None) -> None:
+        self._sampled = sampled or []
+        self._tokens = tokens or []
+        self._built: dict[str, Delta] | None = None
+
+    def _deltas(self) -> dict[str, Delta]:
+        if self._built is None:
+            self._built = {seq.request_id: Delta([token], seq=seq)
+                           for seq, token in zip(self._sampled, self._tokens, strict=True) if seq.choice_index == 0}
+        return self._built
+
+    def __getitem__(self, request_id: str) -> Delta:
+        return self._deltas()[request_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._deltas())
+
+    def __len__(self) -> int:
+        return len(self._deltas())
 
 
 @dataclass

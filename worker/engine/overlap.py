@@ -111,14 +111,13 @@ class Overlap:
         only state that the postprocess of the step in flight does not touch)."""
         matchers = self.guided.matchers
         return not any(s.params.has_penalties or s.params.min_tokens > s.num_output_tokens or s in matchers
-                       for s in prev.step.sampling_seqs)
+                       for s in prev.step.sampling_seqs if s.reads_own_tokens)
 
     def _launch(self, batch: ScheduledBatch, prev: InFlight | None) -> InFlight:
         step = self.runner.prepare(batch, prev.ahead if prev is not None else None)
         future = self.pool.submit(self._execute, step, prev.future if prev is not None else None)
-        ahead: Ahead = {seq: (n, -1) for seq, n in step.order}
-        for i, seq in enumerate(step.sampling_seqs):
-            ahead[seq] = (ahead[seq][0], i)
+        src = {seq: i for i, seq in enumerate(step.sampling_seqs)}
+        ahead: Ahead = {seq: (n, src.get(seq, -1)) for seq, n in step.order}
         return InFlight(batch, step, future, ahead)
 
     def _execute(self, step: PreparedStep, prev: Future[SampledStep | None] | None) -> SampledStep | None:

@@ -7,8 +7,10 @@ model's linears are quantized, and the on-disk cache of the result.
            panels and widens them in registers (kernels/csrc/cpu_quant.cpp); prefill-sized batches run oneDNN
            on the dequantized weight, so both paths compute the same model: W ≈ q · s.
 
-FP8 (CUDA) and quantized checkpoints (compressed-tensors, the `fp8` quantization_config) are not built yet:
-they are refused at load with that said (docs/quantization.md).
+    fp8    FP8 (e4m3) weights with per-output-channel scales through torch._scaled_mm, activations quantized
+           per token (worker/engine/fp8.py, kernels/fp8_linear.py). CUDA sm_89+ (Ada, Hopper); the CPU runs
+           the same code on PyTorch's CPU _scaled_mm (slow: for checking). An unquantized checkpoint is
+           quantized at load; an FP8 checkpoint (fp8_checkpoint.py) is served FP8 on CUDA even without it.
 
 Quantizing SmolLM2-135M takes about a second; the result is still cached on disk beside the dequantized
 GGUF (kernels.cpu.cache_root()/quantized), keyed by the checkpoint's files, so a restart reads it back.
@@ -27,7 +29,7 @@ from torch import nn
 
 from kernels.cpu import cache_root
 
-SCHEMES = ("int8",)
+SCHEMES = ("int8", "fp8")
 INT8_MAX = 127
 CACHE_VERSION = "int8-v1"  # bump when the int8 recipe changes: old cache entries are then ignored
 
@@ -81,22 +83,23 @@ def check_scheme(scheme: str | None, device: torch.device, dtype: torch.dtype) -
             f"quantization 'int8' is the CPU float32 path (got {device.type}, {dtype}): "
             "use --device cpu --dtype float32"
         )
+    if scheme == "fp8" and device.type == "cuda" and not fp8_gemm_available(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(
+            f"quantization 'fp8' needs a GPU with FP8 tensor cores (sm_89+: Ada, Hopper); this one "
+            f"is sm_{major}{minor}: leave --quantization unset to serve bf16"
+        )
+    if scheme == "fp8" and device.type == "cpu":
+        log.warning(
+            "fp8_on_cpu",
+            why="--quantization fp8 is the GPU path: on the CPU it runs PyTorch's CPU "
+            "_scaled_mm, slower than float32 (for checking); --quantization int8 is the CPU's scheme",
+        )
 
 
-def check_checkpoint(hf_config) -> None:
-    """ValueError for a checkpoint whose weights are already quantized (its config's quantization_config):
-    tokenbus loads unquantized weights and quantizes them itself."""
-    qc = getattr(hf_config, "quantization_config", None)
-    if qc is None:
-        return
-    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-    if str(method) in ("gguf", "QuantizationMethod.GGUF"):  # dequantized at load (loader.py)
-        return
-    raise ValueError(
-        f"the checkpoint's weights are quantized ({method!r} in its quantization_config); tokenbus loads "
-        "unquantized (fp32/bf16/fp16) checkpoints only: load the unquantized model, and on the CPU add "
-        "--quantization int8"
-    )
+def fp8_gemm_available(device: torch.device) -> bool:
+    """Whether torch._scaled_mm has FP8 tensor cores here: CUDA sm_89+ (the CPU build emulates it)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @torch.no_grad()

@@ -14,17 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from worker.engine.backends import Backend
+from worker.engine.errors import EngineError, fault
 from worker.engine.sampling_filters import Filtered, FilterParams, apply_filters, log_or_neg_inf, resolve_top_p
 from worker.engine.sequence import Sequence
-
-
-class RequestError(Exception):
-    """A step failed on one request's own row (its parameters, its tokens): `request_id` names it, so the
-    serve loop fails that job alone and the rest of the batch steps on. Raised before any sequence changed."""
-
-    def __init__(self, request_id: str, message: str) -> None:
-        super().__init__(message)
-        self.request_id = request_id
 
 
 @contextmanager
@@ -32,11 +24,10 @@ def blame(seq: Sequence, what: str) -> Iterator[None]:
     """Pin an exception inside one row's work on that row's request."""
     try:
         yield
-    except RequestError:
+    except EngineError:
         raise
     except Exception as err:
-        raise RequestError(seq.request_id, f"{what} failed for request {seq.request_id!r}: "
-                                           f"{type(err).__name__}: {err}") from err
+        raise fault(err, f"{what} failed for request {seq.request_id!r}", seq.request_id) from err
 
 
 class Sampler:

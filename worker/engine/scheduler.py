@@ -81,17 +81,22 @@ class Scheduler:
         i = 0
         bs = self.block_manager.block_size
         none = (0, -1)
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        context = self.stop_checker.max_model_len
+        running, seqs, num_new = self.running, batch.seqs, batch.num_new_tokens
+        while i < len(running) and budget > 0:
+            seq = running[i]
             fed, src = ahead.get(seq, none) if ahead else none
-            if src >= 0 and self._ends_with_next_token(seq):
-                i += 1
-                continue
-            pending = 1 if src >= 0 else len(seq.token_ids) - seq.num_computed_tokens - fed
-            n = min(pending, budget)
+            if src >= 0:
+                # the token in flight ends seq whatever it is (max_tokens or the context): it is not in this step
+                if (after := len(seq.token_ids) + 1) >= seq.max_num_tokens or after >= context:
+                    i += 1
+                    continue
+                n = 1
+            else:
+                n = min(len(seq.token_ids) - seq.num_computed_tokens - fed, budget)
             if seq.num_computed_tokens + fed + n <= len(seq.block_table) * bs:  # room already (most decodes)
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
+                seqs.append(seq)
+                num_new.append(n)
                 budget -= n
                 i += 1
                 continue
@@ -140,11 +145,6 @@ class Scheduler:
         first = {id(s) for s in bulk}
         return bulk + [s for s in self.waiting if id(s) not in first]
 
-    def _ends_with_next_token(self, seq: Sequence) -> bool:
-        """Whether the token in flight ends seq whatever it is (max_tokens or the context)."""
-        return (seq.num_output_tokens + 1 >= seq.params.max_tokens
-                or seq.num_tokens + 1 >= self.stop_checker.max_model_len)
-
     def postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], tokens: list[int],
                     logprob_rows: list | None, now: float) -> list[Sequence]:
         """After the forward pass of `batch`: its tokens are in the KV cache; each sampled sequence takes its
@@ -155,25 +155,42 @@ class Scheduler:
             seq.num_computed_tokens += n
             if seq.num_computed_tokens // bs > len(seq.block_keys):  # a block filled up: key it
                 bm.commit(seq)
-        finished = []
-        guided = self.guided if self.guided is not None and self.guided.matchers else None
-        check = self.stop_checker.check
-        for i, (seq, token) in enumerate(zip(sampled, tokens, strict=True)):
-            seq.token_ids.append(token)
-            if guided is not None:
-                guided.advance(seq, token)
+        # One pass over the batch does what every token needs; the rest is for the few it may concern: rows
+        # whose text is read each step (stop strings), and those whose token may end them (StopChecker).
+        eos = self.stop_checker.eos_token_ids
+        context = self.stop_checker.max_model_len
+        ends: list[tuple[Sequence, int | None]] = []  # rows that may end now, and where their new text starts
+        texts: list[Sequence] = []  # the other rows with stop strings: only a stop string in the text can
+        for seq, token in zip(sampled, tokens, strict=True):
+            ids = seq.token_ids
+            ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if logprob_rows is not None and logprob_rows[i] is not None:
-                top_ids, top_vals, token_logprob = logprob_rows[i]
-                entry = dict(zip(top_ids, top_vals, strict=True))
-                entry[token] = token_logprob
-                seq.logprobs.append(entry)
-            text_from = len(seq.output_text)
-            text = seq.detokenizer.step(token)
-            if text:
-                seq.output_text += text
-            reason = check(seq, text_from)
+            if token in eos or token in seq.stop_ids or len(ids) >= seq.max_num_tokens or len(ids) >= context:
+                ends.append((seq, None))  # not detokenized yet
+            elif seq.text_each_step:
+                texts.append(seq)
+        if self.guided is not None and self.guided.matchers:
+            for seq, token in zip(sampled, tokens, strict=True):
+                self.guided.advance(seq, token)
+        if logprob_rows is not None:
+            for seq, token, row in zip(sampled, tokens, logprob_rows, strict=True):
+                if row is not None:
+                    top_ids, top_vals, token_logprob = row
+                    entry = dict(zip(top_ids, top_vals, strict=True))
+                    entry[token] = token_logprob
+                    seq.logprobs.append(entry)
+        finished = []
+        for seq in texts:
+            text_from = len(seq.text)
+            if seq.detokenize() and self.stop_checker.finds_stop_string(seq, text_from):
+                ends.append((seq, text_from))
+        for seq, text_from in ends:
+            if text_from is None:
+                text_from = len(seq.text)
+                if seq.text_each_step:
+                    seq.detokenize()
+            reason = self.stop_checker.check(seq, text_from)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)

@@ -33,7 +33,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] | None = None
-    output_text: str = ""  # the detokenizer's text so far (cut at a stop string once one matched)
+    # the detokenizer's text so far (cut at a stop string once one matched), see output_text
+    text: str = ""
+    detokenized: int = 0  # output tokens the detokenizer has taken
     text_taken: int = 0  # characters of output_text already handed out (streaming)
     first_token_time: float | None = None
     finish_reason: str | None = None
@@ -45,6 +47,41 @@ class Sequence:
             self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
+        # Stop strings are looked for in the text each token adds, so those sequences detokenize every step;
+        # the others only when their text is read (a stream's delta, the result): the same text, fed in
+        # chunks (DecodeStream joins chunks as it joins single tokens), off the per-token path
+        self.text_each_step = bool(self.params.stop_strings)
+        # postprocess's cheap test of whether the new token may end it (StopChecker.check decides): a stop
+        # token id, or max_tokens reached (the context limit is the scheduler's)
+        self.stop_ids = self.params.stop_ids
+        self.max_num_tokens = len(self.prompt_token_ids) + self.params.max_tokens
+        # its next row may need its newest token on the host (grammar mask, penalties, min_tokens ban): the
+        # overlap checks these rows closer (Overlap._may_overlap)
+        p = self.params
+        self.reads_own_tokens = p.has_penalties or p.min_tokens > 0 or p.grammar is not None
+
+    @property
+    def output_text(self) -> str:
+        """The output's text: the tokens not detokenized yet are, first."""
+        if self.detokenized < len(self.token_ids) - len(self.prompt_token_ids):
+            self.detokenize()
+        return self.text
+
+    @output_text.setter
+    def output_text(self, text: str) -> None:
+        self.text = text
+
+    def detokenize(self) -> str:
+        """Feed the output tokens the detokenizer has not had yet; returns the text they add."""
+        first = len(self.prompt_token_ids) + self.detokenized
+        new = self.token_ids[first:]
+        if not new:
+            return ""
+        self.detokenized += len(new)
+        text = self.detokenizer.step(new[0]) if len(new) == 1 else self.detokenizer.feed(new)
+        if text:
+            self.text += text
+        return text
 
     @property
     def num_tokens(self) -> int:

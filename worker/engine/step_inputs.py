@@ -65,6 +65,8 @@ class StepInputs:
         self.device_updates = device.type != "cpu"
         self.table = torch.zeros(max_num_seqs + 1, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.table[self.pad_row] = pad_block
+        # the table's host copy (on the CPU the table itself): decode rows' slots are looked up in it at once
+        self.host_table = self.table.numpy() if device.type == "cpu" else self.table.cpu().numpy()
         self.seats: dict[Sequence, _Seat] = {}
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         # (pinned staging, device buffer, the last H2D copy out of that staging) x 2, used in turn
@@ -91,9 +93,8 @@ class StepInputs:
         if n > seat.synced:
             if n > self.max_blocks_per_seq:
                 raise ValueError(f"a sequence holds {n} KV blocks; the table has {self.max_blocks_per_seq} per row")
-            if not self.device_updates:
-                self.table[seat.row, seat.synced : n] = torch.tensor(table[seat.synced : n], dtype=torch.int32)
-            else:
+            self.host_table[seat.row, seat.synced : n] = table[seat.synced : n]  # on the CPU: the table itself
+            if self.device_updates:
                 base = seat.row * self.max_blocks_per_seq
                 updates += range(base + seat.synced, base + n)
                 values += table[seat.synced : n]
@@ -109,12 +110,16 @@ class StepInputs:
         ahead: the step still in flight (overlap); its sequences start past the tokens it feeds, and a row
         whose input is the token it samples gets a placeholder that the device fills (carry_rows)."""
         self._release_stopped()
-        pairs = list(zip(batch.seqs, batch.num_new_tokens, strict=True))
-        prefill = [(s, n) for s, n in pairs if n > 1]
-        decode = [(s, n) for s, n in pairs if n == 1]
+        if max(batch.num_new_tokens, default=1) == 1:  # pure decode (most steps)
+            prefill: list[tuple[Sequence, int]] = []
+            decode = batch.seqs
+        else:
+            pairs = list(zip(batch.seqs, batch.num_new_tokens, strict=True))
+            prefill = [(s, n) for s, n in pairs if n > 1]
+            decode = [s for s, n in pairs if n == 1]
         if pad_to is not None and prefill:
             raise ValueError("only a pure decode step can be padded")
-        order = prefill + decode
+        order = prefill + [(s, 1) for s in decode]
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -126,60 +131,77 @@ class StepInputs:
         sampling_seqs: list[Sequence] = []
         carry_rows: list[int] = []
         carry_src: list[int] = []
-        starts: list[int] = []
-        seats = self.seats
+        prefill_lens: list[int] = []
         none = (0, -1)
-        for seq, n in order:
+        for seq, n in prefill:  # a few sequences, many tokens each
             start, end = seq.num_computed_tokens, len(seq.token_ids)
-            fed, src = ahead.get(seq, none) if ahead else none
-            start += fed
-            if src >= 0:  # the step in flight samples this sequence's next input
-                end += 1
-                carry_rows.append(len(ids))
-                carry_src.append(src)
-                ids.append(0)
-            elif n == 1:
-                ids.append(seq.token_ids[start])
-            else:
-                ids += seq.token_ids[start : start + n]
+            start += ahead.get(seq, none)[0] if ahead else 0  # never a carried row: that is one token
+            ids += seq.token_ids[start : start + n]
             if start + n == end:
                 sample_rows.append(len(ids) - 1)
                 sampling_seqs.append(seq)
-            starts.append(start)
+            prefill_lens.append(start + n)
             table = seq.block_table
-            if n == 1:
-                pos.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                pos += range(start, start + n)
-                slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            seat = seats.get(seq)
-            if seat is not None and seat.table is table and seat.synced == len(table):  # no new block
-                rows.append(seat.row)
-            else:
-                rows.append(self._seat(seq, updates, values))
+            pos += range(start, start + n)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            rows.append(self._seat(seq, updates, values))
         p = len(prefill)
-        prefill_lens = [start + n for start, (_, n) in zip(starts[:p], prefill, strict=True)]
         cu = _cumsum([n for _, n in prefill]) if prefill else []
-        decode_lens = [start + 1 for start in starts[p:]]
+        # decode rows (one token each), many sequences: a few list comprehensions over them and array maths
+        seats = self.seats
+        for seq in [s for s in decode if (seat := seats.get(s)) is None or seat.table is not s.block_table
+                    or seat.synced != len(s.block_table)]:
+            self._seat(seq, updates, values)  # new to its row, or blocks gained since the last step
+        d_rows = np.array([seats[s].row for s in decode], dtype=np.int64)
+        if ahead:
+            fed_src = [ahead.get(s, none) for s in decode]
+            d_starts = np.array([s.num_computed_tokens + f for s, (f, _) in zip(decode, fed_src, strict=True)],
+                                dtype=np.int64)
+            d_src = np.array([src for _, src in fed_src], dtype=np.int64)
+        else:
+            d_starts = np.array([s.num_computed_tokens for s in decode], dtype=np.int64)
+            d_src = None
+        lens = [len(s.token_ids) for s in decode]
+        # a carried row's start is one past its known tokens: its id is the placeholder 0
+        d_ids = [s.token_ids[i] if i < n else 0 for s, i, n in zip(decode, d_starts.tolist(), lens, strict=True)]
+        d_end = np.array(lens, dtype=np.int64)
+        base = len(ids)
+        if d_src is not None and (carried := d_src >= 0).any():
+            d_end += carried
+            at = np.flatnonzero(carried)
+            carry_rows += (at + base).tolist()
+            carry_src += d_src[at].tolist()
+        samples = d_starts + 1 == d_end  # a mid-prompt chunk of one token samples nothing
+        if samples.all():
+            sampling_seqs += decode
+            d_sample = np.arange(base, base + len(decode), dtype=np.int64)
+        else:
+            at = np.flatnonzero(samples)
+            sampling_seqs += [decode[i] for i in at.tolist()]
+            d_sample = at + base
+        d_slots = self.host_table[d_rows, d_starts // bs].astype(np.int64) * bs + d_starts % bs
+        decode_lens = d_starts + 1
         if pad_to is not None:
             pad = pad_to - len(decode)
-            ids += [0] * pad
-            pos += [0] * pad
-            slots += [self.pad_block * bs] * pad
-            rows += [self.pad_row] * pad
-            decode_lens += [1] * pad
-        if sample_rows == list(range(len(sample_rows))):
-            sample_rows = []  # the leading rows: a slice, no index needed
+            d_ids += [0] * pad
+            d_starts = np.concatenate([d_starts, np.zeros(pad, np.int64)])
+            d_slots = np.concatenate([d_slots, np.full(pad, self.pad_block * bs, np.int64)])
+            d_rows = np.concatenate([d_rows, np.full(pad, self.pad_row, np.int64)])
+            decode_lens = np.concatenate([decode_lens, np.ones(pad, np.int64)])
+        all_sample = np.concatenate([np.array(sample_rows, np.int64), d_sample])
+        if len(all_sample) and all_sample[-1] == len(all_sample) - 1:  # sorted rows, so: 0, 1, 2, ...
+            all_sample = all_sample[:0]  # the leading rows: a slice, no index needed
         # int64 segments start on 16 bytes, int32 ones too: Triton specialises a kernel on its pointers'
         # alignment, so unaligned views would compile new variants mid-serving
-        longs_part, (s_ids, s_pos, s_slots, s_rows, s_sample, s_upd, s_cdst, s_csrc) = _layout(
-            [ids, pos, slots, rows, sample_rows, updates, carry_rows, carry_src], 2)
-        ints_part, (s_plens, s_cu, s_dlens, s_vals) = _layout([prefill_lens, cu, decode_lens, values], 4)
-        buf = self._send(longs_part + ints_part)
+        longs_part, (s_ids, s_pos, s_slots, s_rows, s_sample, s_upd, s_cdst, s_csrc) = _pack(
+            [ids + d_ids, pos, d_starts, slots, d_slots, rows, d_rows, all_sample, updates, carry_rows, carry_src],
+            2, joined=((1, 2), (3, 4), (5, 6)))
+        ints_part, (s_plens, s_cu, s_dlens, s_vals) = _pack([prefill_lens, cu, decode_lens, values], 4)
+        buf = self._send(np.concatenate([longs_part, ints_part]))
         cut = len(longs_part)
         longs, ints = buf[:cut], buf[cut:].to(torch.int32)
         row_index = longs[s_rows]
+        has_decode = s_rows.stop - s_rows.start > p
         if updates:
             self.table.view(-1).index_copy_(0, longs[s_upd], ints[s_vals])
         meta = AttentionMetadata(
@@ -188,12 +210,12 @@ class StepInputs:
             prefill_block_tables=self._tables(row_index[:p], [s for s, _ in prefill]) if p else None,
             prefill_seq_lens=ints[s_plens] if p else None,
             prefill_cu_seqlens_q=ints[s_cu] if p else None,
-            decode_block_tables=self._tables(row_index[p:], [s for s, _ in decode],
+            decode_block_tables=self._tables(row_index[p:], decode,
                                              (width or self.max_blocks_per_seq) if pad_to is not None else None)
-            if len(rows) > p else None,
-            decode_seq_lens=ints[s_dlens] if len(rows) > p else None,
+            if has_decode else None,
+            decode_seq_lens=ints[s_dlens] if has_decode else None,
         )
-        sample_index = longs[s_sample] if sample_rows else None
+        sample_index = longs[s_sample] if len(all_sample) else None
         input_ids, positions = longs[s_ids], longs[s_pos]
         step = PreparedStep(input_ids, positions, meta, order, sampling_seqs, sample_index, bucket=pad_to)
         if carry_rows:
@@ -203,18 +225,18 @@ class StepInputs:
     def _tables(self, row_index: torch.Tensor, seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
         # entries past a sequence's last block are stale ids of the row's earlier users: valid blocks the
         # kernels never read (every kernel stops at the sequence's length)
-        width = width or max(len(s.block_table) for s in seqs)
+        width = width or max(map(len, [s.block_table for s in seqs]))
         if not self.device_updates:
             return self.table[:, :width].index_select(0, row_index)
         # on a GPU whole rows (a few KiB) and a view: the row stride stays fixed, one kernel variant
         return self.table.index_select(0, row_index)[:, :width]
 
-    def _send(self, packed: list[int]) -> torch.Tensor:
+    def _send(self, packed: np.ndarray) -> torch.Tensor:
         """The packed values as one int64 tensor on the device: on CUDA through a pinned staging buffer.
         Two staging/device buffer pairs take turns: with overlap the step in flight may still be reading the
         previous step's device buffer while this one is written."""
         if self.device.type == "cpu":
-            return torch.tensor(packed, dtype=torch.int64)
+            return torch.from_numpy(packed)
         n = len(packed)
         self._turn ^= 1
         staging, device_buf, copied = self._buffers[self._turn]
@@ -224,7 +246,7 @@ class StepInputs:
             size = max(n, 2 * staging.numel(), 4096)
             staging = torch.empty(size, dtype=torch.int64, pin_memory=True)
             device_buf = torch.empty(size, dtype=torch.int64, device=self.device)
-        staging.numpy()[:n] = np.asarray(packed, dtype=np.int64)
+        staging.numpy()[:n] = packed
         out = device_buf[:n]
         out.copy_(staging[:n], non_blocking=True)
         copied = torch.cuda.Event()
@@ -233,15 +255,29 @@ class StepInputs:
         return out
 
 
-def _layout(segments: list[list[int]], align: int) -> tuple[list[int], list[slice]]:
-    """The segments back to back, each starting at a multiple of `align` elements, and where each lies."""
-    out: list[int] = []
+def _pack(segments: list, align: int, joined: tuple[tuple[int, int], ...] = ()) -> tuple[np.ndarray, list[slice]]:
+    """The segments (lists or int64 arrays) back to back in one int64 array, each starting at a multiple of
+    `align` elements, and where each lies. joined: pairs (i, i + 1) that are written back to back as one
+    segment (a step's prefill part and its decode part)."""
+    glue = {i for i, _ in joined}
+    offsets = []
+    at = 0
+    for i, seg in enumerate(segments):
+        if i - 1 not in glue:
+            at += -at % align
+        offsets.append(at)
+        at += len(seg)
+    at += -at % align
+    out = np.zeros(at, dtype=np.int64)
+    for seg, start in zip(segments, offsets, strict=True):
+        if len(seg):
+            out[start : start + len(seg)] = seg
     spans = []
-    for seg in segments:
-        out += [0] * (-len(out) % align)
-        spans.append(slice(len(out), len(out) + len(seg)))
-        out += seg
-    out += [0] * (-len(out) % align)
+    i = 0
+    while i < len(segments):
+        end = i + 1 if i in glue else i
+        spans.append(slice(offsets[i], offsets[end] + len(segments[end])))
+        i = end + 1
     return out, spans
 
 

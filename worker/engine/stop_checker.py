@@ -30,6 +30,13 @@ class StopChecker:
         return None
 
     @staticmethod
+    def finds_stop_string(seq: Sequence, new_text_from: int) -> bool:
+        """Whether a stop string ends in the text from new_text_from on (check() then cuts the text there)."""
+        text = seq.text
+        window_start = max(0, new_text_from - seq.params.stop_hold)
+        return any(text.find(s, window_start) != -1 for s in seq.params.stop_strings)
+
+    @staticmethod
     def _cut_at_stop_string(seq: Sequence, new_text_from: int) -> bool:
         text = seq.output_text
         # a stop string completed by this token ends in the new text, so it starts at most this far back

@@ -21,15 +21,14 @@ from __future__ import annotations
 import torch
 
 from kernels.partitions import table_widths
+from worker.engine import kv_cache
 from worker.engine.attention_metadata import AttentionMetadata
 
 
 def _caches(model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
             device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    arch = model.arch
-    shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(arch.num_layers)]
+    """dtype: the KV cache's (kernels/kv_quant.py)."""
+    return kv_cache.allocate(model.arch, num_blocks, block_size, dtype, device)
 
 
 def prefill_meta(num_tokens: int, block_size: int, device: torch.device, first_block: int = 0) -> AttentionMetadata:

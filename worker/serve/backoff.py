@@ -9,7 +9,9 @@ import redis
 import structlog
 
 # What a Redis outage or restart looks like from redis-py (BusyLoadingError: the server is reading its AOF).
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, ConnectionError, OSError)
+# A Redis Cluster shard that fails over answers CLUSTERDOWN / TRYAGAIN / MASTERDOWN until a replica takes over.
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, ConnectionError, OSError,
+              redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError, redis.exceptions.MasterDownError)
 
 
 class Backoff:

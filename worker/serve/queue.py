@@ -15,6 +15,7 @@ import redis
 import structlog
 
 from protocol import scripts as shared
+from protocol.connection import on_shard
 from protocol.models import EVENTS_MAXLEN, GROUP, PRIORITIES, JobResult, Keys
 from protocol.records import Heartbeat
 from worker.serve.backoff import REDIS_DOWN
@@ -99,8 +100,8 @@ class JobQueue:
         return self._read_once(count, bulk_first)[0]
 
     def _read_once(self, count: int, bulk_first: int = 0) -> tuple[list[Entry], list[Any]]:
-        out, wake = self._read(keys=[], args=[self.keys.layout, GROUP, self.consumer, count, bulk_first],
-                               client=self.r)
+        out, wake = self._read(keys=[self.keys.routing_key],
+                               args=[self.keys.layout, GROUP, self.consumer, count, bulk_first], client=self.r)
         return [_entry(eid, fields, _str(queue)) for queue, eid, fields in out], wake
 
     def queues(self) -> list[str]:
@@ -149,8 +150,7 @@ class JobQueue:
         if dead is not None:
             job_id, reason, request = dead
             self.dead_letter(pipe, job_id, reason, 0, request)
-        pipe.xack(queue, GROUP, entry_id)
-        pipe.xdel(queue, entry_id)
+        shared.drop_entry(pipe, self.keys, queue, entry_id)
         pipe.execute()
 
     # ---- leases -------------------------------------------------------------------------------------
@@ -220,8 +220,9 @@ class JobQueue:
         self.r.delete(self.keys.worker(self.consumer))
 
     def depth(self) -> tuple[int, int]:
-        """(entries in every queue, delivered but unacknowledged) for the metrics."""
-        return shared.queue_totals(self.r, self.keys)
+        """(entries in every queue, delivered but unacknowledged) for the metrics: the depth counter, O(1)."""
+        d = shared.depth(self.r, self.keys)
+        return d.total, d.pending
 
 
 class WriteBatch:
@@ -269,7 +270,9 @@ class WriteBatch:
         the replica catches up on its own unless the primary is lost in that window."""
         wait = self.jobs.min_replicas > 0 and self._endings > 0
         if wait:
-            self.pipe.execute_command("WAIT", self.jobs.min_replicas, self.jobs.wait_ms)
+            # In a Redis Cluster, on the namespace's shard: the connection that carried this batch's writes.
+            self.pipe.execute_command("WAIT", self.jobs.min_replicas, self.jobs.wait_ms,
+                                      **on_shard(self.jobs.r, self.jobs.keys.routing_key))
         replies = self.pipe.execute(raise_on_error=False)
         for reply in replies:
             if isinstance(reply, REDIS_DOWN):

@@ -20,7 +20,7 @@ import structlog
 
 from protocol.models import ErrorCode, JobResult
 from worker.engine.config import bulk_min_seats
-from worker.engine.errors import InvalidRequest
+from worker.engine.errors import EngineError, InvalidRequest
 from worker.engine.sampling_params import SamplingParams
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter, FirstToken
@@ -29,12 +29,12 @@ from worker.serve.leases import Housekeeper, Leases
 from worker.serve.messages import HandBack, Partial, Revoke, StartedJob, Wake
 from worker.serve.queue import Ending, JobQueue
 from worker.serve.results import job_result
+from worker.serve.status import EngineStatus
 from worker.settings import WorkerSettings
 
 log = structlog.get_logger("tokenbus.worker")
 
 IDLE_WAIT_S = 0.2  # how long an idle loop waits for a message before it beats the health check
-STEP_TIMES_KEPT = 32  # step wall times the heartbeat carries (the dashboard draws them as a sparkline)
 MAX_STEP_FAILURES = 3  # consecutive failed steps before the worker gives up (exit 1, supervisor restarts it)
 REVOKE_MEMORY_S = 300.0  # how long a revoke for a job not yet in the engine is remembered
 CANARY_ID = "tokenbus:canary"  # engine request id of the health probe (job ids cannot contain ':')
@@ -79,10 +79,7 @@ class Server:
         self.drain_deadline: float | None = None
         self.step_failures = 0
         self.exit_code = 0
-        # the heartbeat's engine numbers, every field from the first beat on
-        self._snapshot: dict[str, Any] = _snapshot(engine, engine.stats())
-        self.serving_path = f"{engine.backend.name} on {engine.device}"
-        self.step_ms: deque[float] = deque(maxlen=STEP_TIMES_KEPT)  # the dashboard's step-time sparkline
+        self.status = EngineStatus(engine)  # the heartbeat's engine numbers
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -167,15 +164,13 @@ class Server:
         return self.exit_code
 
     def _publish_stats(self, stats: Any) -> None:
-        """Heartbeat numbers and gauges after every turn of the loop, not only after a step: a cancel or an
-        ending with no step after it (the engine went idle) must not leave the last step's numbers up."""
-        self._snapshot = _snapshot(self.engine, stats)
+        """Heartbeat numbers and gauges after every turn of the loop (EngineStatus.refresh says why)."""
+        self.status.refresh(stats)
         if self.metrics is not None:
             self.metrics.observe_engine(stats.running, stats.waiting, stats.used_blocks, stats.free_blocks)
 
     def _status(self) -> dict[str, Any]:
-        return dict(self._snapshot, jobs_done=self.writer.jobs_done, draining=self.drain_deadline is not None,
-                    serving_path=self.serving_path, step_ms=list(self.step_ms))
+        return self.status.heartbeat(self.writer.jobs_done, draining=self.drain_deadline is not None)
 
     # ---- messages -----------------------------------------------------------------------------------
 
@@ -217,9 +212,9 @@ class Server:
         try:
             self.engine.add_request(job.job_id, job.request.engine_prompt(), job.params, priority=job.priority.rank)
         except InvalidRequest as err:  # the client's to fix: prompt too long, can never fit the cache, ...
-            self._end(job, "failed", error=f"invalid job: {err}", error_code=ErrorCode.invalid_request)
+            self._end(job, "failed", error=f"invalid job: {err}", error_code=err.code)
             return
-        except Exception as err:  # any other error is the worker's, not the request's
+        except Exception as err:  # an EngineFault, or anything else: the worker's, never the request's
             log.exception("add_request_error", job_id=job.job_id)
             self._end(job, "failed", error=f"worker error: {type(err).__name__}: {err}",
                       error_code=ErrorCode.worker_error)
@@ -263,10 +258,10 @@ class Server:
             self._step_failed(err)
             return
         elapsed = time.perf_counter() - started
-        self.step_ms.append(round(elapsed * 1000, 2))
+        self.status.step_took(elapsed)
         self.step_failures = 0
         stats = self.engine.stats()
-        self._snapshot = _snapshot(self.engine, stats)
+        self.status.refresh(stats)
         if self.metrics is not None:
             self.metrics.observe_prefix_cache(stats.prefix_queried_tokens, stats.prefix_hit_tokens,
                                               stats.prefix_queried_blocks, stats.prefix_hit_blocks,
@@ -288,26 +283,21 @@ class Server:
             job = self.running.pop(out.request_id, None)
             if job is not None:
                 self._end_with_output(job, out)
-        for job_id, why in self.engine.rejected.items():  # e.g. a grammar the engine could not compile
+        for job_id, err in self.engine.rejected.items():  # e.g. a grammar the engine could not compile
             job = self.running.pop(job_id, None)
             if job is not None:
-                costly = why.startswith(ErrorCode.grammar_too_costly)
-                code = ErrorCode.grammar_too_costly if costly else ErrorCode.invalid_request
-                self._end(job, "failed", error=f"invalid job: {why}", error_code=code)
+                self._fail(job, err)
 
     def _step_failed(self, err: Exception) -> None:
-        culprit = self.running.get(getattr(err, "request_id", None) or "")
+        culprit = self.running.get(err.request_id or "") if isinstance(err, EngineError) else None
         if culprit is not None:
-            # The engine named the request whose own row broke the step (sampler.RequestError), before any
-            # sequence changed: that job fails, the rest of the batch steps on, and the engine is not at fault.
+            # The engine named the request whose own row broke the step, before any sequence changed: that
+            # job fails (with its constraint's code, or worker_error), the rest of the batch steps on, and the
+            # engine is not at fault.
             log.warning("job_broke_step", job_id=culprit.job_id, error=str(err))
             del self.running[culprit.job_id]
             self._abort_quietly(culprit.job_id)
-            if getattr(err, "code", None) == ErrorCode.grammar_too_costly:  # its constraint, not the worker
-                self._end(culprit, "failed", error_code=ErrorCode.grammar_too_costly, error=f"invalid job: {err}")
-                return
-            self._end(culprit, "failed", error_code=ErrorCode.worker_error,
-                      error=f"worker error: this job broke the engine step ({type(err).__name__}: {err})")
+            self._fail(culprit, err)
             return
         self.step_failures += 1
         jobs = list(self.running.values())
@@ -393,6 +383,14 @@ class Server:
                   finished_at=out.finish_time, finish_reason=out.finish_reason,
                   first_token_at=out.first_token_time, completion_tokens=completion_tokens)
 
+    def _fail(self, job: StartedJob, err: EngineError) -> None:
+        """A job the engine gave up on: the client's to fix (InvalidRequest, with its code) or the worker's."""
+        if isinstance(err, InvalidRequest):
+            self._end(job, "failed", error=f"invalid job: {err}", error_code=err.code)
+        else:
+            self._end(job, "failed", error=f"worker error: the engine failed on this job ({err})",
+                      error_code=ErrorCode.worker_error)
+
     def _end(self, job: StartedJob, status: str, result: JobResult | None = None,
              error: str | None = None, error_code: str | None = None, finished_at: float | None = None,
              **stats: Any) -> None:
@@ -400,11 +398,3 @@ class Server:
                         finished_at=finished_at or time.time(), queue=job.queue)
         self.writer.end(ending, started_at=job.started_at, **stats)
 
-
-def _snapshot(engine: Any, stats: Any) -> dict[str, Any]:
-    """The heartbeat's engine numbers (protocol.records.Heartbeat)."""
-    return {"model": engine.model_name, "model_path": getattr(engine, "serving_path", None),
-            "running": stats.running, "waiting": stats.waiting, "free_blocks": stats.free_blocks,
-            "used_blocks": stats.used_blocks, "generated_tokens": stats.generated_tokens,
-            "prefix_queried_tokens": stats.prefix_queried_tokens, "prefix_hit_tokens": stats.prefix_hit_tokens,
-            "prefix_queried_blocks": stats.prefix_queried_blocks, "prefix_hit_blocks": stats.prefix_hit_blocks}

@@ -1,7 +1,7 @@
 """CpuBackend: how a step runs on the CPU in float32 — the whole fast path in one place.
 
-    attention, KV write   C++ kernels (kernels/csrc/cpu_kernels.cpp); a prompt chunk's causal attention runs
-                          as one decode per query token over its own prefix
+    attention, KV write   C++ kernels (kernels/csrc/cpu_kernels.cpp) over a float32, bfloat16 or int8 cache; a
+                          prompt chunk's causal attention runs as one decode per query token over its prefix
     norms, SiLU·mul, RoPE one C++ pass each, in place where the layer allows it
     linear layers         CpuLinear (cpu_linear.py): a panel GEMV for decode-sized batches, oneDNN above
     a pure decode step    all decoder layers in one C++ call (cpu_decode.py), the same kernels in the same
@@ -20,6 +20,8 @@ import torch
 from worker.engine.backends.cpu_decode import FusedDecodeLayers
 from worker.engine.backends.cpu_linear import use_cpu_linears
 from worker.engine.backends.reference import ReferenceBackend
+
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # the caches the C++ attention reads
 
 if TYPE_CHECKING:
     from worker.engine.attention_metadata import AttentionMetadata
@@ -40,7 +42,8 @@ class CpuBackend(ReferenceBackend):
 
     @staticmethod
     def _takes(t: torch.Tensor, cache: torch.Tensor) -> bool:
-        return t.dtype == cache.dtype == torch.float32 and t.stride(-1) == 1 and cache.is_contiguous()
+        # the cache float32, or bfloat16 / int8 (--kv-cache-dtype, kernels/kv_quant.py): widened in registers
+        return t.dtype == torch.float32 and cache.dtype in KV_DTYPES and t.stride(-1) == 1 and cache.is_contiguous()
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         if self._takes(k, k_cache) and v.stride(-1) == 1:

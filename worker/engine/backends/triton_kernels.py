@@ -37,10 +37,10 @@ class TritonBackend(ReferenceBackend):
 
     def check_model(self, arch, model_name: str) -> None:
         d = arch.head_dim
-        if d < 16 or d & (d - 1):
+        if d % 2 or not 16 <= d <= 256:
             raise ValueError(
-                f"model {model_name!r} has head_dim {d}; the Triton attention kernels take a power of two >= 16 "
-                "(16, 32, 64, 128, 256)"
+                f"model {model_name!r} has head_dim {d}; the Triton attention kernels take an even head_dim "
+                "from 16 to 256 (non-powers of two such as 80 or 96 run padded)"
             )
 
     def reserve(self, arch, max_num_seqs: int, max_context: int, device: torch.device) -> None:
@@ -87,4 +87,8 @@ class TritonBackend(ReferenceBackend):
     def rotary_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         slot_mapping: torch.Tensor) -> torch.Tensor:
+        if k_cache.dtype == torch.float8_e4m3fn:  # fp8 KV: rotate, then write_kv quantizes (rope.py stores plain)
+            q, k = self._rotary(q, k, cos, sin)
+            self._write_kv(k, v, k_cache, v_cache, slot_mapping)
+            return q
         return self._rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)

@@ -23,21 +23,25 @@ from worker.engine.backends import Backend
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def shape_fields(config: Any, model_type: str, head_dim: int) -> dict[str, Any]:
-    """The LlamaArch fields every family reads from a Hugging Face config the same way (sizes, counts, eps)."""
+def attention_shape(config: Any, model_type: str, head_dim: int) -> dict[str, Any]:
+    """The sizes and head counts any decoder-only model reads from a Hugging Face config the same way (the
+    native families and the transformers fallback's FallbackArch)."""
     num_heads = config.num_attention_heads
     return dict(
         model_type=model_type,
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
         num_layers=config.num_hidden_layers,
         num_heads=num_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        max_position_embeddings=config.max_position_embeddings,
     )
+
+
+def shape_fields(config: Any, model_type: str, head_dim: int) -> dict[str, Any]:
+    """The LlamaArch fields every native family reads from a Hugging Face config the same way (sizes, eps)."""
+    return dict(attention_shape(config, model_type, head_dim), intermediate_size=config.intermediate_size,
+                rms_norm_eps=config.rms_norm_eps, max_position_embeddings=config.max_position_embeddings)
 
 
 def _rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:

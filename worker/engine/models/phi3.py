@@ -103,6 +103,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         order = torch.tensor(rotary_order(arch.head_dim, arch.rotary_dim))
         rotating = arch.num_heads + arch.num_kv_heads  # q and k heads, in qkv_proj's first rows
         for layer in self.layers:
-            w = layer.self_attn.qkv_proj.weight
-            qk = w[: rotating * arch.head_dim].view(rotating, arch.head_dim, -1)
+            qkv = layer.self_attn.qkv_proj
+            qk = qkv.weight[: rotating * arch.head_dim].view(rotating, arch.head_dim, -1)
             qk.copy_(qk[:, order].clone())
+            scale = getattr(qkv, "weight_scale", None)  # an FP8 checkpoint's rows carry their scales along
+            if scale is not None:
+                rows = scale[: rotating * arch.head_dim].view(rotating, arch.head_dim)
+                rows.copy_(rows[:, order].clone())

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -34,15 +35,18 @@ def model_arch(hf_config: Any, model_name: str = "", model_impl: str = "auto") -
     return FallbackArch.from_hf_config(hf_config, model_name)
 
 
-def serving_path(arch: Any) -> str:
-    """'native' or 'transformers': what the worker logs, its heartbeat carries and `tokenbus info` shows."""
-    return getattr(arch, "serving_path", "native")
+def model_path(arch: Any) -> str:
+    """Which code runs the model, 'native' or 'transformers': what the worker logs, its heartbeat carries
+    (`model_path`) and `tokenbus info` shows."""
+    return getattr(arch, "model_path", "native")
 
 
 def build_model(arch: Any, hf_config: Any, source: Any, backend: Backend, dtype: torch.dtype,
-                device: torch.device, max_model_len: int, weights: Any) -> torch.nn.Module:
-    """The model with its weights, in eval mode. `weights` is the loader's iter_weights (native path only)."""
-    path = serving_path(arch)
+                device: torch.device, max_model_len: int, weights: Any,
+                prepare: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
+    """The model with its weights, in eval mode. `weights` is the loader's iter_weights (native path only);
+    `prepare` may swap modules of the meta model, in the target dtype, before memory is allocated (fp8.py)."""
+    path = model_path(arch)
     log.info("model_path", model=source.name, model_type=arch.model_type, path=path)
     if path == "transformers":
         return TransformersCausalLM.load(source, arch, backend, dtype, device)
@@ -50,7 +54,10 @@ def build_model(arch: Any, hf_config: Any, source: Any, backend: Backend, dtype:
     with torch.device("meta"):  # no memory is touched until the weights arrive
         meta_model = cls(arch, backend)
     # cast while on meta: the weights are allocated once, in the target dtype, on the target device
-    model = meta_model.to(dtype).to_empty(device=device)
+    meta_model = meta_model.to(dtype)
+    if prepare is not None:
+        prepare(meta_model)
+    model = meta_model.to_empty(device=device)
     if arch.tie_word_embeddings:  # materialising from meta unties shared parameters
         model.lm_head.weight = model.embed_tokens.weight
     model.attach_rotary(model.build_rotary(hf_config, max_model_len).to(device))

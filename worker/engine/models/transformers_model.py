@@ -2,11 +2,12 @@
 tokenbus's paged KV cache and attention kernels.
 
 transformers 5 looks every attention call up by name in `AttentionInterface` (config._attn_implementation).
-We register "tokenbus" there: the model runs its own embeddings, norms, MLPs and RoPE on our flat batch
+We register "tokenbus" there: the model runs its own embeddings, MLPs and RoPE on our flat batch
 (input_ids [1, num_tokens], position_ids [1, num_tokens]: each token's own position), and at each layer hands
 us q [1, heads, n, d] and k, v [1, kv_heads, n, d] after its RoPE; we write k, v into the layer's paged cache
 (module.layer_idx picks it) and run the backend's prefill / decode attention over the AttentionMetadata, as
-the native models do. transformers builds no mask for a name it has no mask function for, so none is made.
+the native models do. Its Llama-form RMSNorms run on the backend's kernel (fallback_norms.py, probe-checked).
+transformers builds no mask for a name it has no mask function for, so none is made.
 The step's caches and metadata reach the attention function through `_STEP` (one engine step at a time).
 
 What cannot run this way is refused at load (FallbackArch.from_hf_config, TransformersCausalLM.probe):
@@ -20,11 +21,16 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
 import torch
 from torch import nn
 
 from worker.engine.attention_metadata import AttentionMetadata
 from worker.engine.backends import Backend
+from worker.engine.models.fallback_norms import swap_rms_norms
+from worker.engine.models.llama import attention_shape
+
+log = structlog.get_logger("tokenbus.engine")
 
 ATTN_NAME = "tokenbus"
 _STEP = threading.local()  # .model (TransformersCausalLM), .kv_caches, .meta while a forward runs
@@ -45,7 +51,7 @@ class FallbackArch:
     tie_word_embeddings: bool
     sliding_window: int | None = None
     qk_norm: bool = False
-    serving_path: str = "transformers"
+    model_path: str = "transformers"
 
     @classmethod
     def from_hf_config(cls, config: Any, model_name: str = "") -> FallbackArch:
@@ -65,16 +71,9 @@ class FallbackArch:
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             raise ValueError(f"{what} uses sliding-window attention, which the transformers fallback does not "
                              "apply; it is served only where tokenbus implements the family natively")
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(
-            model_type=model_type,
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
+            **attention_shape(config, model_type, head_dim),
             max_position_embeddings=getattr(config, "max_position_embeddings", None) or 2048,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         )
@@ -128,6 +127,8 @@ class TransformersCausalLM(nn.Module):
                 from exc
         model = cls(hf_model.to(device).eval().requires_grad_(False), arch, backend)
         model.probe(source.name, device)
+        norms = swap_rms_norms(model.hf, backend)
+        log.info("fallback_kernels", model=source.name, rms_norms_on_backend=norms)
         return model
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

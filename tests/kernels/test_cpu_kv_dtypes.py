@@ -1,0 +1,113 @@
+"""The C++ KV write and paged attention over bfloat16 and int8 caches (kernels/csrc/cpu_kernels.cpp,
+kernels/kv_quant.py): the write quantizes as kv_quant.quantize does, and attention over a quantized cache
+equals the PyTorch reference over the same cache dequantized (within fp32 rounding), on awkward shapes, with
+the AVX-512 and the AVX2 builds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu
+from kernels.kv_quant import cache_shape, dequantize, quantize
+from kernels.reference import paged_decode_attention_ref, write_kv_ref
+from tests.kernels.test_cpu_kernels import DECODE_CASES
+from tests.kernels.test_kernels import LENGTH_CASES, paged_cache, strided
+
+KV_DTYPES = [torch.bfloat16, torch.int8]
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = cpu.extension()
+    assert module is not None, "the C++ CPU kernels did not build (see the cpu_kernels_unavailable warning)"
+    return module
+
+
+def stored(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float32 cache [..., head_dim] as a `dtype` cache holds it (packed int8 rows, or rounded bf16)."""
+    return quantize(cache, dtype) if dtype == torch.int8 else cache.to(dtype)
+
+
+def test_quantized_rows_round_trip_within_half_a_step():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, 80, generator=gen) * torch.logspace(-3, 2, 50)[:, None, None]
+    x[7, 1] = 0.0  # an all-zero row: scale 0, codes 0, no division by zero
+    packed = quantize(x, torch.int8)
+    assert packed.dtype == torch.int8 and packed.shape == (50, 3, 84)
+    back = dequantize(packed)
+    step = x.abs().amax(-1, keepdim=True) / 127
+    assert bool(((back - x).abs() <= step / 2 + 1e-6 * step).all())
+    assert bool((back[7, 1] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize("block_size,hk,head_dim", [(16, 3, 64), (32, 1, 128), (8, 4, 48)])
+def test_write_kv_stores_what_the_reference_stores(ext, dtype, block_size, hk, head_dim):
+    gen = torch.Generator().manual_seed(block_size + hk + head_dim)
+    num_blocks, num_tokens = 7, 45
+    shape = cache_shape(num_blocks, block_size, hk, head_dim, dtype)
+    k_cache, v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::6] = -1  # padding tokens are skipped
+    k = strided(torch.randn(num_tokens, hk, head_dim, generator=gen) * 3, gen)
+    v = strided(torch.randn(num_tokens, hk, head_dim, generator=gen), gen)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    ext.write_kv_cpu(k, v, k_cache, v_cache, slots)
+    write_kv_ref(k, v, k_ref, v_ref, slots)
+    if dtype == torch.bfloat16:
+        assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+        return
+    for got, want in ((k_cache, k_ref), (v_cache, v_ref)):
+        # the scales may differ in the last bit (-ffast-math may divide by 127 as a multiply), a code by one
+        # step where x * (127 / amax) lands on .5 within that bit
+        torch.testing.assert_close(got[..., head_dim:].contiguous().view(torch.float32),
+                                   want[..., head_dim:].contiguous().view(torch.float32), rtol=2e-7, atol=0)
+        codes = (got[..., :head_dim].int() - want[..., :head_dim].int()).abs()
+        assert int(codes.max()) <= 1 and int((codes > 0).sum()) <= 2
+
+
+def check_decode(module, dtype, block_size, hq, hk, head_dim, window=0, softcap=0.0):
+    gen = torch.Generator().manual_seed(block_size * 1000 + hq * 10 + head_dim)
+    lens = LENGTH_CASES(block_size) + [int(n) for n in torch.randint(1, 9 * block_size, (4,), generator=gen)]
+    k_cache, v_cache, table = paged_cache(lens, block_size, hk, head_dim, torch.float32, gen, device="cpu")
+    k_cache, v_cache = stored(k_cache * 2, dtype), stored(v_cache, dtype)
+    q = strided(torch.randn(len(lens), hq, head_dim, generator=gen), gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+    out = module.paged_decode_attention_cpu(q, k_cache, v_cache, table, seq_lens, scale, window, softcap)
+    # the reference over the dequantized cache, float32 throughout
+    ref = paged_decode_attention_ref(q, dequantize(k_cache), dequantize(v_cache), table, seq_lens, scale, window,
+                                     softcap)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize("block_size,hq,hk,head_dim", DECODE_CASES)
+def test_decode_over_a_quantized_cache_equals_reference_on_it_dequantized(ext, dtype, block_size, hq, hk, head_dim):
+    check_decode(ext, dtype, block_size, hq, hk, head_dim)
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
+def test_decode_window_and_softcap_over_a_quantized_cache(ext, dtype):
+    check_decode(ext, dtype, 16, 8, 2, 64, window=21, softcap=5.0)
+
+
+@pytest.mark.slow  # a second build of the extension (~40 s) the first time on a machine, cached afterwards
+@pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
+def test_decode_avx2_build_over_a_quantized_cache(dtype):
+    module = cpu.extension(avx2_only=True)
+    assert module is not None
+    for case in [(16, 9, 3, 64), (8, 7, 1, 48), (32, 16, 2, 128)]:
+        check_decode(module, dtype, *case)
+
+
+def test_a_cache_too_narrow_for_its_dtype_is_refused(ext):
+    q = torch.randn(2, 4, 32)
+    cache = torch.zeros(2, 16, 2, 32, dtype=torch.int8)  # int8 rows need 32 + 4 elements
+    with pytest.raises(RuntimeError, match="head_dim \\+ 4"):
+        ext.paged_decode_attention_cpu(q, cache, cache, torch.zeros(2, 1, dtype=torch.int32),
+                                       torch.ones(2, dtype=torch.int32), 1.0, 0, 0.0)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or int8"):
+        half = torch.zeros(2, 16, 2, 32, dtype=torch.float16)
+        ext.write_kv_cpu(q[:, :2], q[:, :2], half, half, torch.zeros(2, dtype=torch.int64))
