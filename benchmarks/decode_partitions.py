@@ -43,7 +43,8 @@ def idle_share(batch: int, context: int, max_model_len: int, cut: bool, heads=SM
     launches = plan_decode(q, cache, cache, table[:batch, :width], lens, d**-0.5, torch.empty_like(q), on_gpu=True,
                            num_sms=H200_SMS)
     stage1 = launches[0]
-    size, parts = stage1.args[10], stage1.args[11]
+    named = dict(zip(stage1.kernel.arg_names, stage1.args, strict=False))  # by name: the signature grows
+    size, parts = named["partition_size"], named["num_partitions"]
     used = min(parts, cdiv(context, size))
     return (parts - used) / parts, parts
 
