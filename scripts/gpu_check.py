@@ -37,7 +37,7 @@ from gpu_check_report import Report, md_line, verdict  # noqa: E402
 
 def run_stage_here(key: str, smoke: bool, rehearsal: bool, out_dir: str) -> int:
     """Child process: one stage; its rows appended to the report as they are measured."""
-    if smoke and key in "abk":  # k: the fp8 KV cache is the Triton kernels' (the interpreter, off the GPU)
+    if smoke and key in "abkm":  # k, m: the fp8 KV cache and fused MoE are Triton kernels (the interpreter)
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernels module defines its @triton.jit functions
     elif smoke:
         os.environ.pop("TRITON_INTERPRET", None)  # a CPU engine on the interpreter: minutes a step
