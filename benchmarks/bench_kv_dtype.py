@@ -35,6 +35,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from benchmarks.bench_common import cpu_name, write_section  # noqa: E402
 from benchmarks.bench_e2e_tokenbus import run_e2e  # noqa: E402
+from benchmarks.bench_quant import timed_generate  # noqa: E402
 from benchmarks.bench_workload import shared_prefix_workload  # noqa: E402
 
 KV_DTYPES = ("float32", "bfloat16", "int8")
@@ -43,31 +44,11 @@ MAX_NUM_BATCHED_TOKENS = 512
 
 
 def offline(kv: str, prompt_ids, max_tokens) -> dict[str, float]:
-    from worker import Engine, SamplingParams
+    from worker import Engine
 
     engine = Engine("smollm2-135m", device="cpu", dtype="float32", max_num_seqs=64,
                     max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, kv_cache_dtype=kv)
-    engine.generate([prompt_ids[0]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
-    decode = {"tokens": 0, "seconds": 0.0}
-    run = engine.runner.run
-
-    def timed_run(batch):
-        start = time.perf_counter()
-        out = run(batch)
-        if batch.num_tokens == len(batch.seqs):  # one token per sequence: a pure decode step
-            decode["tokens"] += len(batch.seqs)
-            decode["seconds"] += time.perf_counter() - start
-        return out
-
-    engine.runner.run = timed_run
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
-    start = time.perf_counter()
-    outs = engine.generate(prompt_ids, params)
-    seconds = time.perf_counter() - start
-    tokens = sum(len(o.token_ids) for o in outs)
-    return {"tok/s": tokens / seconds, "decode tok/s": decode["tokens"] / max(decode["seconds"], 1e-9),
-            "seconds": seconds, "blocks": engine.block_manager.num_blocks,
-            "outputs": [list(o.token_ids) for o in outs]}
+    return {**timed_generate(engine, prompt_ids, max_tokens), "blocks": engine.block_manager.num_blocks}
 
 
 def end_to_end(kv: str, redis_url: str, prompt_ids, max_tokens, log_dir: str) -> dict[str, float]:

@@ -31,10 +31,17 @@ SYSTEMS = ("offline fp32", "offline int8", "e2e fp32", "e2e int8")
 
 
 def offline(quantization: str | None, prompt_ids, max_tokens) -> dict[str, float]:
-    from worker import Engine, SamplingParams
+    from worker import Engine
 
     engine = Engine("smollm2-135m", device="cpu", dtype="float32", max_num_seqs=64, max_num_batched_tokens=512,
                     quantization=quantization)
+    return timed_generate(engine, prompt_ids, max_tokens)
+
+
+def timed_generate(engine, prompt_ids, max_tokens) -> dict:
+    """Warm up, then generate greedily: overall tok/s and the pure-decode steps' tok/s (bench_kv_dtype too)."""
+    from worker import SamplingParams
+
     engine.generate([prompt_ids[0]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
     decode = {"tokens": 0, "seconds": 0.0}
     run = engine.runner.run
@@ -53,7 +60,8 @@ def offline(quantization: str | None, prompt_ids, max_tokens) -> dict[str, float
     outs = engine.generate(prompt_ids, params)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
-    return {"tok/s": tokens / seconds, "decode tok/s": decode["tokens"] / decode["seconds"], "seconds": seconds}
+    return {"tok/s": tokens / seconds, "decode tok/s": decode["tokens"] / max(decode["seconds"], 1e-9),
+            "seconds": seconds, "outputs": [list(o.token_ids) for o in outs]}
 
 
 def end_to_end(quantization: str | None, redis_url: str, prompt_ids, max_tokens, log_dir: str) -> dict[str, float]:
