@@ -1,11 +1,15 @@
 """Two trees of tokenbus side by side in one run: the offline engine and end to end through Redis.
 
     .venv/bin/python -m benchmarks.bench_ab BASE_REV [--rounds 3] [--num-prompts 48] [--e2e]
+    .venv/bin/python -m benchmarks.bench_ab HEAD --this-engine overlap=true --e2e   # one setting, on against off
 
 BASE_REV (any git revision) is checked out into a temporary worktree; every round runs both trees, in
 alternating order, each in a fresh child process whose imports come from its own tree (the engine through its
 stable API, the client and `python -m worker` from that tree). Tokens must agree (greedy); the table gives
 tok/s per round and the median ratio. Writes the section "ab" of docs/benchmarks.md unless --no-write.
+--this-engine KEY=VALUE (repeatable) sets an engine setting for this tree only (offline as an Engine argument,
+end to end as the worker's TOKENBUS_KEY), so with BASE_REV HEAD one tree runs against itself with and without it;
+that run writes the section "ab-engine" instead.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 OFFLINE = """
 import json, sys, time
 from worker import Engine, SamplingParams
-w = json.load(open(sys.argv[1]))
-e = Engine("smollm2-135m", device="cpu", dtype="float32", max_num_seqs=64, max_num_batched_tokens=512)
+w = json.load(open(sys.argv[1])); kw = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+e = Engine("smollm2-135m", device="cpu", dtype="float32", max_num_seqs=64, max_num_batched_tokens=512, **kw)
 e.generate([w["prompts"][0]], SamplingParams(max_tokens=2, temperature=0.0))
 params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in w["max_tokens"]]
 t = time.perf_counter(); outs = e.generate(w["prompts"], params); s = time.perf_counter() - t
@@ -57,13 +61,24 @@ finally:
 """
 
 
-def run_child(tree: Path, code: str, *args: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+def run_child(tree: Path, code: str, *args: str, extra_env: dict[str, str] | None = None) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               **(extra_env or {}))
     done = subprocess.run([sys.executable, "-c", code, *args], cwd=tree, env=env, capture_output=True,
                           text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"child in {tree} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _setting(item: str) -> tuple[str, object]:
+    key, sep, value = item.partition("=")
+    if not sep:
+        raise SystemExit(f"--this-engine wants KEY=VALUE, got {item!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
 
 
 def main() -> None:
@@ -73,7 +88,10 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=48)
     ap.add_argument("--e2e", action="store_true", help="also end to end through Redis (a worker per tree)")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--this-engine", action="append", default=[], metavar="KEY=VALUE",
+                    help="an engine setting for this tree only (repeatable); VALUE is JSON, else a string")
     a = ap.parse_args()
+    engine_kw = dict(_setting(item) for item in a.this_engine)
     from tests.support.local_redis import RedisServer
     from worker.engine import loader
 
@@ -85,10 +103,13 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-ab-"))
     wl = tmp / "workload.json"
     wl.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens}))
-    base = tmp / "base"
-    subprocess.run(["git", "worktree", "add", "--detach", str(base), a.base], cwd=ROOT, check=True,
-                   capture_output=True)
-    trees = {f"base {a.base}": base, "this tree": ROOT}
+    same_tree = a.base == "HEAD" and bool(engine_kw)
+    base = ROOT if same_tree else tmp / "base"
+    if not same_tree:
+        subprocess.run(["git", "worktree", "add", "--detach", str(base), a.base], cwd=ROOT, check=True,
+                       capture_output=True)
+    this = "this tree" + "".join(f" {k}={json.dumps(v)}" for k, v in engine_kw.items())
+    trees = {("this tree, default" if same_tree else f"base {a.base}"): base, this: ROOT}
     kinds = [("offline", OFFLINE)] + ([("e2e", E2E)] if a.e2e else [])
     results: dict[tuple[str, str], list[float]] = {}
     tokens: dict[tuple[str, str], list] = {}
@@ -99,15 +120,21 @@ def main() -> None:
                 order = list(trees.items()) if r % 2 == 0 else list(reversed(trees.items()))
                 for kind, code in kinds:
                     for label, tree in order:
-                        out = run_child(tree, code, str(wl), *([redis.url] if kind == "e2e" else []))
+                        mine = label == this and bool(engine_kw)
+                        args = [redis.url] if kind == "e2e" else ([json.dumps(engine_kw)] if mine else [])
+                        env = {f"TOKENBUS_{k.upper()}": v if isinstance(v, str) else json.dumps(v)
+                               for k, v in engine_kw.items()} if mine and kind == "e2e" else None
+                        out = run_child(tree, code, str(wl), *args, extra_env=env)
                         results.setdefault((kind, label), []).append(total / out["seconds"])
                         tokens.setdefault((kind, label), out["tokens"])
                         assert tokens[(kind, label)] == out["tokens"], f"{label} {kind}: tokens changed between rounds"
                         print(f"round {r + 1} {kind:8s} {label:24s} {total / out['seconds']:7.1f} tok/s", flush=True)
     finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, capture_output=True)
+        if not same_tree:
+            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, capture_output=True)
     labels = list(trees)
-    lines = [f"`python -m benchmarks.bench_ab {a.base} --rounds {a.rounds} --num-prompts {a.num_prompts}"
+    flags = "".join(f" --this-engine {item}" for item in a.this_engine)
+    lines = [f"`python -m benchmarks.bench_ab {a.base}{flags} --rounds {a.rounds} --num-prompts {a.num_prompts}"
              f"{' --e2e' if a.e2e else ''}` on {cpu_name()}: {a.num_prompts} prompts, {total} output tokens, greedy, "
              "each tree in its own process, order alternating by round.", "",
              "| run | " + " | ".join(labels) + " | ratio (this / base), median | same tokens |",
@@ -121,7 +148,7 @@ def main() -> None:
                      f"({', '.join(f'{x:.2f}' for x in ratios)}) | {'yes' if same else 'NO'} |")
     print("\n".join(lines))
     if not a.no_write:
-        write_section("benchmarks.md", "ab", "\n".join(lines))
+        write_section("benchmarks.md", "ab-engine" if same_tree else "ab", "\n".join(lines))
 
 
 if __name__ == "__main__":
