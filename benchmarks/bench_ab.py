@@ -9,7 +9,7 @@ stable API, the client and `python -m worker` from that tree). Tokens must agree
 tok/s per round and the median ratio. Writes the section "ab" of docs/benchmarks.md unless --no-write.
 --this-engine KEY=VALUE (repeatable) sets an engine setting for this tree only (offline as an Engine argument,
 end to end as the worker's TOKENBUS_KEY), so with BASE_REV HEAD one tree runs against itself with and without it;
-that run writes the section "ab-engine" instead.
+that run writes the section "ab-engine" of docs/overlap.md instead.
 """
 
 from __future__ import annotations
@@ -148,7 +148,10 @@ def main() -> None:
                      f"({', '.join(f'{x:.2f}' for x in ratios)}) | {'yes' if same else 'NO'} |")
     print("\n".join(lines))
     if not a.no_write:
-        write_section("benchmarks.md", "ab-engine" if same_tree else "ab", "\n".join(lines))
+        if same_tree:  # the one setting's own page: overlap's is docs/overlap.md
+            write_section("overlap.md", "ab-engine", "\n".join(lines[2:]))
+        else:
+            write_section("benchmarks.md", "ab", "\n".join(lines))
 
 
 if __name__ == "__main__":
