@@ -66,12 +66,12 @@ NAMES = {
 
 
 def run_vllm(python: str, model_dir: str, prompt_ids, max_tokens, threads: int, work: str,
-             eager: bool, prefix_caching: bool = False) -> Timed | str:
+             eager: bool, prefix_caching: bool = False, dtype: str = "float32") -> Timed | str:
     """Timed, or the reason it was skipped (a one-line string)."""
     if not os.path.exists(python):
         return f"{python} not found (create it with scripts/setup_vllm_cpu)"
     spec = {"model_dir": model_dir, "prompt_ids": prompt_ids, "max_tokens": max_tokens, "threads": threads,
-            "max_num_seqs": 64, "max_num_batched_tokens": 512, "dtype": "float32", "kv_cache_gb": 1,
+            "max_num_seqs": 64, "max_num_batched_tokens": 512, "dtype": dtype, "kv_cache_gb": 1,
             "enforce_eager": eager, "enable_prefix_caching": prefix_caching}
     in_path, out_path, log_path = (os.path.join(work, n) for n in ("vllm_in.json", "vllm_out.json", "vllm.log"))
     with open(in_path, "w") as f:
@@ -95,7 +95,7 @@ def run_vllm(python: str, model_dir: str, prompt_ids, max_tokens, threads: int, 
         return f"vLLM exited with code {rc}: {lines[-1][:300] if lines else 'no output'} (log {log_path})"
     out = json.load(open(out_path))
     return Timed(out["seconds"], out["outputs"], out.get("ttfts"), out.get("latencies"),
-                 {"load s": f"{out['load_seconds']:.0f}", "vllm": out["vllm_version"],
+                 {"load s": f"{out['load_seconds']:.0f}", "vllm": out["vllm_version"], "dtype": dtype,
                   "LD_PRELOAD": ",".join(os.path.basename(p) for p in preload) or "none"})
 
 
