@@ -135,29 +135,31 @@ def test_pipelined_scripts_go_as_evalsha_and_survive_a_script_flush(cluster):
             return {c: int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("eval", "evalsha", "wait")}
 
         node.config_resetstat()
-        ids = client.submit_many([{"prompt": f"p{i}"} for i in range(5)])  # SUBMIT_JOB x 5, one pipeline
-        assert calls() == {"eval": 0, "evalsha": 5, "wait": 0}
-        assert [j.status for j in client.get_many(ids)] == ["queued"] * 5
+        ids = client.submit_many([{"prompt": f"p{i}"} for i in range(6)])  # SUBMIT_JOB x 6, one pipeline
+        pipe = client.redis.pipeline(transaction=False)
+        assert isinstance(pipe, ScriptPipeline)
+        scripts.cancel_job(pipe, keys, ids[0])  # CANCEL_JOB loaded on the shard here
+        assert pipe.execute() == ["cancelled"]
+        assert calls() == {"eval": 0, "evalsha": 7, "wait": 0}
 
         node.script_flush()
         node.config_resetstat()
         pipe = client.redis.pipeline(transaction=False)
-        assert isinstance(pipe, ScriptPipeline)
-        for job_id in ids[:3]:
+        for job_id in ids[1:4]:
             scripts.cancel_job(pipe, keys, job_id)
         pipe.execute_command("WAIT", 0, 100, **on_shard(client.redis, keys.routing_key))
         replies = pipe.execute()
         assert replies[:3] == ["cancelled"] * 3 and replies[3] == 0, replies
-        # 3 NOSCRIPT, then each alone as EVAL; the WAIT twice (in the pipeline, then after the re-sent scripts)
+        # NOSCRIPT x 3, then each alone as EVAL; the WAIT twice (in the pipeline, then after the re-sent scripts)
         assert calls() == {"eval": 3, "evalsha": 3, "wait": 2}
-        assert [j.status for j in client.get_many(ids)] == ["cancelled"] * 3 + ["queued"] * 2
+        assert [j.status for j in client.get_many(ids)] == ["cancelled"] * 4 + ["queued"] * 2
 
         node.config_resetstat()
         pipe = client.redis.pipeline(transaction=False)  # loaded again once, then EVALSHA
-        scripts.cancel_job(pipe, keys, ids[3])
+        scripts.cancel_job(pipe, keys, ids[4])
         assert pipe.execute() == ["cancelled"]
         multi = client.redis.pipeline(transaction=True)
-        scripts.cancel_job(multi, keys, ids[4])
+        scripts.cancel_job(multi, keys, ids[5])
         assert multi.execute() == ["cancelled"]
         assert calls() == {"eval": 1, "evalsha": 1, "wait": 0}
     client.close()
