@@ -49,6 +49,8 @@ class ScriptCluster(RedisCluster):
 
 
 class ScriptPipeline(ClusterPipeline):
+    """A cluster pipeline that queues scripts as EVALSHA (queue_script) and re-sends a NOSCRIPT one as EVAL."""
+
     scripts_loaded: set[tuple[str, str]]
     transactional: bool
 
@@ -73,23 +75,32 @@ class ScriptPipeline(ClusterPipeline):
     def execute(self, raise_on_error: bool = True) -> list[Any]:
         queued = [(c.args, dict(c.options)) for c in _command_queue(self)]  # before execute() resets it
         replies = super().execute(raise_on_error=False)
-        redo = [i for i, (args, _) in enumerate(queued)
-                if str(args[0]).upper() == "EVALSHA" and isinstance(replies[i], NoScriptError)]
+        redo = [i for i, (args, _) in enumerate(queued) if str(args[0]).upper() == "EVALSHA"
+                and isinstance(replies[i], NoScriptError) and str(args[1]) in _TEXTS]
         for i in redo:
             args, options = queued[i]
             sha = str(args[1])
             self.scripts_loaded.difference_update({x for x in self.scripts_loaded if x[1] == sha})
             replies[i] = self._alone("EVAL", _TEXTS[sha], *args[2:], **options)
-        if redo:  # a WAIT queued after a re-sent script must count the replicas that have its write
+        if redo:  # a WAIT queued after a re-sent script must count the replicas that have its write: ask the
+            # node that ran it now (the slot's owner; the pool hands back the connection the EVAL just used)
             for i, (args, options) in enumerate(queued):
                 if i > redo[0] and str(args[0]).upper() == "WAIT":
-                    replies[i] = self._alone(*args, **options)
+                    replies[i] = self._alone(*args, **self._at_owner(options, queued[redo[0]][0]))
         if raise_on_error:
             for i, reply in enumerate(replies):
                 if isinstance(reply, Exception):
                     self.annotate_exception(reply, i + 1, queued[i][0] if i < len(queued) else ("?",))
                     raise reply
         return replies
+
+    def _at_owner(self, options: dict[str, Any], evalsha: tuple[Any, ...]) -> dict[str, Any]:
+        """`options` aimed at the node that owns the slot of an EVALSHA's first key, as the slot table says now
+        (as they were if it names none)."""
+        try:
+            return {**options, "target_nodes": self.nodes_manager.get_node_from_slot(self.keyslot(evalsha[3]))}
+        except (RedisError, RedisClusterException):
+            return options
 
     def _alone(self, *args: Any, **options: Any) -> Any:
         """One command through the cluster client (its routing, redirections and retries), not the pipeline."""
