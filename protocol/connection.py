@@ -140,12 +140,15 @@ def redis_from_url(url: str, **kwargs: Any) -> redis.Redis:
     """A client for `url`; kwargs as redis.Redis.from_url takes them (decode_responses, socket_timeout, ...).
 
     For a sentinel URL, the client's connections come from the sentinels' current primary for the service; for
-    a cluster URL it is a redis.cluster.RedisCluster (the same commands, each sent to its key's shard)."""
+    a cluster URL it is a redis.cluster.RedisCluster (the same commands, each sent to its key's shard) whose
+    pipelines send scripts as EVALSHA (protocol.cluster.ScriptCluster)."""
     if is_cluster_url(url):
-        from redis.cluster import ClusterNode, RedisCluster
+        from redis.cluster import ClusterNode
+
+        from protocol.cluster import ScriptCluster
 
         hosts, node = _cluster_parts(url, kwargs)
-        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in hosts], **node)
+        return ScriptCluster(startup_nodes=[ClusterNode(h, p) for h, p in hosts], **node)
     if not is_sentinel_url(url):
         return redis.Redis.from_url(url, **kwargs)
     hosts, service, node, sentinel_kwargs = _sentinel_parts(url, kwargs)
