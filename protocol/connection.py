@@ -22,6 +22,7 @@ each command to the shard that owns its key's slot. Every key of a namespace car
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -141,15 +142,7 @@ def redis_from_url(url: str, **kwargs: Any) -> redis.Redis:
 
     For a sentinel URL, the client's connections come from the sentinels' current primary for the service; for
     a cluster URL it is a redis.cluster.RedisCluster (the same commands, each sent to its key's shard)."""
-    if is_cluster_url(url):
-        from redis.cluster import ClusterNode, RedisCluster
-
-        hosts, node = _cluster_parts(url, kwargs)
-        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in hosts], **node)
-    if not is_sentinel_url(url):
-        return redis.Redis.from_url(url, **kwargs)
-    hosts, service, node, sentinel_kwargs = _sentinel_parts(url, kwargs)
-    return Sentinel(hosts, sentinel_kwargs=sentinel_kwargs).master_for(service, **node)
+    return _client(url, kwargs, redis.Redis, Sentinel, "redis.cluster")
 
 
 def async_redis_from_url(url: str, **kwargs: Any) -> Any:
@@ -157,15 +150,20 @@ def async_redis_from_url(url: str, **kwargs: Any) -> Any:
     import redis.asyncio as aioredis
     from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 
-    if is_cluster_url(url):
-        from redis.asyncio.cluster import ClusterNode, RedisCluster
+    return _client(url, kwargs, aioredis.Redis, AsyncSentinel, "redis.asyncio.cluster")
 
+
+def _client(url: str, kwargs: dict[str, Any], plain: Any, sentinel: Any, cluster_module: str) -> Any:
+    """The one choice of client for a URL, sync or async by the classes given (the cluster module is imported
+    only for a cluster URL)."""
+    if is_cluster_url(url):
+        cluster = importlib.import_module(cluster_module)
         hosts, node = _cluster_parts(url, kwargs)
-        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in hosts], **node)
+        return cluster.RedisCluster(startup_nodes=[cluster.ClusterNode(h, p) for h, p in hosts], **node)
     if not is_sentinel_url(url):
-        return aioredis.Redis.from_url(url, **kwargs)
+        return plain.from_url(url, **kwargs)
     hosts, service, node, sentinel_kwargs = _sentinel_parts(url, kwargs)
-    return AsyncSentinel(hosts, sentinel_kwargs=sentinel_kwargs).master_for(service, **node)
+    return sentinel(hosts, sentinel_kwargs=sentinel_kwargs).master_for(service, **node)
 
 
 def _tls(ssl: bool, options: tuple[tuple[str, str], ...]) -> dict[str, Any]:
@@ -179,13 +177,15 @@ def _cluster_parts(url: str, kwargs: dict[str, Any]) -> tuple[list[tuple[str, in
     """(startup nodes, the nodes' connection kwargs)."""
     c = parse_cluster_url(url)
     node: dict[str, Any] = {k: v for k, v in kwargs.items() if k != "db"}
-    if c.password is not None:
-        node.setdefault("password", c.password)
-    if c.username is not None:
-        node.setdefault("username", c.username)
-    for key, value in _tls(c.ssl, c.ssl_options).items():
-        node.setdefault(key, value)
+    _defaults(node, c.username, c.password, _tls(c.ssl, c.ssl_options))
     return list(c.hosts), node
+
+
+def _defaults(node: dict[str, Any], username: str | None, password: str | None, tls: dict[str, Any]) -> None:
+    """The URL's credentials and TLS options into a node's connection kwargs, where the caller set none."""
+    for key, value in {"password": password, "username": username, **tls}.items():
+        if value is not None:
+            node.setdefault(key, value)
 
 
 def is_cluster(r: Any) -> bool:
@@ -222,13 +222,8 @@ def _sentinel_parts(url: str, kwargs: dict[str, Any]) -> tuple[list, str, dict[s
     """(sentinel hosts, service name, the primary's connection kwargs, the sentinels' connection kwargs)."""
     s = parse_sentinel_url(url)
     node: dict[str, Any] = {"db": s.db, **kwargs}
-    if s.password is not None:
-        node.setdefault("password", s.password)
-    if s.username is not None:
-        node.setdefault("username", s.username)
     tls = _tls(s.ssl, s.ssl_options)
-    for key, value in tls.items():
-        node.setdefault(key, value)
+    _defaults(node, s.username, s.password, tls)
     # The sentinels answer fast or not at all: a short timeout lets the client move on to the next one.
     sentinel_kwargs: dict[str, Any] = {"socket_timeout": 1.0, "socket_connect_timeout": 1.0}
     if s.sentinel_password is not None:

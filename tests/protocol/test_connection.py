@@ -37,10 +37,17 @@ def test_tls_user_and_sentinel_password():
     ("redis+sentinel://h1/svc?ssl=1", "unknown sentinel URL parameter"),
     ("redis+sentinel://h1/svc?ssl_ca_certs=/ca.crt", "unknown sentinel URL parameter"),  # TLS options need rediss
     ("redis://h1/0", "not a sentinel URL"),
+    ("redis+cluster://h1:7000/3", "only db 0"),
+    ("redis+cluster://h1:x", "bad cluster node port"),
+    ("redis+cluster://h1,,h2", "empty cluster node host"),
+    ("redis+cluster://h1?ssl_ca_certs=/ca.crt", "unknown cluster URL parameter"),  # TLS options need rediss
+    ("redis+sentinel://h1/svc", "not a cluster URL"),
 ])
 def test_bad_urls_say_what_is_wrong(url, problem):
+    """Each case is for the parser its expected message names (a sentinel URL's problems, a cluster URL's)."""
+    parse = parse_cluster_url if "cluster" in problem else parse_sentinel_url
     with pytest.raises(ValueError, match=problem):
-        parse_sentinel_url(url)
+        parse(url)
 
 
 def test_tls_options_reach_the_sentinels_and_the_primary():
@@ -79,15 +86,3 @@ def test_cluster_urls():
     assert not is_sentinel_url("redis+cluster://h")
     shown = redact_url("redis+cluster://:hunter2@h1:7000,h2:7001")
     assert "hunter2" not in shown and "h1:7000,h2:7001" in shown
-
-
-@pytest.mark.parametrize("url, problem", [
-    ("redis+cluster://h1:7000/3", "only db 0"),
-    ("redis+cluster://h1:x", "bad cluster node port"),
-    ("redis+cluster://h1,,h2", "empty cluster node host"),
-    ("redis+cluster://h1?ssl_ca_certs=/ca.crt", "unknown cluster URL parameter"),  # TLS options need rediss
-    ("redis+sentinel://h1/svc", "not a cluster URL"),
-])
-def test_bad_cluster_urls_say_what_is_wrong(url, problem):
-    with pytest.raises(ValueError, match=problem):
-        parse_cluster_url(url)
