@@ -89,33 +89,39 @@ def _userinfo_and_hosts(netloc: str, default_port: int, what: str) -> tuple[str 
     return username, password, hosts
 
 
+def _split(url: str, kind: str, schemes: dict[str, bool], default_port: int, host_word: str) -> tuple:
+    """What the sentinel and cluster forms share: (urlsplit parts, TLS or not, username, password, hosts, query),
+    or a ValueError for another scheme or a bad host list."""
+    scheme, sep, _ = url.partition("://")
+    if not sep or scheme.lower() not in schemes:
+        raise ValueError(f"not a {kind} URL (expected redis+{kind}:// or rediss+{kind}://): {scheme}://...")
+    parts = urlsplit(url)
+    username, password, hosts = _userinfo_and_hosts(parts.netloc, default_port, host_word)
+    return parts, schemes[scheme.lower()], username, password, tuple(hosts), parse_qs(parts.query)
+
+
+def _ssl_options(query: dict[str, list[str]]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, v[0]) for k, v in query.items() if k in SSL_PARAMS))
+
+
 def parse_cluster_url(url: str) -> ClusterURL:
     """A redis+cluster:// URL's parts; ValueError saying what is wrong with it otherwise."""
-    scheme, sep, _ = url.partition("://")
-    if not sep or scheme.lower() not in CLUSTER_SCHEMES:
-        raise ValueError(f"not a cluster URL (expected redis+cluster:// or rediss+cluster://): {scheme}://...")
-    parts = urlsplit(url)
-    username, password, hosts = _userinfo_and_hosts(parts.netloc, DEFAULT_CLUSTER_PORT, "cluster node")
+    parts, ssl, username, password, hosts, query = _split(url, "cluster", CLUSTER_SCHEMES, DEFAULT_CLUSTER_PORT,
+                                                          "cluster node")
     if parts.path.strip("/") not in ("", "0"):
         raise ValueError(f"cluster URL path {parts.path!r}: a Redis Cluster has only db 0, write no path")
-    query = parse_qs(parts.query)
-    ssl = CLUSTER_SCHEMES[scheme.lower()]
     unknown = set(query) - (SSL_PARAMS if ssl else set())
     if unknown:
         raise ValueError(f"unknown cluster URL parameter(s) {sorted(unknown)}: "
                          + (f"rediss+cluster:// reads {', '.join(sorted(SSL_PARAMS))}" if ssl else
                             "redis+cluster:// reads none (TLS options go with rediss+cluster://)"))
-    ssl_options = tuple(sorted((k, v[0]) for k, v in query.items() if k in SSL_PARAMS))
-    return ClusterURL(tuple(hosts), username, password, ssl, ssl_options)
+    return ClusterURL(hosts, username, password, ssl, _ssl_options(query))
 
 
 def parse_sentinel_url(url: str) -> SentinelURL:
     """A redis+sentinel:// URL's parts; ValueError saying what is wrong with it otherwise."""
-    scheme, sep, _ = url.partition("://")
-    if not sep or scheme.lower() not in SENTINEL_SCHEMES:
-        raise ValueError(f"not a sentinel URL (expected redis+sentinel:// or rediss+sentinel://): {scheme}://...")
-    parts = urlsplit(url)
-    username, password, hosts = _userinfo_and_hosts(parts.netloc, DEFAULT_SENTINEL_PORT, "sentinel")
+    parts, ssl, username, password, hosts, query = _split(url, "sentinel", SENTINEL_SCHEMES, DEFAULT_SENTINEL_PORT,
+                                                          "sentinel")
     segments = [s for s in parts.path.split("/") if s]
     if not segments:
         raise ValueError("sentinel URL names no service: write redis+sentinel://host:port/SERVICE_NAME[/db]")
@@ -125,16 +131,13 @@ def parse_sentinel_url(url: str) -> SentinelURL:
         db = int(segments[1]) if len(segments) == 2 else 0
     except ValueError:
         raise ValueError(f"sentinel URL db {segments[1]!r} is not a number") from None
-    query = parse_qs(parts.query)
-    ssl = SENTINEL_SCHEMES[scheme.lower()]
     unknown = set(query) - {"sentinel_password"} - (SSL_PARAMS if ssl else set())
     if unknown:
         raise ValueError(f"unknown sentinel URL parameter(s) {sorted(unknown)}: sentinel_password is read, and "
                          f"with rediss+sentinel:// also {', '.join(sorted(SSL_PARAMS))}")
     sentinel_password = query.get("sentinel_password", [None])[0]
-    ssl_options = tuple(sorted((k, v[0]) for k, v in query.items() if k in SSL_PARAMS))
-    return SentinelURL(tuple(hosts), unquote(segments[0]), db, username, password, sentinel_password, ssl,
-                       ssl_options)
+    return SentinelURL(hosts, unquote(segments[0]), db, username, password, sentinel_password, ssl,
+                       _ssl_options(query))
 
 
 def redis_from_url(url: str, **kwargs: Any) -> redis.Redis:
