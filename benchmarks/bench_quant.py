@@ -23,9 +23,9 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from benchmarks.bench_common import cpu_name, write_section  # noqa: E402
+from benchmarks.bench_common import cpu_name, publish, table  # noqa: E402
 from benchmarks.bench_e2e_tokenbus import run_e2e  # noqa: E402
-from benchmarks.bench_workload import workload  # noqa: E402
+from benchmarks.bench_workload import chat_ids, workload  # noqa: E402
 
 SYSTEMS = ("offline fp32", "offline int8", "e2e fp32", "e2e int8")
 
@@ -92,10 +92,7 @@ def main() -> None:
 
     tokenizer = loader.load_tokenizer(loader.resolve("smollm2-135m"))
     items = workload(args.num_prompts, max_tokens=args.max_tokens)
-    prompt_ids = []
-    for messages, _ in items:
-        prompt_ids.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                             return_dict=True)["input_ids"]))
+    prompt_ids = chat_ids(tokenizer, items)
     max_tokens = [m for _, m in items]
     results: dict[str, list[dict[str, float]]] = {name: [] for name in SYSTEMS}
     started = time.strftime("%Y-%m-%d %H:%M")
@@ -135,13 +132,10 @@ def main() -> None:
         f"rounds in rotating order, medians; run {started} with `python -m benchmarks.bench_quant`. "
         "× is against the same path in fp32.",
         "",
-        "| system | tok/s | × fp32 | decode tok/s (× fp32) | rounds tok/s | 1-min load avg per round |",
-        "|---|---|---|---|---|---|",
-        *rows,
+        *table(["system", "tok/s", "× fp32", "decode tok/s (× fp32)", "rounds tok/s", "1-min load avg per round"],
+               rows),
     ])
-    print(body)
-    if not args.no_write:
-        write_section("quantization.md", "speed", body)
+    publish(body, "quantization.md", "speed", not args.no_write)
 
 
 if __name__ == "__main__":
