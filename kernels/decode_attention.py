@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import Launch, check_head_dim, check_launchable, head_pad
+from kernels.launch import Launch, attention_out, check_head_dim, head_pad
 from kernels.partitions import MAX_PARTITION, MIN_PARTITION, pick_partition_size  # noqa: F401 (re-exported)
 
 LOG2E = 1.4426950408889634
@@ -229,6 +229,19 @@ def cache_scales(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return k_cache, v_cache, False
 
 
+def check_attention(who: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The checks decode and prefill share: q's heads against the cache's, head_dim, the caches (cache_scales,
+    whose result this returns) and out (q's shape, a contiguous last dim)."""
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"{who}: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    check_head_dim(who, q.shape[2])
+    scales = cache_scales(q, k_cache, v_cache, who)
+    if out.shape != q.shape or out.stride(2) != 1:
+        raise ValueError(f"{who}: out must have q's shape and a contiguous last dim")
+    return scales
+
+
 @functools.cache
 def num_sms(device_index: int) -> int:
     """The GPU's multiprocessor count, asked once per device (the query costs microseconds per call)."""
@@ -280,14 +293,9 @@ def plan_decode(
 ) -> list[Launch]:
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"decode: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    check_head_dim("decode", head_dim)
-    k_scale, v_scale, fp8 = cache_scales(q, k_cache, v_cache, "decode")
+    k_scale, v_scale, fp8 = check_attention("decode", q, k_cache, v_cache, out)
     if block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
         raise ValueError("decode: block_tables / seq_lens do not match q's num_seqs")
-    if out.shape != q.shape or out.stride(2) != 1:
-        raise ValueError("decode: out must have q's shape and a contiguous last dim")
     if num_seqs == 0:
         return []
 
@@ -354,9 +362,7 @@ def paged_decode_attention_triton(
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """Decode attention; see the module docstring. `out` and `partition_size` exist for tests/benchmarks."""
-    check_launchable(_decode_partition_kernel, q)
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = attention_out(_decode_partition_kernel, q, out)
     sms = num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 1
     for launch in plan_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, q.is_cuda,
                               partition_size, sms, workspace, window, softcap):

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import _dequantize_tile, _dims_in_head, _tanh, cache_scales
-from kernels.launch import Launch, check_head_dim, check_launchable, head_pad
+from kernels.decode_attention import _dequantize_tile, _dims_in_head, _tanh, check_attention
+from kernels.launch import Launch, attention_out, head_pad
 
 LOG2E = 1.4426950408889634
 
@@ -175,14 +175,9 @@ def plan_prefill(
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"prefill: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    check_head_dim("prefill", head_dim)
-    k_scale, v_scale, fp8 = cache_scales(q, k_cache, v_cache, "prefill")
+    k_scale, v_scale, fp8 = check_attention("prefill", q, k_cache, v_cache, out)
     if cu_seqlens_q.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
         raise ValueError("prefill: cu_seqlens_q / block_tables do not match seq_lens")
-    if out.shape != q.shape or out.stride(2) != 1:
-        raise ValueError("prefill: out must have q's shape and a contiguous last dim")
     if num_tokens == 0 or num_seqs == 0:
         return []
     group = num_q_heads // num_kv_heads
@@ -217,9 +212,7 @@ def paged_prefill_attention_triton(
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """Chunked-prefill attention; see the module docstring. `out` exists for tests/benchmarks."""
-    check_launchable(_prefill_kernel, q)
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = attention_out(_prefill_kernel, q, out)
     for launch in plan_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out, q.is_cuda,
                               window, softcap):
         launch()
