@@ -38,16 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tiles import (
-    LOG2E,
-    check_attention,
-    dims_in_head,
-    kv_tile,
-    qk_scores,
-    scaled_q,
-    softmax_accumulate,
-    softmax_start,
-)
+from kernels import attention_tiles as tiles
 from kernels.launch import Launch, attention_out, head_pad
 from kernels.partitions import MAX_PARTITION, MIN_PARTITION, pick_partition_size  # noqa: F401 (re-exported)
 
@@ -86,23 +77,26 @@ def _decode_partition_kernel(
     row_ok = rows < GROUP
     q_heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_PAD)
-    dim_ok = dims_in_head(dims, HEAD_DIM, HEAD_PAD)
-    q = scaled_q(q_ptr + seq * stride_qs + q_heads[:, None] * stride_qh + dims[None, :] * stride_qd,
-                  row_ok[:, None] & dim_ok[None, :], qk_scale)
+    dim_ok = tiles.dims_in_head(dims, HEAD_DIM, HEAD_PAD)
+    q = tiles.scaled_q(
+        q_ptr + seq * stride_qs + q_heads[:, None] * stride_qh + dims[None, :] * stride_qd,
+        row_ok[:, None] & dim_ok[None, :], qk_scale,
+    )
 
-    m_i, l_i, acc = softmax_start(GROUP_PAD, HEAD_PAD)
+    m_i, l_i, acc = tiles.softmax_start(GROUP_PAD, HEAD_PAD)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch + dims[None, :] * stride_cd
     for tile in range(start, end, BLOCK_N):
-        tokens, tok_ok, k, v = kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row, head_off,
-                                        kv_head, tile, end, dim_ok, stride_cb, stride_co, stride_ch, q.dtype,
-                                        HEAD_DIM, BLOCK_N, BLOCK_SIZE, KV_FP8)
-        s = qk_scores(q, k, softcap, DOT_FP32, FP32_DOT, SOFTCAP)
+        tokens, tok_ok, k, v = tiles.kv_tile(
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row, head_off, kv_head, tile, end, dim_ok,
+            stride_cb, stride_co, stride_ch, q.dtype, HEAD_DIM, BLOCK_N, BLOCK_SIZE, KV_FP8,
+        )
+        s = tiles.qk_scores(q, k, softcap, DOT_FP32, FP32_DOT, SOFTCAP)
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        acc, l_i = softmax_accumulate(acc, l_i, p, alpha, v, DOT_FP32, FP32_DOT)
+        acc, l_i = tiles.softmax_accumulate(acc, l_i, p, alpha, v, DOT_FP32, FP32_DOT)
         m_i = m_new
 
     if SINGLE_PARTITION:
@@ -136,7 +130,7 @@ def _decode_reduce_kernel(
         first_part = tl.maximum(seq_len - window, 0) // partition_size
     base = (seq * tl.num_programs(1) + head).to(tl.int64) * num_partitions
     dims = tl.arange(0, HEAD_PAD)
-    dim_ok = dims_in_head(dims, HEAD_DIM, HEAD_PAD)
+    dim_ok = tiles.dims_in_head(dims, HEAD_DIM, HEAD_PAD)
 
     m_run = float("-inf")
     l_run = 0.0
@@ -216,7 +210,7 @@ def plan_decode(
 ) -> list[Launch]:
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    k_scale, v_scale, fp8 = check_attention("decode", q, k_cache, v_cache, out)
+    k_scale, v_scale, fp8 = tiles.check_attention("decode", q, k_cache, v_cache, out)
     if block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
         raise ValueError("decode: block_tables / seq_lens do not match q's num_seqs")
     if num_seqs == 0:
@@ -246,7 +240,7 @@ def plan_decode(
         (
             q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
             out, part_max, part_sum, part_acc,
-            scale * LOG2E, partition_size, num_partitions, window, softcap * LOG2E,
+            scale * tiles.LOG2E, partition_size, num_partitions, window, softcap * tiles.LOG2E,
             *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
         ),
         {

@@ -30,16 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tiles import (
-    LOG2E,
-    check_attention,
-    dims_in_head,
-    kv_tile,
-    qk_scores,
-    scaled_q,
-    softmax_accumulate,
-    softmax_start,
-)
+from kernels import attention_tiles as tiles
 from kernels.launch import Launch, attention_out, head_pad
 
 
@@ -87,12 +78,14 @@ def _prefill_kernel(
     q_first = ctx_len - q_len + q_start
     q_pos = tl.where(row_ok, ctx_len - q_len + tok, q_first)
     dims = tl.arange(0, HEAD_PAD)
-    dim_ok = dims_in_head(dims, HEAD_DIM, HEAD_PAD)
+    dim_ok = tiles.dims_in_head(dims, HEAD_DIM, HEAD_PAD)
     q_rows = (q_begin + tok).to(tl.int64)
-    q = scaled_q(q_ptr + q_rows[:, None] * stride_qt + q_heads[:, None] * stride_qh + dims[None, :] * stride_qd,
-                  row_ok[:, None] & dim_ok[None, :], qk_scale)
+    q = tiles.scaled_q(
+        q_ptr + q_rows[:, None] * stride_qt + q_heads[:, None] * stride_qh + dims[None, :] * stride_qd,
+        row_ok[:, None] & dim_ok[None, :], qk_scale,
+    )
 
-    m_i, l_i, acc = softmax_start(BLOCK_M, HEAD_PAD)
+    m_i, l_i, acc = tiles.softmax_start(BLOCK_M, HEAD_PAD)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch + dims[None, :] * stride_cd
     kv_end = ctx_len - q_len + tl.minimum(q_start + BLOCK_Q, q_len)  # last query position + 1
@@ -100,10 +93,11 @@ def _prefill_kernel(
     if SLIDING:
         kv_start = tl.maximum(q_first - window + 1, 0)  # no query of this tile sees a key before it
     for tile in range(kv_start, kv_end, BLOCK_N):
-        tokens, tok_ok, k, v = kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row, head_off,
-                                        kv_head, tile, kv_end, dim_ok, stride_cb, stride_co, stride_ch, q.dtype,
-                                        HEAD_DIM, BLOCK_N, BLOCK_SIZE, KV_FP8)
-        s = qk_scores(q, k, softcap, DOT_FP32, FP32_DOT, SOFTCAP)
+        tokens, tok_ok, k, v = tiles.kv_tile(
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row, head_off, kv_head, tile, kv_end, dim_ok,
+            stride_cb, stride_co, stride_ch, q.dtype, HEAD_DIM, BLOCK_N, BLOCK_SIZE, KV_FP8,
+        )
+        s = tiles.qk_scores(q, k, softcap, DOT_FP32, FP32_DOT, SOFTCAP)
         visible = tok_ok[None, :] & (tokens[None, :] <= q_pos[:, None])
         if SLIDING:
             visible = visible & (tokens[None, :] > q_pos[:, None] - window)
@@ -116,7 +110,7 @@ def _prefill_kernel(
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
-        acc, l_i = softmax_accumulate(acc, l_i, p, alpha, v, DOT_FP32, FP32_DOT)
+        acc, l_i = tiles.softmax_accumulate(acc, l_i, p, alpha, v, DOT_FP32, FP32_DOT)
         m_i = m_new
 
     out = acc / l_i[:, None]
@@ -159,7 +153,7 @@ def plan_prefill(
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    k_scale, v_scale, fp8 = check_attention("prefill", q, k_cache, v_cache, out)
+    k_scale, v_scale, fp8 = tiles.check_attention("prefill", q, k_cache, v_cache, out)
     if cu_seqlens_q.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
         raise ValueError("prefill: cu_seqlens_q / block_tables do not match seq_lens")
     if num_tokens == 0 or num_seqs == 0:
@@ -169,7 +163,7 @@ def plan_prefill(
     block_q = block_m // group
     args = (
         q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, seq_lens, out,
-        scale * LOG2E, num_seqs, window, softcap * LOG2E,
+        scale * tiles.LOG2E, num_seqs, window, softcap * tiles.LOG2E,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
     )
     meta = {
