@@ -135,7 +135,8 @@ def sweep_validating(ctx: GatewayContext) -> int:
         verdict = _verdict(ctx, gw)
         if verdict is None:
             continue
-        ended += end_unsubmitted(ctx, bid, "sweep", *verdict)
+        if end_unsubmitted(ctx, bid, "sweep", *verdict):
+            ended += 1
     return ended
 
 
