@@ -35,12 +35,13 @@ def test_tls_user_and_sentinel_password():
     (parse_sentinel_url, "redis+sentinel://h1,,h2/svc", "empty sentinel host"),
     (parse_sentinel_url, "redis+sentinel://h1/svc/0/extra", "expected /service_name"),
     (parse_sentinel_url, "redis+sentinel://h1/svc?ssl=1", "unknown sentinel URL parameter"),
-    (parse_sentinel_url, "redis+sentinel://h1/svc?ssl_ca_certs=/ca.crt", "unknown sentinel URL parameter"),  # needs rediss
+    # TLS options need rediss
+    (parse_sentinel_url, "redis+sentinel://h1/svc?ssl_ca_certs=/ca.crt", "unknown sentinel URL parameter"),
     (parse_sentinel_url, "redis://h1/0", "not a sentinel URL"),
     (parse_cluster_url, "redis+cluster://h1:7000/3", "only db 0"),
     (parse_cluster_url, "redis+cluster://h1:x", "bad cluster node port"),
     (parse_cluster_url, "redis+cluster://h1,,h2", "empty cluster node host"),
-    (parse_cluster_url, "redis+cluster://h1?ssl_ca_certs=/ca.crt", "unknown cluster URL parameter"),  # needs rediss
+    (parse_cluster_url, "redis+cluster://h1?ssl_ca_certs=/ca.crt", "unknown cluster URL parameter"),  # TLS: rediss
     (parse_cluster_url, "redis+sentinel://h1/svc", "not a cluster URL"),
 ], ids=lambda v: getattr(v, "__name__", None))
 def test_bad_urls_say_what_is_wrong(parse, url, problem):
