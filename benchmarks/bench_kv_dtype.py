@@ -34,10 +34,10 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from benchmarks.bench_common import cpu_name, write_section  # noqa: E402
+from benchmarks.bench_common import cpu_name, publish, table  # noqa: E402
 from benchmarks.bench_e2e_tokenbus import run_e2e  # noqa: E402
 from benchmarks.bench_quant import timed_generate  # noqa: E402
-from benchmarks.bench_workload import shared_prefix_workload  # noqa: E402
+from benchmarks.bench_workload import chat_ids, shared_prefix_workload  # noqa: E402
 from benchmarks.vllm_row import add_vllm_arguments, vllm_row, vllm_turn  # noqa: E402
 
 KV_DTYPES = ("float32", "bfloat16", "int8")
@@ -123,21 +123,16 @@ def main() -> None:
             f"{cpu_name()}, {args.threads} threads, 1-min load average {load:.1f} at the start; run "
             f"{time.strftime('%Y-%m-%d %H:%M')} with `python -m benchmarks.bench_kv_dtype --kernel-only`.",
             "",
-            "| context | KV dtype | ms per call | × fp32 | rounds ms |",
-            "|---|---|---|---|---|",
-            *kernel_rows(args.rounds * 2 + 1),
+            *table(["context", "KV dtype", "ms per call", "× fp32", "rounds ms"], kernel_rows(args.rounds * 2 + 1)),
         ])
-        print(body)
-        if not args.no_write:
-            write_section("quantization.md", "kv-kernel", body)
+        publish(body, "quantization.md", "kv-kernel", not args.no_write)
         return
     from tests.support.local_redis import RedisServer
     from worker.engine import loader
 
     tokenizer = loader.load_tokenizer(loader.resolve("smollm2-135m"))
     items = shared_prefix_workload(args.num_prompts, max_tokens=args.max_tokens, rules=args.rules)
-    prompt_ids = [list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=True)["input_ids"]) for messages, _ in items]
+    prompt_ids = chat_ids(tokenizer, items)
     max_tokens = [m for _, m in items]
     shared = len(os.path.commonprefix(prompt_ids))
     mean_prompt = sum(map(len, prompt_ids)) / len(prompt_ids)
@@ -195,16 +190,12 @@ def main() -> None:
         "same path with a float32 KV cache; blocks: what the default 1 GiB KV budget holds; same tokens: "
         "requests whose output equals the float32 row's (round 1).",
         "",
-        "| system | tok/s | × fp32 KV | decode tok/s (× fp32 KV) | KV blocks in 1 GiB | same tokens as fp32 KV | "
-        "rounds tok/s | 1-min load avg per round |",
-        "|---|---|---|---|---|---|---|---|",
-        *rows,
+        *table(["system", "tok/s", "× fp32 KV", "decode tok/s (× fp32 KV)", "KV blocks in 1 GiB",
+                "same tokens as fp32 KV", "rounds tok/s", "1-min load avg per round"], rows),
         "",
         vllm_row(args, results.get("vllm"), {name: median(name, "tok/s") for name in SYSTEMS if "e2e" in name}),
     ])
-    print(body)
-    if not args.no_write:
-        write_section("quantization.md", "kv-speed", body)
+    publish(body, "quantization.md", "kv-speed", not args.no_write)
 
 
 if __name__ == "__main__":

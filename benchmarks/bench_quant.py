@@ -24,9 +24,9 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from benchmarks.bench_common import cpu_name, write_section  # noqa: E402
+from benchmarks.bench_common import cpu_name, publish, table  # noqa: E402
 from benchmarks.bench_e2e_tokenbus import run_e2e  # noqa: E402
-from benchmarks.bench_workload import workload  # noqa: E402
+from benchmarks.bench_workload import chat_ids, workload  # noqa: E402
 from benchmarks.vllm_row import add_vllm_arguments, vllm_row, vllm_turn  # noqa: E402
 
 SYSTEMS = ("offline fp32", "offline int8", "e2e fp32", "e2e int8")
@@ -97,10 +97,7 @@ def main() -> None:
 
     tokenizer = loader.load_tokenizer(loader.resolve("smollm2-135m"))
     items = workload(args.num_prompts, max_tokens=args.max_tokens)
-    prompt_ids = []
-    for messages, _ in items:
-        prompt_ids.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                             return_dict=True)["input_ids"]))
+    prompt_ids = chat_ids(tokenizer, items)
     max_tokens = [m for _, m in items]
     vllm = vllm_turn(args, prompt_ids, max_tokens)
     systems = SYSTEMS + (("vllm",) if vllm else ())
@@ -149,15 +146,12 @@ def main() -> None:
         f"rounds in rotating order, medians; run {started} with `python -m benchmarks.bench_quant`. "
         "× is against the same path in fp32.",
         "",
-        "| system | tok/s | × fp32 | decode tok/s (× fp32) | rounds tok/s | 1-min load avg per round |",
-        "|---|---|---|---|---|---|",
-        *rows,
+        *table(["system", "tok/s", "× fp32", "decode tok/s (× fp32)", "rounds tok/s", "1-min load avg per round"],
+               rows),
         "",
         vllm_row(args, results.get("vllm"), {name: median(name, "tok/s") for name in ("e2e int8", "e2e fp32")}),
     ])
-    print(body)
-    if not args.no_write:
-        write_section("quantization.md", "speed", body)
+    publish(body, "quantization.md", "speed", not args.no_write)
 
 
 if __name__ == "__main__":
