@@ -154,7 +154,8 @@ def async_redis_from_url(url: str, **kwargs: Any) -> Any:
     import redis.asyncio as aioredis
     from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 
-    return _client(url, kwargs, aioredis.Redis, AsyncSentinel, ("redis.asyncio.cluster:RedisCluster", "redis.asyncio.cluster:ClusterNode"))
+    return _client(url, kwargs, aioredis.Redis, AsyncSentinel,
+                   ("redis.asyncio.cluster:RedisCluster", "redis.asyncio.cluster:ClusterNode"))
 
 
 def _client(url: str, kwargs: dict[str, Any], plain: Any, sentinel: Any, cluster: tuple[str, str]) -> Any:
