@@ -122,7 +122,9 @@ class GenerationParams(BaseModel):
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
             raise ValueError(f"seed + n - 1 must be <= {MAX_SEED}: choice i uses seed + i")
-        grammar = grammar_for(self.response_format, self.regex, self.choice)
+        # (no constraint, the common case: no grammar to build; checked here as it is run for every request)
+        unconstrained = self.response_format is None and self.regex is None and self.choice is None
+        grammar = None if unconstrained else grammar_for(self.response_format, self.regex, self.choice)
         if grammar is not None:
             # the grammar decides where the output may end: forcing it on would contradict the grammar
             if self.min_tokens or self.ignore_eos:
