@@ -19,6 +19,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from pydantic_core import from_json as _from_json
+
 from producer.openai_batch import batch_request
 from producer.seen_ids import SeenIds
 from protocol.errors import MAX_ERRORS_SHOWN, InvalidJob
@@ -149,12 +151,18 @@ class BatchFileReader:
 
     def _check(self, number: int, text: str) -> None:
         try:
+            # pydantic's JSON parser (jiter) reads a line in less than half json.loads's time and gives the same
+            # values; what it refuses (a lone surrogate escape, an integer past 4,300 digits, deep nesting, bad
+            # JSON) json.loads judges, as before, with its own message
             try:
-                raw = json.loads(text)
-            except ValueError as err:
-                raise _LineError(f"not valid JSON ({err})", "invalid_json_line") from None
-            except RecursionError:
-                raise _LineError("not a batch line: its JSON is nested too deeply", "invalid_json_line") from None
+                raw = _from_json(text, cache_strings="keys")
+            except ValueError:
+                try:
+                    raw = json.loads(text)
+                except ValueError as err:
+                    raise _LineError(f"not valid JSON ({err})", "invalid_json_line") from None
+                except RecursionError:
+                    raise _LineError("not a batch line: its JSON is nested too deeply", "invalid_json_line") from None
             custom_id, url, request, request_json = batch_request(raw, self.overrides)
             if self.endpoint is None:
                 self.endpoint, self._first_line = url, number

@@ -149,9 +149,10 @@ def _check_ids_free(client: Client, batch_id: str, total: int) -> None:
     batch would adopt that job's status and result instead of running its own request. One EXISTS per
     CHUNK ids; the taken ones are named only when some are."""
     taken: list[str] = []
+    record = client.keys.job("")  # + job id: its record's key (built once, not per id)
     for start in range(0, total, CHUNK):
         ids = [batch_job_id(batch_id, i) for i in range(start, min(total, start + CHUNK))]
-        if client.redis.exists(*(client.keys.job(j) for j in ids)):
+        if client.redis.exists(*[record + j for j in ids]):
             pipe = client.redis.pipeline(transaction=False)
             for jid in ids:
                 pipe.exists(client.keys.job(jid))

@@ -167,8 +167,8 @@ class JobRequest(GenerationParams):
 
     @model_validator(mode="after")
     def _one_prompt(self) -> JobRequest:
-        given = [n for n in ("prompt", "messages", "prompt_token_ids") if getattr(self, n) is not None]
-        if len(given) != 1:
+        if (self.prompt is not None) + (self.messages is not None) + (self.prompt_token_ids is not None) != 1:
+            given = [n for n in ("prompt", "messages", "prompt_token_ids") if getattr(self, n) is not None]
             what = "none" if not given else " and ".join(given)
             raise ValueError(f"give exactly one of prompt, messages, prompt_token_ids (got {what})")
         if self.prompt is not None and self.prompt == "":
@@ -195,12 +195,12 @@ class JobRequest(GenerationParams):
     def to_json(self) -> str:
         """The request JSON; InvalidJob if it is not valid UTF-8 text or larger than MAX_REQUEST_BYTES."""
         # Defaults are left out: the record stays small and a reader applies the same defaults.
-        try:
-            text = self.model_dump_json(exclude_defaults=True)
+        try:  # model_dump_json's own call, for its bytes: their size is the limit's (run for every request)
+            raw = self.__pydantic_serializer__.to_json(self, exclude_defaults=True)
         except PydanticSerializationError as err:  # e.g. a lone surrogate ("\ud800"): not encodable as UTF-8
             raise InvalidJob(f"invalid job: a text field is not valid Unicode text ({err})") from None
-        check_request_size(len(text.encode()))
-        return text
+        check_request_size(len(raw))
+        return raw.decode()
 
 
 def is_valid_id(value: object) -> bool:
