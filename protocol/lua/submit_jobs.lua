@@ -13,8 +13,5 @@ local n = #KEYS - 2
 if #ARGV ~= 7 + 3 * n then
   return redis.error_reply('ERR submit: ' .. n .. ' records need ' .. (7 + 3 * n) .. ' ARGV, got ' .. #ARGV)
 end
-local out = submit_jobs(cjson.decode(ARGV[6]), KEYS[1], KEYS[2], ARGV[5], ARGV[4], ARGV[1], tonumber(ARGV[2]),
-                        ARGV[3], ARGV[7], n, function(i) return KEYS[i + 2], ARGV[5 + 3 * i], ARGV[6 + 3 * i],
-                        ARGV[7 + 3 * i] end)
-if out.err then return out end
-return out
+return submit_jobs(cjson.decode(ARGV[6]), KEYS[1], KEYS[2], ARGV[5], ARGV[4], ARGV[1], tonumber(ARGV[2]), ARGV[3],
+                   ARGV[7], n, function(i) return KEYS[i + 2], ARGV[5 + 3 * i], ARGV[6 + 3 * i], ARGV[7 + 3 * i] end)

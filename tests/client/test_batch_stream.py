@@ -115,6 +115,9 @@ def test_one_submit_jobs_call_writes_each_job_as_submit_job_would(redis_server):
     with pytest.raises(redis.ResponseError, match="KEYS"):
         submit(keys=[k.queue("bulk"), registry, k.job("b-8")],
                args=[time.time(), 0, 60, "b", "bulk", k.layout, GROUP, "b-8", "{}", ""], client=r)
+    with pytest.raises(redis.ResponseError, match="1 records need 10 ARGV, got 9"):
+        submit(keys=[queue, registry, k.job("b-8")],
+               args=[time.time(), 0, 60, "b", "bulk", k.layout, GROUP, "b-8", "{}"], client=r)
     assert not r.exists(k.job("b-8")) and scripts.queue_totals(r, k) == (6, 0)
 
 
