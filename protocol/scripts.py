@@ -5,7 +5,7 @@ Every state change of a job record happens in one of these scripts, so each chan
 stream/event/batch side effects. A client in another language can EVAL the same files (docs/protocol.md).
 
 Worker side:   start_job (queued -> running), mark_first_token, finish_job (-> finished | failed | cancelled)
-Producer side: SUBMIT (via Client), cancel_job, bump_batch (via batches)
+Producer side: SUBMIT (via Client), SUBMIT_JOBS (a batch's ingest), cancel_job, bump_batch (via batches)
 Worker only:   read, renew, hand_back, publish_tokens (worker/serve/queue.py)
 """
 
@@ -69,6 +69,7 @@ def lua(name: str) -> str:
 
 
 SUBMIT_JOB = lua("submit_job")
+SUBMIT_JOBS = lua("submit_jobs")  # many jobs of one queue a call: a batch's ingest (producer/submit_pipe.py)
 QUEUE_DEPTH = lua("queue_depth")
 START_JOB = lua("start_job")
 FIRST_TOKEN = lua("first_token")
