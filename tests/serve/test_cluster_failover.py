@@ -17,8 +17,14 @@ from redis.exceptions import RedisClusterException
 
 from producer.client import Client
 from protocol.models import Keys
-from tests.serve.test_serve_process import worker_args
-from tests.support.failover import acknowledged, check_nothing_lost, finished, until
+from tests.support.failover import (
+    FIRST_WAVE,
+    acknowledged,
+    check_nothing_lost,
+    first_wave,
+    start_worker_pair,
+    until,
+)
 from tests.support.redis_cluster import RedisCluster
 
 K = Keys("tokenbus")
@@ -30,21 +36,12 @@ def test_shard_primary_sigkilled_mid_run_nothing_lost(serve_model_dir, worker_pr
     cluster = RedisCluster(3, replicas=1, node_timeout_ms=1500)
     try:
         # The workers start (torch, the model) while the cluster forms; they wait for it to serve their slot.
-        a, b = (worker_process(*worker_args(cluster.url, serve_model_dir, name, "--lease-ms", "3000",
-                                            "--redis-min-replicas", "1", "--redis-wait-ms", "1000",
-                                            "--cpu-kernels", "false"))
-                for name in ("worker-a", "worker-b"))
+        a, b = start_worker_pair(worker_process, cluster.url, serve_model_dir)
         cluster.start()
         for w in (a, b):
             w.wait_for_event("worker_ready", timeout=120)
         client = Client(cluster.url)
-        lengths = [2] * 4 + [24] * 8
-        ids = client.submit_many([{"prompt": f"failover {i}", "max_tokens": n, "ignore_eos": True,
-                                   "temperature": 0.0} for i, n in enumerate(lengths)])
-        until(lambda: len(finished((a, b))) >= 3, 120, "3 results")
-        running = {j.id: j.worker for j in client.get_many(ids) if j.status == "running"}
-        assert "worker-a" in running.values() and "worker-b" in running.values(), running
-        assert not [e for w in (a, b) for e in w.events() if e.get("event") == "results_not_replicated"]
+        ids, running = first_wave(client, (a, b))
 
         # A second wave is submitted from the moment of the kill, each call retried until the cluster takes
         # it (SUBMIT_JOB is idempotent by job id): the client's reconnect time.
@@ -83,7 +80,7 @@ def test_shard_primary_sigkilled_mid_run_nothing_lost(serve_model_dir, worker_pr
         until(back_after_kill, 30, "the worker to reconnect")
         worker_s = min(back_after_kill())
 
-        all_ids, all_lengths = ids + late_ids, lengths + [2] * len(late_ids)
+        all_ids, all_lengths = ids + late_ids, FIRST_WAVE + [2] * len(late_ids)
         _jobs, reclaimed = check_nothing_lost(client, cluster.node(new), K, all_ids, all_lengths, running, b,
                                               "worker-b", acked)
         print(f"\ncluster failover: promoted {promoted_s:.2f} s, client back {client_s:.2f} s, worker back "

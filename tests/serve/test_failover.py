@@ -11,9 +11,8 @@ import pytest
 
 from producer.client import Client
 from protocol.models import Keys
-from tests.serve.test_serve_process import worker_args
-from tests.support.failover import check_nothing_lost, finished
-from tests.support.failover import until as _until
+from tests.support.failover import FIRST_WAVE, check_nothing_lost, finished, first_wave, start_worker_pair
+from tests.support.polling import until as _until
 from tests.support.sentinel import Primary, Replica, SentinelGroup, replica_online
 from worker.serve.queue import Ending, JobQueue
 
@@ -51,24 +50,14 @@ def test_primary_sigkilled_mid_run_nothing_lost(serve_model_dir, worker_process)
     t0 = time.monotonic()
     with SentinelGroup(down_after_ms=500, failover_timeout_ms=5000) as g:
         # The workers start (torch, the model) while the sentinels find each other; they wait for their Redis.
-        a, b = (worker_process(*worker_args(g.url, serve_model_dir, name, "--lease-ms", "3000",
-                                            "--redis-min-replicas", "1", "--redis-wait-ms", "1000",
-                                            "--cpu-kernels", "false"))
-                for name in ("worker-a", "worker-b"))
+        a, b = start_worker_pair(worker_process, g.url, serve_model_dir)
         g.wait_ready()
         for w in (a, b):  # both serving, so the jobs are shared between them
             w.wait_for_event("worker_ready", timeout=120)
         client = Client(g.url)
-        lengths = [2] * 4 + [24] * 8
-        ids = client.submit_many([{"prompt": f"failover {i}", "max_tokens": n, "ignore_eos": True,
-                                   "temperature": 0.0} for i, n in enumerate(lengths)])
-
-        _until(lambda: len(finished((a, b))) >= 3, 120, "3 results")
+        ids, running = first_wave(client, (a, b))
         # Acknowledged: a worker logs job_finished only after its pipeline, WAIT 1 included, returned.
         acked = {e["job_id"] for e in finished((a, b))}
-        running = {j.id: j.worker for j in client.get_many(ids) if j.status == "running"}
-        assert "worker-a" in running.values() and "worker-b" in running.values(), running
-        assert not [e for w in (a, b) for e in w.events() if e.get("event") == "results_not_replicated"]
 
         print(f"\nstart-up to the kill {time.monotonic() - t0:.1f} s")
         killed_at = time.monotonic()
@@ -85,7 +74,7 @@ def test_primary_sigkilled_mid_run_nothing_lost(serve_model_dir, worker_process)
 
         # Every job finished (none lost); B's own in-flight jobs kept their leases, A's were reclaimed by B from
         # the promoted replica; each ended once there.
-        _jobs, reclaimed = check_nothing_lost(client, g.replica.client(decode_responses=True), K, ids, lengths,
+        _jobs, reclaimed = check_nothing_lost(client, g.replica.client(decode_responses=True), K, ids, FIRST_WAVE,
                                               running, b, "worker-b")
         print(f"\nfailover: promoted {promoted_s:.2f} s, client back {client_s:.2f} s, worker back "
               f"{worker_s:.2f} s after SIGKILL; acknowledged before the kill {len(acked)}, in flight "

@@ -4,7 +4,6 @@ and worker B carried on through the promoted replica."""
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 import redis
@@ -12,19 +11,29 @@ import redis
 from producer.client import Client
 from protocol import scripts
 from protocol.models import Job, Keys
+from tests.serve.test_serve_process import worker_args
+from tests.support.polling import until
+
+FIRST_WAVE = [2] * 4 + [24] * 8  # max_tokens: four short jobs end before the kill, eight long ones are in flight
 
 
-def until(predicate, timeout: float, what: str) -> float:
-    """Poll until predicate() is true; returns when (monotonic). A Redis that is down meanwhile counts as false."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if predicate():
-                return time.monotonic()
-        except (redis.ConnectionError, redis.TimeoutError, OSError):
-            pass
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.02)
+def start_worker_pair(worker_process, url: str, model_dir: str) -> tuple:
+    """Workers A and B on `url`, results replicated to 1 replica (WAIT 1, 1 s) under 3 s leases; they start
+    (torch, the model) while the Redis side forms, and wait for it."""
+    return tuple(worker_process(*worker_args(url, model_dir, name, "--lease-ms", "3000", "--redis-min-replicas",
+                                             "1", "--redis-wait-ms", "1000", "--cpu-kernels", "false"))
+                 for name in ("worker-a", "worker-b"))
+
+
+def first_wave(client: Client, workers) -> tuple[list[str], dict[str, str]]:
+    """Submit FIRST_WAVE; once 3 results are in, its ids and the running jobs' workers (both must have some)."""
+    ids = client.submit_many([{"prompt": f"failover {i}", "max_tokens": n, "ignore_eos": True,
+                               "temperature": 0.0} for i, n in enumerate(FIRST_WAVE)])
+    until(lambda: len(finished(workers)) >= 3, 120, "3 results")
+    running = {j.id: j.worker for j in client.get_many(ids) if j.status == "running"}
+    assert "worker-a" in running.values() and "worker-b" in running.values(), running
+    assert not [e for w in workers for e in w.events() if e.get("event") == "results_not_replicated"]
+    return ids, running
 
 
 def finished(workers) -> list[dict]:

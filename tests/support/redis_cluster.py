@@ -14,11 +14,11 @@
 from __future__ import annotations
 
 import subprocess
-import time
 
 import redis
 
 from tests.support.local_redis import RedisServer
+from tests.support.polling import until
 
 
 class ClusterNode(RedisServer):
@@ -53,7 +53,7 @@ class RedisCluster:
         if out.returncode != 0:
             raise RuntimeError(f"redis-cli --cluster create failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
         # every node agrees the 16384 slots are served, and every replica has synced with its master
-        _until(timeout, "cluster_state:ok and every replica in sync", lambda: self._ok() and self._synced())
+        until(lambda: self._ok() and self._synced(), timeout, "cluster_state:ok and every replica in sync")
         return self
 
     def live(self) -> list[ClusterNode]:
@@ -83,8 +83,8 @@ class RedisCluster:
     def wait_promoted(self, key: str, old_port: int, timeout: float) -> int:
         """Until a node other than `old_port` serves `key`'s slot (as the live nodes see it) and every live node
         says cluster_state:ok; returns its port."""
-        _until(timeout, f"a replica to take over the slot of {key!r} from :{old_port}",
-               lambda: self.port_of_key(key) != old_port and self._ok())
+        until(lambda: self.port_of_key(key) != old_port and self._ok(), timeout,
+              f"a replica to take over the slot of {key!r} from :{old_port}")
         return self.port_of_key(key)
 
     def port_of_key(self, key: str) -> int:
@@ -113,15 +113,3 @@ class RedisCluster:
     def __exit__(self, *exc) -> None:
         self.cleanup()
 
-
-def _until(timeout: float, what: str, predicate) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if predicate():
-                return
-        except redis.RedisError:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
