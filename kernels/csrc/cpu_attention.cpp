@@ -199,7 +199,31 @@ inline float head_dot(const float* a, const typename Kind::T* b, int64_t head_di
 template <typename Kind, int D>
 inline void rescale_accumulate(float* __restrict acc, float correction, const float* __restrict p,
                                const typename Kind::T* __restrict v, int64_t row, int64_t n, int64_t head_dim) {
-  if constexpr (D > 0) {
+  if constexpr (D > 0 && std::is_same_v<Kind, KvF32>) {
+    // fp32 rows (a cache's or a widened block's): the accumulator as GCC vectors, which stay in registers (one
+    // zmm or two ymm each); GCC 12 kept the float a[D] below on the stack, a store and reload per row
+    using Vec = float __attribute__((vector_size(64)));
+    constexpr int kLanes = 16, kVecs = D / kLanes;
+    static_assert(D % kLanes == 0);
+    Vec a[kVecs];
+#pragma GCC unroll 8
+    for (int i = 0; i < kVecs; ++i) {
+      std::memcpy(&a[i], acc + i * kLanes, sizeof(Vec));
+      a[i] *= correction;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vr = v + j * row;
+      const float pj = p[j];
+#pragma GCC unroll 8
+      for (int i = 0; i < kVecs; ++i) {
+        Vec x;
+        std::memcpy(&x, vr + i * kLanes, sizeof x);
+        a[i] += pj * x;
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < kVecs; ++i) std::memcpy(acc + i * kLanes, &a[i], sizeof(Vec));
+  } else if constexpr (D > 0) {
     float a[D];
 #pragma omp simd
     for (int d = 0; d < D; ++d) a[d] = acc[d] * correction;
