@@ -147,10 +147,11 @@ void write_kv_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch
 // A bf16 or int8 block is first widened, once per (block, KV head), into a small per-thread fp32 scratch
 // (its rows' scales folded in) that the fp32 loops then read for every query head of the group: widening
 // inside those loops instead repeated the conversion once per query head (3× for SmolLM2's 9 q / 3 KV heads),
-// and the scores, not the memory, bound the call when a shared prefix keeps the K/V in cache. The scratch is
-// a block of K and one of V (2 × 4 KiB at block 16, head_dim 64), so it stays in L1. With one query head per
-// KV head there is nothing to share: the block's rows are widened in registers inside the loops, and each
-// row's scale multiplies its score (K) or its softmax weight (V).
+// and it lets int8 use the fp32 P·V loop with its accumulator in vector registers (GCC would not vectorise
+// an int8 convert inside it). The scratch is a block of K and one of V (2 × 4 KiB at block 16, head_dim 64),
+// so it stays in L1. With one query head per KV head there is nothing to share: the block's rows are widened
+// in registers inside the loops, and each row's scale multiplies its score (K) or its softmax weight (V).
+// docs/quantization.md has the measurements (benchmarks/bench_kv_kernel_ab.py).
 
 namespace {
 
