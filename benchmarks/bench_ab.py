@@ -9,12 +9,11 @@ stable API, the client and `python -m worker` from that tree). Tokens must agree
 tok/s per round and the median ratio. Writes the section "ab" of docs/benchmarks.md unless --no-write.
 --this-engine KEY=VALUE (repeatable) sets an engine setting for this tree only (offline as an Engine argument,
 end to end as the worker's TOKENBUS_KEY), so with BASE_REV HEAD one tree runs against itself with and without it;
-that run writes the section "ab-engine" instead.
+that run writes the section "ab-engine" of docs/overlap.md instead.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -23,8 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.bench_common import cpu_name, write_section
-from benchmarks.bench_workload import workload
+from benchmarks.bench_common import bench_parser, cpu_name, write_section
+from benchmarks.bench_workload import chat_ids, workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,12 +81,9 @@ def _setting(item: str) -> tuple[str, object]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, rounds=3, num_prompts=48)
     ap.add_argument("base", help="git revision to compare this tree against")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--num-prompts", type=int, default=48)
     ap.add_argument("--e2e", action="store_true", help="also end to end through Redis (a worker per tree)")
-    ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--this-engine", action="append", default=[], metavar="KEY=VALUE",
                     help="an engine setting for this tree only (repeatable); VALUE is JSON, else a string")
     a = ap.parse_args()
@@ -97,8 +93,7 @@ def main() -> None:
 
     tokenizer = loader.load_tokenizer(loader.resolve("smollm2-135m"))
     items = workload(a.num_prompts)
-    prompts = [list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)
-                    ["input_ids"]) for m, _ in items]
+    prompts = chat_ids(tokenizer, items)
     max_tokens = [n for _, n in items]
     tmp = Path(tempfile.mkdtemp(prefix="bench-ab-"))
     wl = tmp / "workload.json"
@@ -148,7 +143,10 @@ def main() -> None:
                      f"({', '.join(f'{x:.2f}' for x in ratios)}) | {'yes' if same else 'NO'} |")
     print("\n".join(lines))
     if not a.no_write:
-        write_section("benchmarks.md", "ab-engine" if same_tree else "ab", "\n".join(lines))
+        if same_tree:  # the one setting's own page: overlap's is docs/overlap.md
+            write_section("overlap.md", "ab-engine", "\n".join(lines[2:]))
+        else:
+            write_section("benchmarks.md", "ab", "\n".join(lines))
 
 
 if __name__ == "__main__":
