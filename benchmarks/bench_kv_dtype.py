@@ -90,14 +90,14 @@ def kernel_rows(rounds: int) -> list[str]:
 
     ext = cpu.extension()
     rows = []
-    for layout, q, caches, table, lens in kernel_inputs():
+    for layout, q, caches, blocks, lens in kernel_inputs():
         times: dict[str, list[float]] = {name: [] for name in caches}
         for _ in range(rounds):
             for name, (kc, vc) in caches.items():
-                ext.paged_decode_attention_cpu(q, kc, vc, table, lens, 0.125, 0, 0.0)
+                ext.paged_decode_attention_cpu(q, kc, vc, blocks, lens, 0.125, 0, 0.0)
                 start = time.perf_counter()
                 for _ in range(10):
-                    ext.paged_decode_attention_cpu(q, kc, vc, table, lens, 0.125, 0, 0.0)
+                    ext.paged_decode_attention_cpu(q, kc, vc, blocks, lens, 0.125, 0, 0.0)
                 times[name].append((time.perf_counter() - start) / 10 * 1e3)
         base = statistics.median(times["float32"])
         for name, ts in times.items():
