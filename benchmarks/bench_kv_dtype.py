@@ -64,14 +64,13 @@ def end_to_end(kv: str, redis_url: str, prompt_ids, max_tokens, log_dir: str) ->
     return {"tok/s": tokens / timed.seconds, "seconds": timed.seconds, "outputs": [list(t) for t in timed.outputs]}
 
 
-def kernel_rows(rounds: int) -> list[str]:
-    from kernels import cpu
+def kernel_inputs():
+    """(layout, q, {dtype: (k_cache, v_cache)}, block_tables, seq_lens) for the two layouts --kernel-only times
+    (bench_kv_kernel_ab.py too): the same random K/V in each dtype."""
     from kernels.kv_quant import quantize
 
-    ext = cpu.extension()
     gen = torch.Generator().manual_seed(0)
     seqs, hq, hk, d, bs, length, shared = 16, 9, 3, 64, 16, 560, 496
-    rows = []
     for layout in ("shared prefix", "unshared"):
         prefix = shared // bs if layout == "shared prefix" else 0
         own = -(-length // bs) - prefix
@@ -83,13 +82,22 @@ def kernel_rows(rounds: int) -> list[str]:
         q = torch.randn(seqs, hq, d, generator=gen)
         caches = {"float32": (k, v), "bfloat16": (k.bfloat16(), v.bfloat16()),
                   "int8": (quantize(k, torch.int8), quantize(v, torch.int8))}
+        yield layout, q, caches, table, lens
+
+
+def kernel_rows(rounds: int) -> list[str]:
+    from kernels import cpu
+
+    ext = cpu.extension()
+    rows = []
+    for layout, q, caches, blocks, lens in kernel_inputs():
         times: dict[str, list[float]] = {name: [] for name in caches}
         for _ in range(rounds):
             for name, (kc, vc) in caches.items():
-                ext.paged_decode_attention_cpu(q, kc, vc, table, lens, 0.125, 0, 0.0)
+                ext.paged_decode_attention_cpu(q, kc, vc, blocks, lens, 0.125, 0, 0.0)
                 start = time.perf_counter()
                 for _ in range(10):
-                    ext.paged_decode_attention_cpu(q, kc, vc, table, lens, 0.125, 0, 0.0)
+                    ext.paged_decode_attention_cpu(q, kc, vc, blocks, lens, 0.125, 0, 0.0)
                 times[name].append((time.perf_counter() - start) / 10 * 1e3)
         base = statistics.median(times["float32"])
         for name, ts in times.items():

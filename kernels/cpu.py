@@ -1,5 +1,6 @@
-"""The CPU serving path's C++ kernels, float32: csrc/cpu_kernels.cpp (write_kv and paged decode attention,
-RMSNorm, SiLU·mul, RoPE, a row-wise argmax and a panel GEMV), csrc/cpu_quant.cpp (the panel GEMV with int8
+"""The CPU serving path's C++ kernels, float32: csrc/cpu_kernels.cpp (RMSNorm, SiLU·mul, RoPE, a row-wise
+argmax and a panel GEMV), csrc/cpu_attention.cpp (write_kv and paged decode attention over a float32, bfloat16
+or int8 KV cache), csrc/cpu_quant.cpp (the panel GEMV with int8
 weights) and csrc/decode_layers.cpp (a pure decode
 step's decoder layers composed of those kernels in one call). worker/engine/backends/cpu.py is their user.
 
@@ -32,9 +33,10 @@ from types import ModuleType
 import structlog
 import torch
 
-# one translation unit, in this order: decode_layers.cpp calls cpu_kernels.cpp's and cpu_quant.cpp's functions
+# one translation unit, in this order: cpu_kernels.cpp's helpers come first (check_layout, the panel tiles),
+# decode_layers.cpp calls the functions of all the others
 SOURCES = [Path(__file__).with_name("csrc") / name
-           for name in ("cpu_kernels.cpp", "cpu_quant.cpp", "decode_layers.cpp")]
+           for name in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_quant.cpp", "decode_layers.cpp")]
 FUNCTIONS = [
     "write_kv_cpu", "paged_decode_attention_cpu",  # the CPU versions of two kernels/reference.py functions
     "add_rms_norm_cpu", "rms_norm_cpu", "silu_and_mul_cpu", "rotary_cpu",  # a decoder layer's elementwise ops

@@ -1,5 +1,5 @@
 // A pure decode step's decoder layers in one call (CPU, fp32): worker/engine/backends/cpu_decode.py.
-// Built after cpu_kernels.cpp, in the same translation unit, and composed of its functions only, in the
+// Built last in the same translation unit, and composed of the other files' functions only, in the
 // order worker/engine/models/llama.py calls them, so it computes exactly what the per-layer Python path computes.
 //
 // Why: at a decode step's few rows each op takes microseconds, and the Python around it (module calls,

@@ -1,4 +1,4 @@
-"""The C++ KV write and paged attention over bfloat16 and int8 caches (kernels/csrc/cpu_kernels.cpp,
+"""The C++ KV write and paged attention over bfloat16 and int8 caches (kernels/csrc/cpu_attention.cpp,
 kernels/kv_quant.py): the write quantizes as kv_quant.quantize does, and attention over a quantized cache
 equals the PyTorch reference over the same cache dequantized (within fp32 rounding), on awkward shapes, with
 the AVX-512 and the AVX2 builds."""
@@ -88,9 +88,22 @@ def test_decode_over_a_quantized_cache_equals_reference_on_it_dequantized(ext, d
     check_decode(ext, dtype, block_size, hq, hk, head_dim)
 
 
+# Groups above 1 widen each block into an fp32 scratch, group 1 widens in registers; head_dim 64 and 128 are
+# compiled as constants, 80 and 96 take the run-time loops; windows shorter and longer than a block
+WINDOW_CASES = [
+    (16, 8, 2, 64, 21, 5.0),  # group 4
+    (16, 9, 3, 64, 5, 0.0),  # SmolLM2's heads, a window inside one block
+    (32, 4, 4, 128, 40, 3.0),  # group 1
+    (8, 6, 2, 80, 19, 2.0),  # group 3, run-time head_dim
+    (16, 16, 4, 96, 0, 4.0),  # group 4, run-time head_dim, softcap alone
+]
+
+
 @pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
-def test_decode_window_and_softcap_over_a_quantized_cache(ext, dtype):
-    check_decode(ext, dtype, 16, 8, 2, 64, window=21, softcap=5.0)
+@pytest.mark.parametrize("block_size,hq,hk,head_dim,window,softcap", WINDOW_CASES)
+def test_decode_window_and_softcap_over_a_quantized_cache(ext, dtype, block_size, hq, hk, head_dim, window,
+                                                          softcap):
+    check_decode(ext, dtype, block_size, hq, hk, head_dim, window=window, softcap=softcap)
 
 
 @pytest.mark.slow  # a second build of the extension (~40 s) the first time on a machine, cached afterwards
@@ -100,6 +113,7 @@ def test_decode_avx2_build_over_a_quantized_cache(dtype):
     assert module is not None
     for case in [(16, 9, 3, 64), (8, 7, 1, 48), (32, 16, 2, 128)]:
         check_decode(module, dtype, *case)
+    check_decode(module, dtype, 8, 6, 2, 80, window=19, softcap=2.0)
 
 
 def test_a_cache_too_narrow_for_its_dtype_is_refused(ext):
