@@ -36,11 +36,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from benchmarks.bench_common import write_section  # noqa: E402
 from benchmarks.bench_workload import workload  # noqa: E402
 from kernels.fp8_linear import fp8_linear_reference, quantize_weight  # noqa: E402
-from worker.engine.quantization import quantize_int8  # noqa: E402
+from worker.engine.quantization import quantize_int8, round_rows_int8  # noqa: E402
 
 HELDOUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quant_heldout.txt")
 WINDOW = 512
-SCHEMES = ("int8", "fp8", "kv bf16", "kv int8")  # weights; KV-cache dtypes (--kv-cache-dtype), fp32 weights
+SCHEMES = ("int8", "w8a8", "fp8", "kv bf16", "kv int8")  # weights; KV-cache dtypes (--kv-cache-dtype), fp32 weights
 
 
 def _kv_attention(dtype: torch.dtype):
@@ -95,6 +95,8 @@ def quantized_hf(directory: str, scheme: str):
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
                 module.weight.copy_(quantize_int8(module.weight).dequantize())
+                if scheme == "w8a8":  # and each linear's input rounded per token to int8, as the kernel does
+                    module.register_forward_pre_hook(lambda _m, args: (round_rows_int8(args[0]), *args[1:]))
     return model
 
 
@@ -130,6 +132,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--no-perplexity", action="store_true", help="greedy agreement only (a loaded machine)")
+    parser.add_argument("--no-greedy", action="store_true", help="perplexity only (no engine runs)")
     parser.add_argument("--schemes", default=",".join(SCHEMES), help=f"a comma-separated subset of {SCHEMES}")
     parser.add_argument("--section", default="quality", help="the docs/quantization.md section to write")
     parser.add_argument("--heldout-tokens", type=int, default=0, help="score only the first N tokens (0 = all)")
@@ -149,10 +152,11 @@ def main() -> None:
     schemes = () if args.no_perplexity else ("fp32", *schemes_run)
     ppl = {s: perplexity(quantized_hf(source.directory, s), ids) for s in schemes}
     ppl = {s: ppl.get(s, math.nan) for s in ("fp32", *schemes_run)}
-    reference = greedy_outputs("fp32", prompts, args.max_tokens)
+    reference = None if args.no_greedy else greedy_outputs("fp32", prompts, args.max_tokens)
     rows = [f"| fp32 | {ppl['fp32']:.3f} | — | 100 % | 100 % |"]
     for scheme in schemes_run:
-        same, prefix = agreement(greedy_outputs(scheme, prompts, args.max_tokens), reference)
+        same, prefix = (math.nan, math.nan) if reference is None else agreement(
+            greedy_outputs(scheme, prompts, args.max_tokens), reference)
         delta = ppl[scheme] / ppl["fp32"] - 1
         rows.append(f"| {scheme} | {ppl[scheme]:.3f} | {delta:+.2%} | {same:.1%} | {prefix:.1%} |")
     body = "\n".join([

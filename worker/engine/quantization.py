@@ -54,6 +54,23 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     return Int8Weight(q, scale.contiguous())
 
 
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric int8 of each row (token) of x [..., k]: (codes, scale [..., 1]) with scale =
+    max|x_row| / 127 and codes = round(x · (127 / max|x_row|)) in fp32, the ops the C++ W8A8 kernel runs
+    (kernels/csrc/cpu_w8a8.cpp); an all-zero row gets scale 0 and codes 0."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, INT8_MAX / amax, torch.zeros_like(amax))
+    return torch.round(x * inv).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), amax / INT8_MAX
+
+
+def round_rows_int8(x: torch.Tensor) -> torch.Tensor:
+    """x with each row rounded to its dynamic int8 value (quantized, then dequantized): what a W8A8 linear
+    multiplies its weight with."""
+    codes, scale = quantize_rows_int8(x)
+    return (codes.float() * scale).to(x.dtype)
+
+
 def check_int8_layout(name: str, qweight: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> None:
     """ValueError unless (qweight, scale) is the int8 of an [out, in] weight: int8 [out, in] and fp32 [out]."""
     problems = []
