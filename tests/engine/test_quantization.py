@@ -1,5 +1,6 @@
-"""--quantization int8 through the engine on a tiny random model: the served tokens equal Hugging Face
-`generate` on the dequantized weights (the model int8 defines), the cache on disk is written and read back,
+"""--quantization int8 and w8a8 through the engine on a tiny random model: the served tokens equal Hugging Face
+`generate` on the dequantized weights (the model int8 defines; w8a8 also rounds each linear's input per token
+to int8), the cache on disk is written and read back,
 and a wrong scheme or a mismatched scale layout is a clear error at load."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from tests.support.hf_reference import hf_greedy, load_hf
 from tests.support.tiny_models import make_tiny_model
 from worker import Engine, SamplingParams
 from worker.engine.config import EngineConfig
-from worker.engine.quantization import quantize_int8
+from worker.engine.quantization import quantize_int8, round_rows_int8
 
 PROMPTS = ["Hello there", "The capital of France is", "1, 2, 3,", "a b c d e f g h"]
 MAX_TOKENS = [12, 20, 7, 16]
@@ -36,13 +37,15 @@ def fresh_cache(tiny_dir):
             os.remove(path)
 
 
-def hf_dequantized(directory: str):
+def hf_dequantized(directory: str, w8a8: bool = False):
     hf = load_hf(directory)
     with torch.no_grad():
         hf.lm_head.weight = torch.nn.Parameter(hf.lm_head.weight.detach().clone())  # untie from the embedding
         for module in hf.modules():
             if isinstance(module, torch.nn.Linear):
                 module.weight.copy_(quantize_int8(module.weight).dequantize())
+                if w8a8:  # the input of every linear (lm_head too) rounded per token, as the W8A8 kernel does
+                    module.register_forward_pre_hook(lambda _m, args: (round_rows_int8(args[0]), *args[1:]))
     return hf
 
 
@@ -52,23 +55,30 @@ def generate(engine: Engine) -> dict[str, list[int]]:
     return {str(i): out.token_ids for i, out in enumerate(outputs)}
 
 
-def test_int8_engine_equals_hf_on_dequantized_weights(tiny_dir, fresh_cache):
+@pytest.mark.parametrize("scheme", ["int8", "w8a8"])
+def test_int8_engine_equals_hf_on_dequantized_weights(tiny_dir, fresh_cache, scheme):
+    """Prefill chunks of up to 16 tokens and the decode steps run the panel kernels (decode: in the fused C++
+    layers); w8a8's reference rounds every linear's input per token (its oneDNN path: tests/kernels)."""
     engine = Engine(tiny_dir, device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=16,
-                    quantization="int8")
+                    quantization=scheme)
     cached = engine.quantized_cache
     fresh_cache.append(cached)
     assert engine.backend.name == "cpu-cpp" and engine.backend.fused is not None  # the C++ int8 path serves
     assert engine.model.lm_head.panels.dtype == torch.int8
+    assert engine.model.lm_head.panels.dim() == (4 if scheme == "w8a8" else 3)  # the W8A8 packing, or int8's
     assert engine.model.embed_tokens.weight.dtype == torch.float32
     outputs = generate(engine)
-    hf = hf_dequantized(tiny_dir)
-    plain = load_hf(tiny_dir)
-    differs = 0
+    hf = hf_dequantized(tiny_dir, w8a8=scheme == "w8a8")
+    others = [load_hf(tiny_dir), hf_dequantized(tiny_dir, w8a8=scheme != "w8a8")]  # fp32, the other scheme
+    differs = [0, 0]
     for i, (prompt, m) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
         ids = engine.tokenize(prompt)
         assert outputs[str(i)] == hf_greedy(hf, ids, m, ignore_eos=True), f"prompt {prompt!r} differs"
-        differs += outputs[str(i)] != hf_greedy(plain, ids, m, ignore_eos=True)
-    assert differs > 0, "int8 gave the fp32 tokens on every prompt: is the model quantized at all?"
+        for j, other in enumerate(others):
+            differs[j] += outputs[str(i)] != hf_greedy(other, ids, m, ignore_eos=True)
+    assert differs[0] > 0, f"{scheme} gave the fp32 tokens on every prompt: is the model quantized at all?"
+    # the activation rounding shows in the tokens: this test tells int8 and w8a8 apart
+    assert differs[1] > 0, f"{scheme} gave the other int8 scheme's tokens on every prompt"
     assert os.path.isfile(cached)
 
 
@@ -88,7 +98,7 @@ def test_the_cache_is_read_back_and_a_mismatched_scale_layout_is_a_clear_error(t
 
 
 def test_unsupported_scheme_is_a_clear_error(tiny_dir):
-    with pytest.raises(ValueError, match=r"quantization must be unset or one of \['int8', 'fp8'\], got 'int4'"):
+    with pytest.raises(ValueError, match=r"quantization must be unset or one of \['int8', 'fp8', 'w8a8'\], got 'int4'"):
         EngineConfig(quantization="int4")
     with pytest.raises(ValueError, match="'int8' is the CPU float32 path"):
         Engine(tiny_dir, device="cpu", dtype="bfloat16", quantization="int8")
