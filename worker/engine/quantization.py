@@ -67,7 +67,8 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (kernels/csrc/cpu_w8a8.cpp); an all-zero row gets scale 0 and codes 0."""
     x = x.float()
     amax = x.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, INT8_MAX / amax, torch.zeros_like(amax))
+    # a tensor over a tensor: `127 / amax` would be amax.reciprocal() * 127, one rounding more than the kernel's
+    inv = torch.where(amax > 0, torch.full_like(amax, INT8_MAX) / amax, torch.zeros_like(amax))
     return torch.round(x * inv).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), amax / INT8_MAX
 
 
