@@ -7,7 +7,8 @@ SmolLM2-135M's real weights (the built-in GGUF, dequantized to fp32), CPU:
                the tokenbus engine serves (tests/engine/test_quantization.py: token for token equal); a KV
                dtype ("kv int8", "kv bf16") instead rounds each layer's rotated keys and its values as the
                cache stores them (kernels/kv_quant.py: per token and KV head) before attention, which is
-               what the engine's attention reads back;
+               what the engine's attention reads back; w8a8 also rounds each linear's input per token to
+               int8 (quantization.round_rows_int8, a forward pre-hook), as its kernel quantizes it;
   greedy       64 chat prompts (benchmarks/bench_workload.py), 64 new tokens each, EOS ignored, through the
   agreement    tokenbus engine, fp32 against the scheme: the share of requests whose tokens are identical,
                and the share of tokens before the first divergence (mean over requests).
@@ -20,6 +21,7 @@ slow on the CPU for 64 prompts). The GPU's bf16 activations and outputs are not 
 
     .venv/bin/python -m benchmarks.quant_quality              # ~5 min on 2 cores; writes docs/quantization.md
     .venv/bin/python -m benchmarks.quant_quality --no-write --num-prompts 4 --max-tokens 8   # smoke
+    .venv/bin/python -m benchmarks.quant_quality --no-write --no-greedy --schemes int8,w8a8 --heldout-tokens 1536
 """
 
 from __future__ import annotations

@@ -55,31 +55,58 @@ def generate(engine: Engine) -> dict[str, list[int]]:
     return {str(i): out.token_ids for i, out in enumerate(outputs)}
 
 
-@pytest.mark.parametrize("scheme", ["int8", "w8a8"])
-def test_int8_engine_equals_hf_on_dequantized_weights(tiny_dir, fresh_cache, scheme):
-    """Prefill chunks of up to 16 tokens and the decode steps run the panel kernels (decode: in the fused C++
-    layers); w8a8's reference rounds every linear's input per token (its oneDNN path: tests/kernels)."""
+def test_int8_engine_equals_hf_on_dequantized_weights(tiny_dir, fresh_cache):
     engine = Engine(tiny_dir, device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=16,
-                    quantization=scheme)
+                    quantization="int8")
     cached = engine.quantized_cache
     fresh_cache.append(cached)
     assert engine.backend.name == "cpu-cpp" and engine.backend.fused is not None  # the C++ int8 path serves
     assert engine.model.lm_head.panels.dtype == torch.int8
-    assert engine.model.lm_head.panels.dim() == (4 if scheme == "w8a8" else 3)  # the W8A8 packing, or int8's
     assert engine.model.embed_tokens.weight.dtype == torch.float32
     outputs = generate(engine)
-    hf = hf_dequantized(tiny_dir, w8a8=scheme == "w8a8")
-    others = [load_hf(tiny_dir), hf_dequantized(tiny_dir, w8a8=scheme != "w8a8")]  # fp32, the other scheme
-    differs = [0, 0]
+    hf = hf_dequantized(tiny_dir)
+    plain = load_hf(tiny_dir)
+    differs = 0
     for i, (prompt, m) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
         ids = engine.tokenize(prompt)
         assert outputs[str(i)] == hf_greedy(hf, ids, m, ignore_eos=True), f"prompt {prompt!r} differs"
-        for j, other in enumerate(others):
-            differs[j] += outputs[str(i)] != hf_greedy(other, ids, m, ignore_eos=True)
-    assert differs[0] > 0, f"{scheme} gave the fp32 tokens on every prompt: is the model quantized at all?"
-    # the activation rounding shows in the tokens: this test tells int8 and w8a8 apart
-    assert differs[1] > 0, f"{scheme} gave the other int8 scheme's tokens on every prompt"
+        differs += outputs[str(i)] != hf_greedy(plain, ids, m, ignore_eos=True)
+    assert differs > 0, "int8 gave the fp32 tokens on every prompt: is the model quantized at all?"
     assert os.path.isfile(cached)
+
+
+def logit_gaps(hf, prompt_ids: list[int], out: list[int]) -> torch.Tensor:
+    """Teacher-forced over the engine's tokens: for each, HF's top logit minus the logit of the engine's token."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt_ids + out[:-1]])).logits[0, len(prompt_ids) - 1 :]
+    return logits.max(dim=1).values - logits.gather(1, torch.tensor(out)[:, None])[:, 0]
+
+
+# One activation code rounded the other way (an fp32 summation-order difference upstream of a .5 boundary)
+# moves this model's logits (|logit| < 5) by ~1e-2: enough to flip a near-tie, so w8a8 is checked by the logit
+# margins of the engine's tokens under the reference rather than by free-running token equality. Served
+# weight-only (no activation rounding), the engine's tokens sit 3.3e-2 below the W8A8 reference's top logit.
+W8A8_MAX_GAP = 1.5e-2
+
+
+def test_w8a8_engine_tokens_are_hf_argmax_with_rounded_activations(tiny_dir, fresh_cache):
+    engine = Engine(tiny_dir, device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=16,
+                    quantization="w8a8")
+    fresh_cache.append(engine.quantized_cache)
+    assert engine.backend.name == "cpu-cpp" and engine.backend.fused is not None
+    assert engine.model.lm_head.panels.dtype == torch.int8 and engine.model.lm_head.panels.dim() == 4
+    outputs = generate(engine)
+    hf = hf_dequantized(tiny_dir, w8a8=True)
+    plain = load_hf(tiny_dir)
+    exact, differs = 0, 0
+    for i, (prompt, m) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
+        ids = engine.tokenize(prompt)
+        gaps = logit_gaps(hf, ids, outputs[str(i)])
+        assert float(gaps.max()) <= W8A8_MAX_GAP, f"prompt {prompt!r}: a token {float(gaps.max()):.2e} below HF's top"
+        exact += outputs[str(i)] == hf_greedy(hf, ids, m, ignore_eos=True)
+        differs += outputs[str(i)] != hf_greedy(plain, ids, m, ignore_eos=True)
+    assert exact >= len(PROMPTS) - 1, "more than one prompt's tokens differ from the W8A8 reference"
+    assert differs > 0, "w8a8 gave the fp32 tokens on every prompt: is the model quantized at all?"
 
 
 def test_the_cache_is_read_back_and_a_mismatched_scale_layout_is_a_clear_error(tiny_dir, fresh_cache):

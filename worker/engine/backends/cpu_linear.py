@@ -10,7 +10,9 @@ docs/kernels.md has the measurements behind PANEL_MAX_ROWS.
 
 An int8-quantized linear (worker/engine/quantization.py: the nn.Linear carries an `int8` attribute and its
 weight is the dequantized value) packs its int8 weight into the panels instead, with the per-channel scales
-padded alongside: the C++ kernel widens them in registers. oneDNN keeps the dequantized fp32 weight.
+padded alongside: the C++ kernel widens them in registers. oneDNN keeps the dequantized fp32 weight. A W8A8
+linear (`w8a8` attribute too) packs for the VNNI kernel (pack_panels_w8a8), which quantizes x per row itself;
+oneDNN then multiplies x rounded the same way (round_rows_int8), so both paths compute one model.
 """
 
 from __future__ import annotations
