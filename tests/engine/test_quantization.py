@@ -154,3 +154,20 @@ def test_quantization_setting_reaches_the_engine_config(monkeypatch):
     monkeypatch.delenv("TOKENBUS_QUANTIZATION")
     assert load_settings(["--quantization", "int8"]).engine.quantization == "int8"
     assert load_settings([]).engine.quantization is None
+
+
+def test_w8a8_without_vnni_warns_that_int8_is_faster(monkeypatch):
+    from structlog.testing import capture_logs
+
+    from worker.engine import quantization
+
+    monkeypatch.setattr(quantization, "cpu_flags", lambda: "flags\t\t: fpu sse avx2 avx512f")
+    with capture_logs() as logs:
+        quantization.check_scheme("w8a8", torch.device("cpu"), torch.float32)
+    assert [entry["event"] for entry in logs] == ["w8a8_without_vnni"]
+    monkeypatch.setattr(quantization, "cpu_flags", lambda: "flags\t\t: fpu avx2 avx512f avx512_vnni")
+    with capture_logs() as logs:
+        quantization.check_scheme("w8a8", torch.device("cpu"), torch.float32)
+    assert logs == []
+    with pytest.raises(ValueError, match="'w8a8' is the CPU float32 path"):
+        quantization.check_scheme("w8a8", torch.device("cpu"), torch.bfloat16)
