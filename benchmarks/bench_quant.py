@@ -1,7 +1,7 @@
 """int8 weights against fp32 on the CPU (issue 24), all rows in one run: the tokenbus engine offline and
 tokenbus end to end (producer.Client -> Redis -> `python -m worker` -> job records), each with
---quantization unset (fp32), int8 and w8a8 (--systems picks rows), in turns over --rounds rounds (the order rotates each round, so a
-position effect or drift falls on every system); each row reports its median round.
+--quantization unset (fp32), int8 and w8a8 (--systems picks rows), in turns over --rounds rounds (the order
+rotates each round, so a position effect or drift falls on every system); each row reports its median round.
 
 Workload: benchmarks/bench_workload.py's 64 chat prompts, long-tailed outputs 8-256 tokens, greedy, EOS ignored.
 Offline rows also report decode tok/s: tokens of pure decode steps / seconds inside them (each engine step
