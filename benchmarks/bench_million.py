@@ -22,24 +22,16 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import redis
 
+from benchmarks.bench_million_gateway import gateway_route
+from benchmarks.bench_million_probe import finish_all, redis_bytes, redis_cpu, step
+from producer.submit_pipe import CALL_JOBS, DEPTH
 from protocol.keys import Keys
-from protocol.scripts import finish_job
-from tests.support.local_redis import RedisServer, free_port
+from tests.support.local_redis import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
-KEY = "sk-bench-" + "m" * 24
 OLD_SAMPLE = 50_000  # jobs whose records are given their request back to measure the old layout
-RESULT = json.dumps(
-    {
-        "text": "ok",
-        "token_ids": [1],
-        "finish_reason": "length",
-        "usage": {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13},
-    }
-)
 
 
 def write_file(path: Path, n: int) -> int:
@@ -57,14 +49,6 @@ def write_file(path: Path, n: int) -> int:
                 + "\n"
             )
     return path.stat().st_size
-
-
-def hwm_mb(pid: int) -> float:
-    """Peak RSS of a live process (VmHWM), MB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def run_cli(args: list[str], env: dict[str, str]) -> tuple[float, float, float, str, str]:
@@ -85,47 +69,6 @@ def run_cli(args: list[str], env: dict[str, str]) -> tuple[float, float, float, 
     if proc.returncode:
         raise RuntimeError(f"tokenbus {' '.join(args)} failed ({proc.returncode}):\n{err[-3000:]}")
     return secs, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime, out, err
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) a live process has used."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def redis_cpu(r: redis.Redis) -> float:
-    info = r.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-
-
-def finish_all(r: redis.Redis, keys: Keys, batch_id: str, n: int) -> float:
-    """End every job finished, as a worker would (FINISH_JOB), pipelined; returns seconds."""
-    t0 = time.perf_counter()
-    for start in range(0, n, 2000):
-        pipe = r.pipeline(transaction=False)
-        for i in range(start, min(n, start + 2000)):
-            finish_job(pipe, keys, f"{batch_id}-{i}", "finished", result=RESULT)
-        pipe.execute()
-    return time.perf_counter() - t0
-
-
-def redis_bytes(r: redis.Redis, keys: Keys, batch_id: str, before: int, n: int) -> dict[str, float]:
-    """used_memory growth per job, the request's own bytes, and MEMORY USAGE of the keys a job adds to."""
-    grew = int(r.info("memory")["used_memory"]) - before
-    queue = keys.queue("bulk", batch_id)
-    sample = r.xrange(queue, count=1000)
-    request = sum(len(f[b"request"]) for _, f in sample) / max(1, len(sample))
-    record = [r.memory_usage(keys.job(f"{batch_id}-{i}")) or 0 for i in range(0, n, max(1, n // 200))]
-    return {
-        "bytes_per_job": grew / n,
-        "request_bytes": request,
-        "overhead_per_job": grew / n - request,
-        "record_bytes": sum(record) / len(record),
-        "record_encoding": r.object("encoding", keys.job(f"{batch_id}-0")).decode(),
-        "stream_bytes_per_job": (r.memory_usage(queue, samples=0) or 0) / n,
-        "id_list_bytes_per_job": (r.memory_usage(keys.batch_jobs(batch_id), samples=0) or 0) / n,
-        "redis_mb": grew / 1e6,
-    }
 
 
 def old_layout_bytes(url: str, keys: Keys, batch_id: str, n: int) -> float:
@@ -154,14 +97,8 @@ def cli_route(path: Path, n: int, tmp: Path) -> dict:
         secs, peak, cpu, stdout, log = run_cli(["-v", "batch", "submit", str(path)], env)
         stages = {k: float(v) for k, v in re.findall(r"(validate_s|enqueue_s)=([0-9.]+)", log)}
         bid = stdout.split()[-1]  # a generated id, batch_<32 hex> as the gateway's: ids as long as in use
-        out["submit"] = {
-            "seconds": secs,
-            "lines_per_s": n / secs,
-            "peak_rss_mb": peak,
-            "cpu_us_per_line": cpu / n * 1e6,
-            "redis_cpu_us_per_line": (redis_cpu(r) - rcpu) / n * 1e6,
-            **stages,  # pass 1 (validate into the spool) and pass 2 (enqueue), seconds
-        }
+        # stages: pass 1 (validate into the spool) and pass 2 (enqueue), seconds
+        out["submit"] = step(n, secs, cpu, redis_cpu(r) - rcpu, peak_rss_mb=peak, **stages)
         out["redis"] = redis_bytes(r, keys, bid, before, n)
         print(
             f"cli submit: {n / secs:,.0f} lines/s, peak RSS {peak:.0f} MB, {out['redis']['bytes_per_job']:.0f} B/job",
@@ -173,155 +110,8 @@ def cli_route(path: Path, n: int, tmp: Path) -> dict:
         secs, peak, cpu, _, _ = run_cli(["batch", "export", bid, str(tmp / "cli-out.jsonl")], env)
         with (tmp / "cli-out.jsonl").open("rb") as f:
             lines = sum(1 for _ in f)
-        out["export"] = {
-            "seconds": secs,
-            "lines_per_s": n / secs,
-            "peak_rss_mb": peak,
-            "lines": lines,
-            "cpu_us_per_line": cpu / n * 1e6,
-            "redis_cpu_us_per_line": (redis_cpu(r) - rcpu) / n * 1e6,
-        }
+        out["export"] = step(n, secs, cpu, redis_cpu(r) - rcpu, peak_rss_mb=peak, lines=lines)
         print(f"cli export: {n / secs:,.0f} lines/s, peak RSS {peak:.0f} MB", flush=True)
-    return out
-
-
-class Gateway:
-    """`tokenbus-gateway serve` and `tasks` on a private redis-server, limits opened for a million lines."""
-
-    def __init__(self, srv: RedisServer, tmp: Path) -> None:
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        env = dict(
-            os.environ,
-            PYTHONPATH=str(ROOT),
-            TOKENBUS_REDIS_URL=srv.url,
-            TOKENBUS_LOG_JSON="1",
-            TOKENBUS_GATEWAY_API_KEYS=KEY,
-            TOKENBUS_GATEWAY_PORT=str(port),
-            TOKENBUS_GATEWAY_FILES_DIR=str(tmp / "files"),
-            TOKENBUS_GATEWAY_MAX_UPLOAD_BYTES=str(4 << 30),
-            TOKENBUS_GATEWAY_MAX_REQUESTS_PER_FILE="10000000",
-            TOKENBUS_GATEWAY_MAX_QUEUED_REQUESTS_PER_KEY="10000000",
-            TOKENBUS_GATEWAY_MAX_QUEUED_TOKENS_PER_KEY="100000000000",
-            TOKENBUS_GATEWAY_MAX_QUEUED_BYTES_PER_KEY=str(64 << 30),
-            TOKENBUS_GATEWAY_MAX_QUEUED_BYTES=str(64 << 30),
-            TOKENBUS_GATEWAY_WATCH_INTERVAL_S="0.5",
-            TOKENBUS_GATEWAY_MIN_BODY_RATE="1024",
-        )
-        self.logs = [open(tmp / f"{name}.log", "w") for name in ("serve", "tasks")]  # noqa: SIM115
-        self.procs = {
-            name: subprocess.Popen(
-                [sys.executable, "-m", "gateway", name], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-            )
-            for name, log in zip(("serve", "tasks"), self.logs, strict=True)
-        }
-        self.http = httpx.Client(base_url=self.url, headers={"authorization": f"Bearer {KEY}"}, timeout=3600)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the gateway did not start: see its log")
-            time.sleep(0.2)
-
-    def cpu(self) -> dict[str, float]:
-        return {name: cpu_s(p.pid) for name, p in self.procs.items()}
-
-    def peaks(self) -> dict[str, float]:
-        return {name: hwm_mb(p.pid) for name, p in self.procs.items()}
-
-    def batch(self, batch_id: str) -> dict:
-        return self.http.get(f"/v1/batches/{batch_id}").raise_for_status().json()
-
-    def wait(self, batch_id: str, until, timeout: float = 7200) -> dict:
-        deadline = time.monotonic() + timeout
-        while not until(b := self.batch(batch_id)):
-            for name, p in self.procs.items():
-                if p.poll() is not None:
-                    raise RuntimeError(f"gateway {name} exited ({p.returncode})")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"batch {batch_id} stuck: {b}")
-            time.sleep(0.25)
-        return b
-
-    def close(self) -> None:
-        for p in self.procs.values():
-            p.terminate()
-            p.wait(30)
-        for log in self.logs:
-            log.close()
-
-
-def gateway_route(path: Path, n: int, tmp: Path) -> dict:
-    out: dict = {}
-    with RedisServer() as srv:
-        r, keys = redis.Redis.from_url(srv.url), Keys()
-        gw = Gateway(srv, tmp)
-        try:
-            out["idle_rss_mb"] = gw.peaks()
-            cpu0 = gw.cpu()
-            t0 = time.perf_counter()
-            with path.open("rb") as f:
-                meta = (
-                    gw.http.post(
-                        "/v1/files", data={"purpose": "batch"}, files={"file": (path.name, f, "application/jsonl")}
-                    )
-                    .raise_for_status()
-                    .json()
-                )
-            secs = time.perf_counter() - t0
-            cpu1 = gw.cpu()
-            out["upload"] = {
-                "seconds": secs,
-                "lines_per_s": n / secs,
-                "cpu_us_per_line": (cpu1["serve"] - cpu0["serve"]) / n * 1e6,
-            }
-            print(f"gateway upload: {n / secs:,.0f} lines/s", flush=True)
-            before, rcpu = int(r.info("memory")["used_memory"]), redis_cpu(r)
-            t0 = time.perf_counter()
-            batch = (
-                gw.http.post(
-                    "/v1/batches",
-                    json={"input_file_id": meta["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
-                )
-                .raise_for_status()
-                .json()
-            )
-            gw.wait(batch["id"], lambda b: b["status"] != "validating")
-            secs = time.perf_counter() - t0
-            cpu2 = gw.cpu()
-            out["submit"] = {
-                "seconds": secs,
-                "lines_per_s": n / secs,
-                "cpu_us_per_line": (cpu2["tasks"] - cpu1["tasks"]) / n * 1e6,
-                "redis_cpu_us_per_line": (redis_cpu(r) - rcpu) / n * 1e6,
-            }
-            out["redis"] = redis_bytes(r, keys, batch["id"], before, n)
-            print(f"gateway submit: {n / secs:,.0f} lines/s, {out['redis']['bytes_per_job']:.0f} B/job", flush=True)
-            out["finish_s"] = finish_all(r, keys, batch["id"], n)
-            cpu3 = gw.cpu()
-            t0 = time.perf_counter()
-            done = gw.wait(batch["id"], lambda b: b["status"] in ("completed", "failed", "cancelled", "expired"))
-            secs = time.perf_counter() - t0
-            out["finalize"] = {
-                "seconds": secs,
-                "lines_per_s": n / secs,
-                "status": done["status"],
-                "cpu_us_per_line": (gw.cpu()["tasks"] - cpu3["tasks"]) / n * 1e6,
-            }
-            t0 = time.perf_counter()
-            lines = 0
-            with gw.http.stream("GET", f"/v1/files/{done['output_file_id']}/content") as resp:
-                for _ in resp.iter_lines():
-                    lines += 1
-            out["download"] = {"seconds": time.perf_counter() - t0, "lines": lines}
-            print(f"gateway finalize: {n / secs:,.0f} lines/s; output {lines} lines", flush=True)
-            out["peak_rss_mb"] = gw.peaks()
-        finally:
-            gw.close()
     return out
 
 
@@ -332,9 +122,9 @@ def report(res: dict) -> str:
         "|---|---|---:|---:|---:|---:|---:|",
     ]
 
-    def cpu(step: dict) -> str:
-        redis_us = step.get("redis_cpu_us_per_line")
-        return f" {step['cpu_us_per_line']:.0f} | {'' if redis_us is None else f'{redis_us:.0f}'} |"
+    def cpu(fig: dict) -> str:
+        redis_us = fig.get("redis_cpu_us_per_line")
+        return f" {fig['cpu_us_per_line']:.0f} | {'' if redis_us is None else f'{redis_us:.0f}'} |"
 
     if c:
         rows.append(
@@ -375,9 +165,9 @@ def report(res: dict) -> str:
             )
     old = f"{c['old_layout_extra_per_job']:.0f}" if c else "?"
     idle = []
-    for name, step in (("CLI submit", c and c["submit"]), ("gateway submit", g and g["submit"])):
-        if step:
-            proc, red = step["cpu_us_per_line"], step["redis_cpu_us_per_line"]
+    for name, fig in (("CLI submit", c and c["submit"]), ("gateway submit", g and g["submit"])):
+        if fig:
+            proc, red = fig["cpu_us_per_line"], fig["redis_cpu_us_per_line"]
             idle.append(
                 f"{name}: {1e6 / (proc + red):,.0f} lines/s with no overlap at all, {1e6 / max(proc, red):,.0f} "
                 f"with the client and Redis each busy on its own core the whole time"
@@ -425,9 +215,10 @@ jobs). Main before this change measured 1,291 B/job beyond a 158-byte request at
 
 How the submit streams (producer/batch_spool.py, producer/submit_pipe.py): pass 1 validates each line and
 writes its final request JSON to a spool file on disk (the custom_ids checked for repeats in ~12 bytes each,
-producer/seen_ids.py); pass 2 streams the spool to Redis, SUBMIT_JOB in chunks of 1,000 with two chunks in
-flight while the next is packed. The gateway's tasks process reads a file its upload validated in one pass,
-each line sent as it is validated again (no spool). Export and finalisation read the records 1,000 at a time.
+producer/seen_ids.py); pass 2 streams the spool to Redis, SUBMIT_JOBS with {CALL_JOBS} jobs a call and {DEPTH}
+calls in flight while the next is packed. The gateway's tasks process reads a file its upload validated in one
+pass, each line sent as it is validated again (no spool). Export and finalisation read the records 1,000 at a
+time.
 The machine is shared (load average during the run: {res["load"]}): lines/s are lower bounds.
 """
 

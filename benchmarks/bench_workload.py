@@ -1,5 +1,6 @@
 """The benchmark workload shared by bench_engine.py and bench_e2e.py: 64 chat prompts with long-tailed
-output lengths (8–256 tokens), greedy, EOS ignored, so every system generates exactly the same count."""
+output lengths (8–256 tokens), greedy, EOS ignored, so every system generates exactly the same count; and
+chat_ids, the prompts as every benchmark tokenizes them."""
 
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ def workload(num_prompts: int = 64, seed: int = 0, min_tokens: int = 8, max_toke
         length = int(min(max_tokens, max(min_tokens, min_tokens * rng.paretovariate(0.9))))
         items.append(([{"role": "user", "content": task}], length))
     return items
+
+
+def chat_ids(tokenizer, items) -> list[list[int]]:
+    """The token ids of each item's messages in the model's chat template, the assistant's turn opened."""
+    return [list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)
+                 ["input_ids"]) for m, _ in items]
 
 
 SHOP = ["hammer", "drill", "ladder", "saw", "wrench", "tape", "glue", "sander", "clamp", "chisel", "level",

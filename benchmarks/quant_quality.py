@@ -36,7 +36,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from benchmarks.bench_common import write_section  # noqa: E402
-from benchmarks.bench_workload import workload  # noqa: E402
+from benchmarks.bench_workload import chat_ids, workload  # noqa: E402
 from kernels.fp8_linear import fp8_linear_reference, quantize_weight  # noqa: E402
 from worker.engine.quantization import quantize_int8, round_rows_int8  # noqa: E402
 
@@ -147,9 +147,7 @@ def main() -> None:
     tokenizer = loader.load_tokenizer(source)
     ids = tokenizer(open(HELDOUT).read())["input_ids"]
     ids = ids[: args.heldout_tokens] if args.heldout_tokens else ids
-    prompts = [list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=True)["input_ids"])
-               for messages, _ in workload(args.num_prompts)]
+    prompts = chat_ids(tokenizer, workload(args.num_prompts))
     started = time.strftime("%Y-%m-%d %H:%M")
     schemes = () if args.no_perplexity else ("fp32", *schemes_run)
     ppl = {s: perplexity(quantized_hf(source.directory, s), ids) for s in schemes}

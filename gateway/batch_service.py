@@ -131,26 +131,9 @@ def cancel(ctx: GatewayContext, owner: str, batch_id: str) -> dict[str, Any]:
     # of the two always sees the other and cancels the producer's batch (twice is harmless).
     if ctx.redis.hget(key, "submitted_at"):
         batches.cancel_batch(ctx.client, batch_id)
-    else:
-        _cancel_unsubmitted(ctx, batch_id)
+    else:  # ends `cancelled` now if nobody is submitting it; a submit holding the lease sees the cancel
+        ingest.end_unsubmitted(ctx, batch_id, "cancel", "cancelled", [])
     return retrieve(ctx, owner, batch_id)
-
-
-def _cancel_unsubmitted(ctx: GatewayContext, batch_id: str) -> None:
-    """Nobody is submitting it (we got its lease): it ends `cancelled` now, whatever happened to its submit
-    task (queued behind others, failed, its process killed). A submit holding the lease sees the cancel."""
-    lease = ingest.SubmitLease(ctx, batch_id, "cancel")
-    if not lease.acquire():
-        return
-    try:
-        gw = GatewayBatch.load(ctx.redis, ctx.gkeys, batch_id)
-        if gw is None or gw.final_status or gw.submitted_at:
-            return
-        if load_core(ctx.redis, ctx.keys, batch_id) is not None:  # a submit died part-way
-            ingest.drop_ingested(ctx, batch_id)
-        ingest.end_without_jobs(ctx, gw, "cancelled", [])
-    finally:
-        lease.release(keep=True)
 
 
 def list_page(ctx: GatewayContext, owner: str, after: str | None, limit: int) -> dict[str, Any]:

@@ -135,21 +135,29 @@ def sweep_validating(ctx: GatewayContext) -> int:
         verdict = _verdict(ctx, gw)
         if verdict is None:
             continue
-        lease = SubmitLease(ctx, bid, "sweep")
-        if not lease.acquire():
-            continue
-        try:
-            gw = GatewayBatch.load(ctx.redis, ctx.gkeys, bid)
-            if gw is None or gw.final_status or gw.submitted_at:
-                continue
-            status, errors = verdict
-            if load_core(ctx.redis, ctx.keys, bid) is not None:
-                drop_ingested(ctx, bid)
-            end_without_jobs(ctx, gw, status, errors)
+        if end_unsubmitted(ctx, bid, "sweep", *verdict):
             ended += 1
-        finally:
-            lease.release(keep=True)
     return ended
+
+
+def end_unsubmitted(ctx: GatewayContext, batch_id: str, holder: str, status: str, errors: list[dict]) -> bool:
+    """End a validating batch that nobody is submitting as `status`, under its submit lease (so a submit, a cancel
+    and the sweep never both act), whatever happened to its submit task (queued behind others, failed, its
+    process killed part-way: the jobs it wrote are dropped). False when another holds the lease, or the batch
+    was submitted or ended meanwhile."""
+    lease = SubmitLease(ctx, batch_id, holder)
+    if not lease.acquire():
+        return False
+    try:
+        gw = GatewayBatch.load(ctx.redis, ctx.gkeys, batch_id)
+        if gw is None or gw.final_status or gw.submitted_at:
+            return False
+        if load_core(ctx.redis, ctx.keys, batch_id) is not None:  # a submit died part-way
+            drop_ingested(ctx, batch_id)
+        end_without_jobs(ctx, gw, status, errors)
+        return True
+    finally:
+        lease.release(keep=True)  # the batch has ended (or was never ours to end): let the key lapse
 
 
 def _verdict(ctx: GatewayContext, gw: GatewayBatch) -> tuple[str, list[dict]] | None:

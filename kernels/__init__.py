@@ -4,7 +4,8 @@
                                  the definition of "correct" (docs/kernels.md has the layout)
     kv_write.py, decode_attention.py, prefill_attention.py
                                  Triton: write_kv_triton, paged_decode_attention_triton, ... (CUDA, or CPU
-                                 tensors under TRITON_INTERPRET=1)
+                                 tensors under TRITON_INTERPRET=1); attention_tiles.py: the pieces of the K/V
+                                 loop and the argument checks decode and prefill share
     cpu.py, csrc/                C++ for the CPU serving path, built once per machine: cpu.extension()
 
 Which implementation serves a model is the engine's choice, made once (worker/engine/backends).

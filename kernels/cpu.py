@@ -5,10 +5,14 @@ csrc/decode_layers.cpp (a pure decode
 step's decoder layers composed of those kernels in one call). worker/engine/backends/cpu.py is their user.
 
 Built once per machine with torch's cpp_extension (g++ and ninja; ~25 s) into the tokenbus cache directory
-and loaded from there afterwards. The build is keyed by the source, the compiler flags, the torch version
-and the CPU's instruction sets (the code is compiled for the CPU it runs on). Where it cannot be built
-(no compiler, a read-only cache) extension() returns None after one warning, and the engine serves with
-the PyTorch references.
+and loaded from there afterwards. The build is keyed by the source, the compiler flags, the torch version,
+the CPU's instruction sets (the code is compiled for the CPU it runs on) and the real paths (symlinks
+resolved) of torch, the compiler and Python: a worktree whose .venv is a link to another checkout's venv
+reaches the same toolchain, so it loads the same build. A finished build is loaded as it is, not handed to
+torch's load_inline again: that re-emits ninja's build file with torch's include paths as this process
+spells them, and ninja rebuilds when a command line changes. Where it cannot be built (no compiler, a
+read-only cache) extension() returns None after one warning, and the engine serves with the PyTorch
+references.
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import os
+import shutil
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,6 +48,7 @@ FUNCTIONS = [
 # -ffast-math lets g++ vectorise exp and the dot-product reductions (the kernels never rely on inf/NaN);
 # -fopenmp because at::parallel_for's OpenMP pragmas sit in ATen's headers: without it, one thread
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+BUILT = "built"  # written in a build directory once its module has been built and loaded
 
 log = structlog.get_logger("tokenbus.kernels")
 
@@ -66,7 +74,7 @@ def extension(cache_dir: str | None = None, avx2_only: bool = False) -> ModuleTy
     AVX2 paths on an AVX-512 machine (tests: both paths of each kernel with intrinsics run here)."""
     sources = [path.read_text() for path in SOURCES]
     cflags = CFLAGS + (["-mno-avx512f"] if avx2_only else [])
-    key = "\n".join([*sources, " ".join(cflags), torch.__version__, cpu_flags()])
+    key = "\n".join([*sources, " ".join(cflags), torch.__version__, cpu_flags(), *toolchain()])
     name = "tokenbus_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:16]
     started = time.perf_counter()
     try:
@@ -75,13 +83,16 @@ def extension(cache_dir: str | None = None, avx2_only: bool = False) -> ModuleTy
         build_dir = cache_root(cache_dir) / "cpu_kernels" / name
         build_dir.mkdir(parents=True, exist_ok=True)
         with build_lock(build_dir):
-            # torch's own baton: a file that a killed build leaves behind, after which torch waits forever.
-            # Holding our lock means no other build is running, so any baton here is such a leftover.
-            (build_dir / "lock").unlink(missing_ok=True)
-            module = load_inline(
-                name, cpp_sources=sources, functions=FUNCTIONS, extra_cflags=cflags, extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
-            )
+            module = load_built(name, build_dir)
+            if module is None:
+                # torch's own baton: a file that a killed build leaves behind, after which torch waits forever.
+                # Holding our lock means no other build is running, so any baton here is such a leftover.
+                (build_dir / "lock").unlink(missing_ok=True)
+                module = load_inline(
+                    name, cpp_sources=sources, functions=FUNCTIONS, extra_cflags=cflags,
+                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                )
+                (build_dir / BUILT).touch()
     except Exception as err:  # noqa: BLE001 - any build failure means: serve with the references
         log.warning(
             "cpu_kernels_unavailable", error=f"{type(err).__name__}: {str(err)[-400:]}",
@@ -92,6 +103,28 @@ def extension(cache_dir: str | None = None, avx2_only: bool = False) -> ModuleTy
     log.debug("cpu_kernels_ready", module=name, seconds=round(time.perf_counter() - started, 1))
     return module
 
+
+def toolchain() -> list[str]:
+    """What the module is built with besides its sources and flags, as real paths: torch (its headers and
+    libraries), the C++ compiler torch calls, and Python (the module's ABI)."""
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    compiler = get_cxx_compiler()
+    return [os.path.realpath(os.path.dirname(torch.__file__)), os.path.realpath(shutil.which(compiler) or compiler),
+            os.path.realpath(sys.executable), sys.version]
+
+
+def load_built(name: str, build_dir: Path) -> ModuleType | None:
+    """The module a finished build left in build_dir (the file torch's load_inline imports), or None."""
+    library = build_dir / f"{name}.so"
+    if not (build_dir / BUILT).exists() or not library.exists():
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @contextmanager

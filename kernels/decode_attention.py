@@ -38,38 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import Launch, check_head_dim, check_launchable, head_pad
+from kernels import attention_tiles as tiles
+from kernels.launch import Launch, attention_out, head_pad
 from kernels.partitions import MAX_PARTITION, MIN_PARTITION, pick_partition_size  # noqa: F401 (re-exported)
-
-LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _tanh(x):
-    """tanh from exp (portable to the interpreter and every GPU target): 1 - 2 / (e^2x + 1); saturates to
-    +-1 without NaN (e^2x overflowing to inf gives 1, underflowing to 0 gives -1)."""
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
-@triton.jit
-def _dequantize_tile(k, v, k_scale_ptr, v_scale_ptr, row_off, tok_ok, HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
-    """fp8 K and V tiles [BLOCK_N, HEAD_DIM] -> codes * their rows' scales, in `dtype`. row_off [BLOCK_N]: each
-    row's first code (bytes); its scale is the fp32 after the HEAD_DIM codes, read through a float32 view of
-    the same cache (k_scale_ptr), hence the // 4. Masked rows get scale 0: zeros, never junk."""
-    scale_at = (row_off + HEAD_DIM) // 4
-    k_s = tl.load(k_scale_ptr + scale_at, mask=tok_ok, other=0.0)
-    v_s = tl.load(v_scale_ptr + scale_at, mask=tok_ok, other=0.0)
-    return (k.to(tl.float32) * k_s[:, None]).to(dtype), (v.to(tl.float32) * v_s[:, None]).to(dtype)
-
-
-@triton.jit
-def _dims_in_head(dims, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
-    """Which of the HEAD_PAD (a power of two, as tl.arange needs) lanes hold a real dim: all of them unless
-    head_dim is not a power of two (Phi-3's 96). A constant mask when none is padded, so power-of-two heads
-    compile to the unmasked loads they always had."""
-    if HEAD_PAD == HEAD_DIM:
-        return tl.full([HEAD_PAD], 1, tl.int1)
-    return dims < HEAD_DIM
 
 
 @triton.jit
@@ -106,47 +77,26 @@ def _decode_partition_kernel(
     row_ok = rows < GROUP
     q_heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_PAD)
-    dim_ok = _dims_in_head(dims, HEAD_DIM, HEAD_PAD)
-    q = tl.load(
+    dim_ok = tiles.dims_in_head(dims, HEAD_DIM, HEAD_PAD)
+    q = tiles.scaled_q(
         q_ptr + seq * stride_qs + q_heads[:, None] * stride_qh + dims[None, :] * stride_qd,
-        mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
+        row_ok[:, None] & dim_ok[None, :], qk_scale,
     )
-    # Fold the softmax scale and log2(e) into q once, so the loop uses exp2 on raw dot products.
-    q = (q.to(tl.float32) * qk_scale).to(q.dtype)
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
+    m_i, l_i, acc = tiles.softmax_start(GROUP_PAD, HEAD_PAD)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch + dims[None, :] * stride_cd
     for tile in range(start, end, BLOCK_N):
-        tokens = tile + tl.arange(0, BLOCK_N)
-        tok_ok = tokens < end
-        blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
-        kv_off = blocks[:, None] * stride_cb + (tokens % BLOCK_SIZE)[:, None] * stride_co + head_off
-        k = tl.load(k_cache_ptr + kv_off, mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
-        if KV_FP8:
-            k, v = _dequantize_tile(k, v, k_scale_ptr, v_scale_ptr, blocks * stride_cb
-                                    + (tokens % BLOCK_SIZE) * stride_co + kv_head * stride_ch, tok_ok,
-                                    HEAD_DIM, q.dtype)
-        if DOT_FP32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=FP32_DOT)
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if SOFTCAP:
-            s = softcap * _tanh(s / softcap)
+        tokens, tok_ok, k, v = tiles.kv_tile(
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row, head_off, kv_head, tile, end, dim_ok,
+            stride_cb, stride_co, stride_ch, q.dtype, HEAD_DIM, BLOCK_N, BLOCK_SIZE, KV_FP8,
+        )
+        s = tiles.qk_scores(q, k, softcap, DOT_FP32, FP32_DOT, SOFTCAP)
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_FP32:
-            # Round p as the GPU path does before the PV product, then multiply in fp32.
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=FP32_DOT)
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
+        acc, l_i = tiles.softmax_accumulate(acc, l_i, p, alpha, v, DOT_FP32, FP32_DOT)
         m_i = m_new
 
     if SINGLE_PARTITION:
@@ -180,7 +130,7 @@ def _decode_reduce_kernel(
         first_part = tl.maximum(seq_len - window, 0) // partition_size
     base = (seq * tl.num_programs(1) + head).to(tl.int64) * num_partitions
     dims = tl.arange(0, HEAD_PAD)
-    dim_ok = _dims_in_head(dims, HEAD_DIM, HEAD_PAD)
+    dim_ok = tiles.dims_in_head(dims, HEAD_DIM, HEAD_PAD)
 
     m_run = float("-inf")
     l_run = 0.0
@@ -207,26 +157,6 @@ def decode_block_n(head_dim: int, elem: int, fp8: bool) -> int:
     so from head_dim 128 (bf16) it takes half as many tokens: 64 spilled 24 bytes of registers on sm_90."""
     block_n = min(128, 16384 // (head_dim * elem))
     return block_n // 2 if fp8 and head_dim * elem >= 256 else block_n
-
-
-def cache_scales(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 who: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """Checks the caches against q; returns (k_scale, v_scale, fp8): float32 views of fp8 caches (each row's
-    scale is element head_dim / 4 of its row there), or the caches themselves (unread) otherwise."""
-    head_dim = q.shape[2]
-    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"{who}: k_cache and v_cache must share dtype, shape and strides")
-    if k_cache.dtype == torch.float8_e4m3fn:
-        if k_cache.shape[3] != head_dim + 4 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError(f"{who}: an fp8 cache must be contiguous [..., head_dim + 4] (kernels/kv_quant.py), "
-                             f"got {tuple(k_cache.shape)} for head_dim {head_dim}")
-        return k_cache.view(torch.float32), v_cache.view(torch.float32), True
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"{who}: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"{who}: q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} must share a dtype "
-                         "(or the caches be fp8)")
-    return k_cache, v_cache, False
 
 
 @functools.cache
@@ -280,14 +210,9 @@ def plan_decode(
 ) -> list[Launch]:
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"decode: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    check_head_dim("decode", head_dim)
-    k_scale, v_scale, fp8 = cache_scales(q, k_cache, v_cache, "decode")
+    k_scale, v_scale, fp8 = tiles.check_attention("decode", q, k_cache, v_cache, out)
     if block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
         raise ValueError("decode: block_tables / seq_lens do not match q's num_seqs")
-    if out.shape != q.shape or out.stride(2) != 1:
-        raise ValueError("decode: out must have q's shape and a contiguous last dim")
     if num_seqs == 0:
         return []
 
@@ -315,7 +240,7 @@ def plan_decode(
         (
             q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
             out, part_max, part_sum, part_acc,
-            scale * LOG2E, partition_size, num_partitions, window, softcap * LOG2E,
+            scale * tiles.LOG2E, partition_size, num_partitions, window, softcap * tiles.LOG2E,
             *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
         ),
         {
@@ -354,9 +279,7 @@ def paged_decode_attention_triton(
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """Decode attention; see the module docstring. `out` and `partition_size` exist for tests/benchmarks."""
-    check_launchable(_decode_partition_kernel, q)
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = attention_out(_decode_partition_kernel, q, out)
     sms = num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 1
     for launch in plan_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, q.is_cuda,
                               partition_size, sms, workspace, window, softcap):

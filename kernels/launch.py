@@ -21,6 +21,13 @@ class Launch(NamedTuple):
         self.kernel[self.grid](*self.args, **self.meta)
 
 
+def attention_out(kernel: object, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """An attention wrapper's output: `out` if given, else a new tensor of q's shape and dtype; after checking
+    that the kernel can run where q is (check_launchable)."""
+    check_launchable(kernel, q)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+
+
 def check_launchable(kernel: object, t: torch.Tensor) -> None:
     """A compiled (non-interpreted) kernel cannot touch CPU memory: say why instead of crashing.
 

@@ -5,7 +5,7 @@ cu_seqlens_q  int32 [num_seqs + 1]: sequence i owns q rows cu_seqlens_q[i] : cu_
 k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim] (any strides, both caches alike), already
               holding all seq_lens[i] tokens of sequence i (earlier chunks and prefix-cache hits included);
               q's dtype, or fp8 [..., head_dim + 4] with a scale per row, dequantized in registers as each
-              tile loads (decode_attention.py's _dequantize_tile; kernels/kv_quant.py has the layout)
+              tile loads (attention_tiles.py's kv_tile; kernels/kv_quant.py has the layout)
 block_tables  int32 [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs]
 out           [num_tokens, num_q_heads, head_dim], contiguous, dtype of q
 
@@ -30,10 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import _dequantize_tile, _dims_in_head, _tanh, cache_scales
-from kernels.launch import Launch, check_head_dim, check_launchable, head_pad
-
-LOG2E = 1.4426950408889634
+from kernels import attention_tiles as tiles
+from kernels.launch import Launch, attention_out, head_pad
 
 
 @triton.jit
@@ -80,17 +78,14 @@ def _prefill_kernel(
     q_first = ctx_len - q_len + q_start
     q_pos = tl.where(row_ok, ctx_len - q_len + tok, q_first)
     dims = tl.arange(0, HEAD_PAD)
-    dim_ok = _dims_in_head(dims, HEAD_DIM, HEAD_PAD)
+    dim_ok = tiles.dims_in_head(dims, HEAD_DIM, HEAD_PAD)
     q_rows = (q_begin + tok).to(tl.int64)
-    q = tl.load(
+    q = tiles.scaled_q(
         q_ptr + q_rows[:, None] * stride_qt + q_heads[:, None] * stride_qh + dims[None, :] * stride_qd,
-        mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
+        row_ok[:, None] & dim_ok[None, :], qk_scale,
     )
-    q = (q.to(tl.float32) * qk_scale).to(q.dtype)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    m_i, l_i, acc = tiles.softmax_start(BLOCK_M, HEAD_PAD)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch + dims[None, :] * stride_cd
     kv_end = ctx_len - q_len + tl.minimum(q_start + BLOCK_Q, q_len)  # last query position + 1
@@ -98,22 +93,11 @@ def _prefill_kernel(
     if SLIDING:
         kv_start = tl.maximum(q_first - window + 1, 0)  # no query of this tile sees a key before it
     for tile in range(kv_start, kv_end, BLOCK_N):
-        tokens = tile + tl.arange(0, BLOCK_N)
-        tok_ok = tokens < kv_end
-        blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
-        kv_off = blocks[:, None] * stride_cb + (tokens % BLOCK_SIZE)[:, None] * stride_co + head_off
-        k = tl.load(k_cache_ptr + kv_off, mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
-        if KV_FP8:
-            k, v = _dequantize_tile(k, v, k_scale_ptr, v_scale_ptr, blocks * stride_cb
-                                    + (tokens % BLOCK_SIZE) * stride_co + kv_head * stride_ch, tok_ok,
-                                    HEAD_DIM, q.dtype)
-        if DOT_FP32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=FP32_DOT)
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if SOFTCAP:
-            s = softcap * _tanh(s / softcap)  # softcap in log2 units, as s
+        tokens, tok_ok, k, v = tiles.kv_tile(
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row, head_off, kv_head, tile, kv_end, dim_ok,
+            stride_cb, stride_co, stride_ch, q.dtype, HEAD_DIM, BLOCK_N, BLOCK_SIZE, KV_FP8,
+        )
+        s = tiles.qk_scores(q, k, softcap, DOT_FP32, FP32_DOT, SOFTCAP)
         visible = tok_ok[None, :] & (tokens[None, :] <= q_pos[:, None])
         if SLIDING:
             visible = visible & (tokens[None, :] > q_pos[:, None] - window)
@@ -126,13 +110,7 @@ def _prefill_kernel(
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_FP32:
-            # Round p as the GPU path does before the PV product, then multiply in fp32.
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=FP32_DOT)
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
+        acc, l_i = tiles.softmax_accumulate(acc, l_i, p, alpha, v, DOT_FP32, FP32_DOT)
         m_i = m_new
 
     out = acc / l_i[:, None]
@@ -175,14 +153,9 @@ def plan_prefill(
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"prefill: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    check_head_dim("prefill", head_dim)
-    k_scale, v_scale, fp8 = cache_scales(q, k_cache, v_cache, "prefill")
+    k_scale, v_scale, fp8 = tiles.check_attention("prefill", q, k_cache, v_cache, out)
     if cu_seqlens_q.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
         raise ValueError("prefill: cu_seqlens_q / block_tables do not match seq_lens")
-    if out.shape != q.shape or out.stride(2) != 1:
-        raise ValueError("prefill: out must have q's shape and a contiguous last dim")
     if num_tokens == 0 or num_seqs == 0:
         return []
     group = num_q_heads // num_kv_heads
@@ -190,7 +163,7 @@ def plan_prefill(
     block_q = block_m // group
     args = (
         q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, seq_lens, out,
-        scale * LOG2E, num_seqs, window, softcap * LOG2E,
+        scale * tiles.LOG2E, num_seqs, window, softcap * tiles.LOG2E,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
     )
     meta = {
@@ -217,9 +190,7 @@ def paged_prefill_attention_triton(
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """Chunked-prefill attention; see the module docstring. `out` exists for tests/benchmarks."""
-    check_launchable(_prefill_kernel, q)
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = attention_out(_prefill_kernel, q, out)
     for launch in plan_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out, q.is_cuda,
                               window, softcap):
         launch()

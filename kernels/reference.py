@@ -53,6 +53,21 @@ def _gather_context(
     return gathered.view(s, nb * bs, hk, d)
 
 
+def _context(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, values) [num_seqs, num_blocks * block_size, num_kv_heads, head_dim] float32: each sequence's first
+    num_blocks blocks, dequantized where the cache is int8 or fp8."""
+    return (dequantize(_gather_context(k_cache, block_tables, num_blocks)),
+            dequantize(_gather_context(v_cache, block_tables, num_blocks)))
+
+
+def _heads(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(block_size, num_kv_heads, group): the cache's layout and how many q heads share each KV head."""
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    return block_size, num_kv_heads, q.shape[1] // num_kv_heads
+
+
 def _soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     return torch.tanh(scores / softcap) * softcap if softcap else scores
 
@@ -73,13 +88,10 @@ def paged_decode_attention_ref(
     window to the last `window` of them.
     """
     num_seqs, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
+    block_size, num_kv_heads, group = _heads(q, k_cache)
     max_len = int(seq_lens.max().item()) if num_seqs else 0
-    num_blocks = max(1, -(-max_len // block_size))
     # whole blocks are gathered (contiguous copies); each KV head then reads its strided [S, T, D] view
-    keys = dequantize(_gather_context(k_cache, block_tables, num_blocks))  # [S, T, Hk, D] float32
-    values = dequantize(_gather_context(v_cache, block_tables, num_blocks))
+    keys, values = _context(k_cache, v_cache, block_tables, max(1, -(-max_len // block_size)))
     positions = torch.arange(keys.shape[1], device=q.device)
     lens = seq_lens.to(q.device).long()[:, None]
     invalid = positions[None, :] >= lens  # [S, T]
@@ -115,9 +127,8 @@ def paged_prefill_attention_ref(
     sees keys at positions <= its own (earlier chunks and prefix-cache hits included), and with a window
     only those > its own - window.
     """
-    num_tokens, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads, group = _heads(q, k_cache)
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
@@ -126,9 +137,8 @@ def paged_prefill_attention_ref(
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        num_blocks = -(-ctx_len // block_size)
-        keys = dequantize(_gather_context(k_cache, block_tables[i : i + 1], num_blocks)[0, :ctx_len])
-        values = dequantize(_gather_context(v_cache, block_tables[i : i + 1], num_blocks)[0, :ctx_len])
+        keys, values = (c[0, :ctx_len] for c in _context(k_cache, v_cache, block_tables[i : i + 1],
+                                                           -(-ctx_len // block_size)))
         qi = q[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
         scores = _soft_cap(torch.einsum("qkgd,tkd->kgqt", qi, keys) * scale, softcap)
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)

@@ -27,7 +27,9 @@ MAX_LINE_ERRORS = 1000  # bad lines remembered for the error (all are counted)
 # stage ("validate" | "enqueue" | "export"), how much more is done, the stage's total (None: unknown)
 Progress = Callable[[str, int, int | None], None]
 
-_DECODER = json.JSONDecoder()
+# json.dumps / loads of one string, without their Python-level wrappers (the same text: dumps is ASCII-only)
+_quote = json.encoder.encode_basestring_ascii
+_unquote = json.decoder.scanstring
 
 
 @dataclass
@@ -43,7 +45,7 @@ class Spooled:
         """(custom_id, request JSON) of each line, in input order."""
         self.spool.seek(0)
         for line in self.spool:
-            custom_id, end = _DECODER.raw_decode(line)
+            custom_id, end = _unquote(line, 1)
             yield custom_id, line[end + 1 : -1]
 
     def close(self) -> None:
@@ -60,10 +62,10 @@ def spool_batch(
     """Validate `source` (a path, or lines) into a spool; InvalidBatch naming the bad lines (nothing spooled
     is kept). model / priority: set in every request (openai_batch.submit_fields), as submit_batch does."""
     spool = tempfile.TemporaryFile("w+", encoding="utf-8", dir=spool_dir, prefix="tokenbus-batch-")
-    write, dumps = spool.write, json.dumps
+    write = spool.write
 
     def keep(_line: int, custom_id: str, _request: JobRequest, request_json: str) -> None:
-        write(f"{dumps(custom_id)} {request_json}\n")
+        write(f"{_quote(custom_id)} {request_json}\n")
 
     reader = BatchFileReader(
         max_errors=MAX_LINE_ERRORS, on_request=keep, overrides=openai_batch.submit_fields(model, Priority(priority))
@@ -117,7 +119,8 @@ class Validated:
     """A batch file validated already (the gateway's upload checked every line as it streamed in): read in one
     pass, each line's request handed on as soon as it is validated again, with no spool. Should the file have
     changed since (a line now invalid, another count or endpoint), requests() raises InvalidBatch at the end,
-    after the lines before were handed on: the caller removes what it wrote (gateway/ingest.py)."""
+    after the lines before the first bad one were handed on: the caller removes what it wrote
+    (gateway/ingest.py)."""
 
     endpoint: str
     total: int
@@ -130,14 +133,19 @@ class Validated:
         return name_of(self.source)
 
     def requests(self) -> Iterator[tuple[str, str]]:
-        ready: list[tuple[str, str]] = []
+        ready: list[tuple[int, str, str]] = []
         reader = BatchFileReader(
             max_errors=MAX_LINE_ERRORS,
-            on_request=lambda _n, cid, _r, request_json: ready.append((cid, request_json)),
+            on_request=lambda n, cid, _r, request_json: ready.append((n, cid, request_json)),
             overrides=openai_batch.submit_fields(self.model, Priority(self.priority)),
         )
         for _ in feed(reader, self.source):
-            yield from ready
+            # nothing past the first bad line is handed on (the file is read on, for the whole error)
+            first_bad = reader.errors[0][0] if reader.error_count else None
+            for n, cid, request_json in ready:
+                if first_bad is not None and n > first_bad:
+                    break
+                yield cid, request_json
             ready.clear()
         problem = reader.problem("the jobs written before it are removed")
         if not problem and (reader.requests, reader.endpoint) != (self.total, self.endpoint):

@@ -10,39 +10,27 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
-import redis
 import structlog
 
-from producer import openai_batch
+from producer import openai_batch, waiting
 from producer.batch_file import BatchFileReader
 from producer.batch_spool import Progress, Spooled, Validated, spool_batch
 from producer.submit_pipe import SubmitPipe
 from protocol import scripts
 from protocol.errors import BatchNotFound, InvalidBatch, TokenbusError, WaitTimeout
-from protocol.keys import Keys
-from protocol.models import BatchStatus, Job, JobRequest, Priority, batch_job_id, check_batch_id, check_job_id
+from protocol.models import BatchStatus, JobRequest, Priority, batch_job_id, check_batch_id, check_job_id
 from protocol.records import BatchRecord
 from protocol.scripts import CHUNK, PendingJob
 
 
-class Client(Protocol):
+class Client(waiting.Client, Protocol):
     """What the batch functions use of producer.Client (named here so this module does not import it back)."""
-
-    redis: redis.Redis
-    keys: Keys
-
-    @property
-    def max_block_s(self) -> float: ...
-    @property
-    def result_ttl(self) -> int: ...
 
     @property
     def max_queue_len(self) -> int: ...
 
     def enqueue(self, jobs: list[PendingJob], chunk_size: int = CHUNK) -> list[str]: ...
     def check_capacity(self, n: int) -> None: ...
-    def get_many(self, job_ids: Iterable[str]) -> list[Job | None]: ...
-    def events_last_id(self) -> str: ...
 
 log = structlog.get_logger("tokenbus.producer")
 
@@ -139,13 +127,16 @@ def _submit_spooled(client: Client, spooled: Spooled | Validated, batch_id: str 
         })
         pipe.delete(k.batch_jobs(batch_id))
         pipe.execute()
-        for start in range(0, total, 10 * CHUNK):  # the id list, in pieces (one transaction held it all)
+        # the id list, in pieces (one transaction held it all) of CHUNK: the client holds no more ids than its
+        # pipe holds jobs in flight
+        for start in range(0, total, CHUNK):
             client.redis.rpush(k.batch_jobs(batch_id),
-                               *(batch_job_id(batch_id, i) for i in range(start, min(total, start + 10 * CHUNK))))
+                               *(batch_job_id(batch_id, i) for i in range(start, min(total, start + CHUNK))))
     progress = None if on_progress is None else (lambda n: on_progress("enqueue", n, total))
     with SubmitPipe(client.redis, k, client.max_queue_len, client.result_ttl, on_chunk=progress) as pipe:
+        add = pipe.add_job
         for i, (custom_id, request_json) in enumerate(spooled.requests()):
-            pipe.add(PendingJob(batch_job_id(batch_id, i), request_json, batch_id, custom_id, priority))
+            add(batch_job_id(batch_id, i), request_json, batch_id, custom_id, priority)
         pipe.close()
     scripts.script(scripts.START_BATCH)(keys=[k.batch(batch_id)], args=[time.time()], client=client.redis)
     log.info("batch_submitted", batch_id=batch_id, endpoint=endpoint, total=total, input_file=spooled.input_file,
@@ -158,9 +149,10 @@ def _check_ids_free(client: Client, batch_id: str, total: int) -> None:
     batch would adopt that job's status and result instead of running its own request. One EXISTS per
     CHUNK ids; the taken ones are named only when some are."""
     taken: list[str] = []
+    record = client.keys.job("")  # + job id: its record's key (built once, not per id)
     for start in range(0, total, CHUNK):
         ids = [batch_job_id(batch_id, i) for i in range(start, min(total, start + CHUNK))]
-        if client.redis.exists(*(client.keys.job(j) for j in ids)):
+        if client.redis.exists(*[record + j for j in ids]):
             pipe = client.redis.pipeline(transaction=False)
             for jid in ids:
                 pipe.exists(client.keys.job(jid))

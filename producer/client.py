@@ -6,24 +6,23 @@ import json
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import redis
 import structlog
 
-from producer import batches
+from producer import batches, waiting
+from producer.waiting import TokenChunk
 from protocol import scripts
 from protocol.connection import redis_from_url, socket_timeout
-from protocol.errors import InvalidJob, JobNotFound, QueueFull, TokenbusError, WaitTimeout, listing
+from protocol.errors import InvalidJob, JobNotFound, QueueFull, TokenbusError, listing
 from protocol.models import (
     DEFAULT_MAX_QUEUE_LEN,
     DEFAULT_NAMESPACE,
     DEFAULT_REDIS_URL,
     DEFAULT_RESULT_TTL,
     PRIORITIES,
-    TERMINAL_STATUSES,
     Job,
     JobRequest,
     Keys,
@@ -33,16 +32,6 @@ from protocol.models import (
 from protocol.records import BatchRecord, Heartbeat, QueueInfo, WorkerInfo
 
 log = structlog.get_logger("tokenbus.producer")
-
-@dataclass
-class TokenChunk:
-    """Part of a streaming job's output: `token_ids` starting at output position `offset`."""
-
-    offset: int
-    token_ids: list[int]
-    text: str
-    done: bool
-
 
 class Client:
     """A producer handle on one Redis database and namespace.
@@ -220,10 +209,9 @@ class Client:
                 rec["request"] = found[0][1].get("request", "")
 
     def _not_found(self, job_id: str) -> str:
-        return (f"job {job_id!r} not found in namespace {self.keys.ns!r}: it was never submitted, "
-                f"or it ended more than result_ttl seconds ago and its record expired")
+        return waiting.not_found(self, job_id)
 
-    # ---- wait ----------------------------------------------------------------------------------
+    # ---- wait (producer/waiting.py) -----------------------------------------------------------
     def wait(self, job_id: str, timeout: float | None = None) -> Job:
         """Block until the job ends (finished, failed or cancelled); WaitTimeout after `timeout` seconds."""
         for job in self.as_completed([job_id], timeout=timeout):
@@ -233,58 +221,9 @@ class Client:
     def as_completed(
         self, job_ids: Iterable[str], timeout: float | None = None, resync_every: float = 5.0
     ) -> Iterator[Job]:
-        """Yield each job once it has ended, in the order they end (already-ended ones first).
-
-        Blocks on XREAD of `{ns}:events`, not by polling records, so each job costs O(1) however many wait.
-        Every `resync_every` seconds it checks whether events it has not read were trimmed (the stream's
-        oldest entry is past its position, or the stream is gone) and only then re-reads the statuses.
-        """
-        remaining = dict.fromkeys(job_ids)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        # The position before reading statuses: an end between the two is then seen as an event.
-        last_id = self.events_last_id()
-        yield from self._collect_ended(remaining, list(remaining), initial=True)
-        next_resync = time.monotonic() + resync_every
-        while remaining:
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                raise WaitTimeout(
-                    f"{len(remaining)} job(s) had not ended after {timeout} s "
-                    f"(first: {next(iter(remaining))!r})", pending=list(remaining))
-            wait_s = min(next_resync - now, self.max_block_s,
-                         (deadline - now) if deadline is not None else resync_every)
-            resp = self.redis.xread({self.keys.events: last_id}, count=1000, block=max(1, int(wait_s * 1000)))
-            ended = []
-            for _stream, entries in resp or []:
-                for entry_id, fields in entries:
-                    last_id = entry_id
-                    if fields.get("job_id") in remaining:
-                        ended.append(fields["job_id"])
-            if time.monotonic() >= next_resync:
-                if self._events_lost(last_id):
-                    ended = list(remaining)
-                next_resync = time.monotonic() + resync_every
-            yield from self._collect_ended(remaining, list(dict.fromkeys(ended)))
-
-    def _collect_ended(self, remaining: dict[str, None], candidates: list[str],
-                       initial: bool = False) -> Iterator[Job]:
-        for jid, job in zip(candidates, self.get_many(candidates), strict=True):
-            if job is None:
-                if initial:
-                    raise JobNotFound(self._not_found(jid))
-                raise JobNotFound(f"job {jid!r} ended but its record expired before it was read "
-                                  f"(result_ttl {self.result_ttl} s is too short for this reader)")
-            if job.status in TERMINAL_STATUSES and jid in remaining:
-                del remaining[jid]
-                yield job
-
-    def _events_lost(self, last_id: str) -> bool:
-        """Whether events after `last_id` may be gone unread: the stream is missing (deleted, or nothing ended
-        yet) or its oldest entry is newer than the next one this reader would read (MAXLEN trimmed past it)."""
-        oldest = self.redis.xrange(self.keys.events, count=1)
-        if not oldest:
-            return True
-        return _stream_id(oldest[0][0]) > _stream_id(last_id)
+        """Yield each job once it has ended, in the order they end (already-ended ones first): XREAD of
+        `{ns}:events`, not polling (waiting.as_completed)."""
+        return waiting.as_completed(self, job_ids, timeout, resync_every)
 
     @property
     def max_block_s(self) -> float:
@@ -296,38 +235,11 @@ class Client:
         last = self.redis.xrevrange(self.keys.events, count=1)
         return last[0][0] if last else "0-0"
 
-    # ---- streaming ------------------------------------------------------------------------------
+    # ---- streaming ----------------------------------------------------------------------------
     def stream(self, job_id: str, timeout: float | None = None) -> Iterator[TokenChunk]:
-        """Yield a `stream=True` job's output as the worker publishes it; ends with the chunk marked done.
-
-        Each chunk holds the new token ids and the text they complete. A chunk re-sent after a Redis outage
-        is skipped by its offset. A job that ends without streaming (failed, cancelled while queued) just
-        ends the iteration: read the record with `get` for why.
-        """
-        key = self.keys.tokens(job_id)
-        last_id, next_offset = "0-0", 0
-        deadline = None if timeout is None else time.monotonic() + timeout
-        job_ended = False
-        while True:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise WaitTimeout(f"job {job_id!r} streamed nothing new for {timeout} s", pending=[job_id])
-            block = None if job_ended else max(1, int(self.max_block_s * 1000))
-            resp = self.redis.xread({key: last_id}, count=100, block=block)
-            entries = [e for _stream, batch in resp or [] for e in batch]
-            for entry_id, fields in entries:
-                last_id = entry_id
-                offset, token_ids = int(fields["offset"]), json.loads(fields["token_ids"])
-                if offset + len(token_ids) <= next_offset and token_ids:
-                    continue
-                next_offset = offset + len(token_ids)
-                done = fields.get("done") == "1"
-                yield TokenChunk(offset=offset, token_ids=token_ids, text=fields.get("text", ""), done=done)
-                if done:
-                    return
-            if not entries:
-                if job_ended:  # ended, and the stream read once more after that: nothing else will come
-                    return
-                job_ended = self.get(job_id).status in TERMINAL_STATUSES
+        """Yield a `stream=True` job's output as the worker publishes it; ends with the chunk marked done
+        (waiting.stream)."""
+        return waiting.stream(self, job_id, timeout)
 
     # ---- cancel --------------------------------------------------------------------------------
     def cancel(self, job_id: str) -> str:
@@ -383,11 +295,6 @@ class Client:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _stream_id(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 def _heartbeat(raw: str | None) -> Heartbeat | None:

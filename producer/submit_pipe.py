@@ -1,11 +1,13 @@
-"""SUBMIT_JOB for a long stream of jobs: chunks sent on one connection while the next chunk is built, replies
-read a chunk behind, so the client's work (validation, packing) overlaps Redis's (the scripts).
+"""A long stream of jobs written to Redis: SUBMIT_JOBS, one script call per few hundred jobs of one queue, the
+calls sent on one connection while the next is built and their replies read a few calls behind, so the
+client's work (validation, packing) overlaps Redis's (the scripts).
 
-redis-py's pipeline sends a chunk and then waits for all of its replies before the caller can build the next
-one; here `depth` chunks stay in flight. Commands are packed by hiredis when it is installed (a C packer: the
-Python one costs more per job than the script itself); replies are read by the connection's own parser.
-Every SUBMIT_JOB is idempotent, so a chunk whose scripts Redis had forgotten (NOSCRIPT after a restart) is
-simply sent again once the script is loaded.
+One call for many jobs, not one SUBMIT_JOB each: what is the same for every job of a queue (the layout, the
+depth read, the registry and ready entries, the counter) is done once a call, and the client reads one reply
+a call (docs/bench_million.md). redis-py's pipeline sends a chunk and then waits for all of its replies before
+the caller can build the next one; here `depth` calls stay in flight. Commands are packed by hiredis when it
+is installed (a C packer); replies are read by the connection's own parser. Every submit is idempotent, so a
+call whose script Redis had forgotten (NOSCRIPT after a restart) is simply sent again once it is loaded.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from protocol.connection import shard_client
 from protocol.errors import InvalidJob, QueueFull
 from protocol.keys import Keys
 from protocol.models import GROUP, Priority
-from protocol.scripts import CHUNK, PendingJob
+from protocol.scripts import PendingJob
 
 try:  # optional accelerator of the packing (a dependency of the client core: pyproject.toml)
     from hiredis import pack_command as _hiredis_pack
@@ -31,10 +33,14 @@ except ImportError:  # pragma: no cover - without it redis-py's own packer is us
 
 log = structlog.get_logger("tokenbus.producer")
 
+CALL_JOBS = 250  # jobs per SUBMIT_JOBS call: Redis is held ~1 ms a call, other clients wait no longer
+DEPTH = 4  # calls in flight
+
 
 class SubmitPipe:
-    """add() jobs one by one, then close(); `queued` counts the jobs written (or found written: a resumed
-    submit). on_chunk(n) is called with each chunk's size once Redis has answered it (progress bars)."""
+    """add() jobs one by one (add_job: the same without a PendingJob), then close(); `queued` counts the jobs
+    written (or found written: a resumed submit). on_chunk(n) is called with each call's job count once Redis
+    has answered it (progress bars). chunk_size: jobs per call (consecutive jobs of one queue share one)."""
 
     def __init__(
         self,
@@ -43,21 +49,24 @@ class SubmitPipe:
         max_queue_len: int,
         result_ttl: int,
         *,
-        chunk_size: int = CHUNK,
-        depth: int = 2,
+        chunk_size: int = CALL_JOBS,
+        depth: int = DEPTH,
         on_chunk: Callable[[int], None] | None = None,
     ) -> None:
         # the raw pipelined socket below needs one node: a cluster's namespace lives on one shard
         self.r, self.keys = shard_client(r, keys.routing_key), keys
         self.limit, self.ttl = max_queue_len, result_ttl
         self.chunk_size, self.depth, self.on_chunk = chunk_size, depth, on_chunk
-        self.sha = scripts.script(scripts.SUBMIT_JOB).sha
+        self.sha = scripts.script(scripts.SUBMIT_JOBS).sha
         self.queued = 0
-        self._jobs: list[PendingJob] = []
-        self._packed: list[bytes] = []
-        self._flight: deque[tuple[list[PendingJob], bytes]] = deque()
+        self._where: tuple[str, str] | None = None  # (priority, batch_id) of the call being built
+        self._ids: list[str] = []  # its job ids, records and (job_id, request, custom_id) triples
+        self._records: list[str] = []
+        self._args: list[str] = []
+        self._flight: deque[tuple[list[str], str, bytes]] = deque()  # (job ids, batch_id, packed call)
         self._conn = self.r.connection_pool.get_connection()
         self._layout = keys.layout
+        self._record_prefix = keys.job("")
         self._queues: dict[tuple[str, str], tuple[str, str, str]] = {}
         self._loaded = False
 
@@ -70,107 +79,100 @@ class SubmitPipe:
         self.r.connection_pool.release(self._conn)
 
     def add(self, job: PendingJob) -> None:
-        if not self._loaded:
-            self.r.script_load(scripts.SUBMIT_JOB)  # once: EVALSHA then finds it (NOSCRIPT is still handled)
-            self._loaded = True
-        self._jobs.append(job)
-        self._packed.append(self._pack(job))
-        if len(self._jobs) >= self.chunk_size:
+        self.add_job(job.job_id, job.request_json, job.batch_id, job.custom_id, job.priority)
+
+    def add_job(self, job_id: str, request_json: str, batch_id: str = "", custom_id: str = "",
+                priority: str = Priority.default) -> None:
+        if (priority, batch_id) != self._where:
+            if self._ids:  # one call writes one queue
+                self._send()
+            self._where = (priority, batch_id)
+        self._ids.append(job_id)
+        self._records.append(self._record_prefix + job_id)
+        self._args += (job_id, request_json, custom_id)
+        if len(self._ids) >= self.chunk_size:
             self._send()
 
     def close(self) -> int:
-        if self._jobs:
+        if self._ids:
             self._send()
         while self._flight:
             self._collect()
         return self.queued
 
-    def _pack(self, job: PendingJob) -> bytes:
-        where = self._queues.get((job.priority, job.batch_id))
+    def _pack(self) -> bytes:
+        assert self._where is not None
+        where = self._queues.get(self._where)
         if where is None:  # a batch's jobs share one queue: its key names are built once
-            p = Priority(job.priority)
-            where = self._queues[(job.priority, job.batch_id)] = (
-                self.keys.queue(p, job.batch_id),
-                self.keys.registry(p),
-                p.value,
-            )
+            p = Priority(self._where[0])
+            where = self._queues[self._where] = (self.keys.queue(p, self._where[1]), self.keys.registry(p), p.value)
         queue, registry, priority = where
         args = (
-            "EVALSHA",
-            self.sha,
-            3,
-            self.keys.job(job.job_id),
-            queue,
-            registry,
-            job.job_id,
-            job.request_json,
-            repr(time.time()),
-            self.limit,
-            self.ttl,
-            job.batch_id,
-            job.custom_id,
-            priority,
-            self._layout,
-            GROUP,
+            "EVALSHA", self.sha, len(self._records) + 2, queue, registry, *self._records,
+            repr(time.time()), self.limit, self.ttl, self._where[1], priority, self._layout, GROUP, *self._args,
         )
         if _hiredis_pack is not None:
             return _hiredis_pack(args)
         return b"".join(self._conn.pack_command(*args))
 
     def _send(self) -> None:
-        data = b"".join(self._packed)
+        if not self._loaded:
+            self.r.script_load(scripts.SUBMIT_JOBS)  # once: EVALSHA then finds it (NOSCRIPT is still handled)
+            self._loaded = True
+        data = self._pack()
         self._conn.send_packed_command([data])
-        self._flight.append((self._jobs, data))
-        self._jobs, self._packed = [], []
+        self._flight.append((self._ids, self._where[1] if self._where else "", data))
+        self._ids, self._records, self._args = [], [], []
         while len(self._flight) > self.depth:
             self._collect()
 
-    def _read(self, n: int) -> list[object]:
-        replies: list[object] = []
-        for _ in range(n):
-            try:
-                replies.append(self._conn.read_response())
-            except redis.ResponseError as err:  # the other replies are still on the socket: read on
-                replies.append(err)
-        return replies
+    def _read(self) -> object:
+        try:
+            return self._conn.read_response()
+        except redis.ResponseError as err:  # the replies behind it are still on the socket: read on
+            return err
 
     def _collect(self, retried: bool = False) -> None:
-        """Read the replies of the oldest chunk in flight."""
-        jobs, data = self._flight.popleft()
-        replies = self._read(len(jobs))
-        if not retried and any(isinstance(x, redis.exceptions.NoScriptError) for x in replies):
-            # Redis forgot the script (restarted): the chunks behind failed alike, or ran; send them all again
-            # once it is loaded (SUBMIT_JOB is idempotent: a job written already answers {0, status}).
+        """Read the reply of the oldest call in flight."""
+        ids, batch_id, data = self._flight.popleft()
+        reply = self._read()
+        if not retried and isinstance(reply, redis.exceptions.NoScriptError):
+            # Redis forgot the script (restarted): the calls behind failed alike, or ran; send them all again
+            # once it is loaded (a submit is idempotent: a job written already answers {0, status}).
             rest = list(self._flight)
             self._flight.clear()
-            for later, _ in rest:
-                self._read(len(later))
-            log.warning("submit_script_reloaded", jobs=len(jobs) + sum(len(j) for j, _ in rest))
-            self.r.script_load(scripts.SUBMIT_JOB)
-            for item in [(jobs, data), *rest]:
-                self._conn.send_packed_command([item[1]])
+            for _ in rest:
+                self._read()
+            log.warning("submit_script_reloaded", jobs=len(ids) + sum(len(j) for j, _, _ in rest))
+            self.r.script_load(scripts.SUBMIT_JOBS)
+            for item in [(ids, batch_id, data), *rest]:
+                self._conn.send_packed_command([item[2]])
                 self._flight.append(item)
             self._collect(retried=True)
             return
-        for job, reply in zip(jobs, replies, strict=True):
-            if isinstance(reply, Exception):
-                raise reply
-            code, value = reply
-            if int(code) == -2:
-                raise InvalidJob(
-                    f"job id {job.job_id!r} of batch {job.batch_id!r} is taken by another job (batch "
-                    f"{value or 'none'}); the batch would adopt that job's result. Use another batch id "
-                    f"({self.queued} jobs were queued before this one)"
-                )
-            if int(code) == -1:
-                log.warning(
-                    "queue_full", namespace=self.keys.ns, depth=int(value), limit=self.limit, accepted=self.queued
-                )
-                raise QueueFull(
-                    f"queue full: {value} jobs queued in namespace {self.keys.ns!r} >= max_queue_len {self.limit}; "
-                    f"{self.queued} jobs of this submit were queued before it filled. Wait for the workers to "
-                    f"drain the queue or raise max_queue_len"
-                )
-            self.queued += 1
+        if isinstance(reply, Exception):
+            raise reply
+        if len(reply) != len(ids):  # type: ignore[arg-type]
+            raise redis.ResponseError(f"SUBMIT_JOBS answered {len(reply)} replies for {len(ids)} jobs")  # type: ignore[arg-type]
+        for i, (code, value) in enumerate(reply):  # type: ignore[arg-type]
+            if code != 1 and code != 0:  # 1 queued now, 0 found queued already (a resumed submit)
+                self.queued += i
+                self._refused(ids[i], batch_id, int(code), value)
+        self.queued += len(ids)
         if self.on_chunk is not None:
-            self.on_chunk(len(jobs))
+            self.on_chunk(len(ids))
+
+    def _refused(self, job_id: str, batch_id: str, code: int, value: object) -> None:
+        if code == -2:
+            raise InvalidJob(
+                f"job id {job_id!r} of batch {batch_id!r} is taken by another job (batch "
+                f"{value or 'none'}); the batch would adopt that job's result. Use another batch id "
+                f"({self.queued} jobs were queued before this one)"
+            )
+        log.warning("queue_full", namespace=self.keys.ns, depth=int(value), limit=self.limit,  # type: ignore[arg-type]
+                    accepted=self.queued)
+        raise QueueFull(
+            f"queue full: {value} jobs queued in namespace {self.keys.ns!r} >= max_queue_len {self.limit}; "
+            f"{self.queued} jobs of this submit were queued before it filled. Wait for the workers to "
+            f"drain the queue or raise max_queue_len"
+        )

@@ -22,6 +22,7 @@ each command to the shard that owns its key's slot. Every key of a namespace car
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -88,33 +89,39 @@ def _userinfo_and_hosts(netloc: str, default_port: int, what: str) -> tuple[str 
     return username, password, hosts
 
 
+def _split(url: str, kind: str, schemes: dict[str, bool], default_port: int, host_word: str) -> tuple:
+    """What the sentinel and cluster forms share: (urlsplit parts, TLS or not, username, password, hosts, query),
+    or a ValueError for another scheme or a bad host list."""
+    scheme, sep, _ = url.partition("://")
+    if not sep or scheme.lower() not in schemes:
+        raise ValueError(f"not a {kind} URL (expected redis+{kind}:// or rediss+{kind}://): {scheme}://...")
+    parts = urlsplit(url)
+    username, password, hosts = _userinfo_and_hosts(parts.netloc, default_port, host_word)
+    return parts, schemes[scheme.lower()], username, password, tuple(hosts), parse_qs(parts.query)
+
+
+def _ssl_options(query: dict[str, list[str]]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, v[0]) for k, v in query.items() if k in SSL_PARAMS))
+
+
 def parse_cluster_url(url: str) -> ClusterURL:
     """A redis+cluster:// URL's parts; ValueError saying what is wrong with it otherwise."""
-    scheme, sep, _ = url.partition("://")
-    if not sep or scheme.lower() not in CLUSTER_SCHEMES:
-        raise ValueError(f"not a cluster URL (expected redis+cluster:// or rediss+cluster://): {scheme}://...")
-    parts = urlsplit(url)
-    username, password, hosts = _userinfo_and_hosts(parts.netloc, DEFAULT_CLUSTER_PORT, "cluster node")
+    parts, ssl, username, password, hosts, query = _split(url, "cluster", CLUSTER_SCHEMES, DEFAULT_CLUSTER_PORT,
+                                                          "cluster node")
     if parts.path.strip("/") not in ("", "0"):
         raise ValueError(f"cluster URL path {parts.path!r}: a Redis Cluster has only db 0, write no path")
-    query = parse_qs(parts.query)
-    ssl = CLUSTER_SCHEMES[scheme.lower()]
     unknown = set(query) - (SSL_PARAMS if ssl else set())
     if unknown:
         raise ValueError(f"unknown cluster URL parameter(s) {sorted(unknown)}: "
                          + (f"rediss+cluster:// reads {', '.join(sorted(SSL_PARAMS))}" if ssl else
                             "redis+cluster:// reads none (TLS options go with rediss+cluster://)"))
-    ssl_options = tuple(sorted((k, v[0]) for k, v in query.items() if k in SSL_PARAMS))
-    return ClusterURL(tuple(hosts), username, password, ssl, ssl_options)
+    return ClusterURL(hosts, username, password, ssl, _ssl_options(query))
 
 
 def parse_sentinel_url(url: str) -> SentinelURL:
     """A redis+sentinel:// URL's parts; ValueError saying what is wrong with it otherwise."""
-    scheme, sep, _ = url.partition("://")
-    if not sep or scheme.lower() not in SENTINEL_SCHEMES:
-        raise ValueError(f"not a sentinel URL (expected redis+sentinel:// or rediss+sentinel://): {scheme}://...")
-    parts = urlsplit(url)
-    username, password, hosts = _userinfo_and_hosts(parts.netloc, DEFAULT_SENTINEL_PORT, "sentinel")
+    parts, ssl, username, password, hosts, query = _split(url, "sentinel", SENTINEL_SCHEMES, DEFAULT_SENTINEL_PORT,
+                                                          "sentinel")
     segments = [s for s in parts.path.split("/") if s]
     if not segments:
         raise ValueError("sentinel URL names no service: write redis+sentinel://host:port/SERVICE_NAME[/db]")
@@ -124,32 +131,22 @@ def parse_sentinel_url(url: str) -> SentinelURL:
         db = int(segments[1]) if len(segments) == 2 else 0
     except ValueError:
         raise ValueError(f"sentinel URL db {segments[1]!r} is not a number") from None
-    query = parse_qs(parts.query)
-    ssl = SENTINEL_SCHEMES[scheme.lower()]
     unknown = set(query) - {"sentinel_password"} - (SSL_PARAMS if ssl else set())
     if unknown:
         raise ValueError(f"unknown sentinel URL parameter(s) {sorted(unknown)}: sentinel_password is read, and "
                          f"with rediss+sentinel:// also {', '.join(sorted(SSL_PARAMS))}")
     sentinel_password = query.get("sentinel_password", [None])[0]
-    ssl_options = tuple(sorted((k, v[0]) for k, v in query.items() if k in SSL_PARAMS))
-    return SentinelURL(tuple(hosts), unquote(segments[0]), db, username, password, sentinel_password, ssl,
-                       ssl_options)
+    return SentinelURL(hosts, unquote(segments[0]), db, username, password, sentinel_password, ssl,
+                       _ssl_options(query))
 
 
 def redis_from_url(url: str, **kwargs: Any) -> redis.Redis:
     """A client for `url`; kwargs as redis.Redis.from_url takes them (decode_responses, socket_timeout, ...).
 
     For a sentinel URL, the client's connections come from the sentinels' current primary for the service; for
-    a cluster URL it is a redis.cluster.RedisCluster (the same commands, each sent to its key's shard)."""
-    if is_cluster_url(url):
-        from redis.cluster import ClusterNode, RedisCluster
-
-        hosts, node = _cluster_parts(url, kwargs)
-        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in hosts], **node)
-    if not is_sentinel_url(url):
-        return redis.Redis.from_url(url, **kwargs)
-    hosts, service, node, sentinel_kwargs = _sentinel_parts(url, kwargs)
-    return Sentinel(hosts, sentinel_kwargs=sentinel_kwargs).master_for(service, **node)
+    a cluster URL it is a redis.cluster.RedisCluster (the same commands, each sent to its key's shard) whose
+    pipelines send scripts as EVALSHA (protocol.cluster.ScriptCluster)."""
+    return _client(url, kwargs, redis.Redis, Sentinel, ("protocol.cluster:ScriptCluster", "redis.cluster:ClusterNode"))
 
 
 def async_redis_from_url(url: str, **kwargs: Any) -> Any:
@@ -157,15 +154,22 @@ def async_redis_from_url(url: str, **kwargs: Any) -> Any:
     import redis.asyncio as aioredis
     from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 
-    if is_cluster_url(url):
-        from redis.asyncio.cluster import ClusterNode, RedisCluster
+    return _client(url, kwargs, aioredis.Redis, AsyncSentinel,
+                   ("redis.asyncio.cluster:RedisCluster", "redis.asyncio.cluster:ClusterNode"))
 
+
+def _client(url: str, kwargs: dict[str, Any], plain: Any, sentinel: Any, cluster: tuple[str, str]) -> Any:
+    """The one choice of client for a URL, sync or async by the classes given (cluster: the cluster client's
+    and its node's "module:Class", imported only for a cluster URL)."""
+    if is_cluster_url(url):
+        client_class, node_class = (getattr(importlib.import_module(m), n) for m, _, n in
+                                    (name.partition(":") for name in cluster))
         hosts, node = _cluster_parts(url, kwargs)
-        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in hosts], **node)
+        return client_class(startup_nodes=[node_class(h, p) for h, p in hosts], **node)
     if not is_sentinel_url(url):
-        return aioredis.Redis.from_url(url, **kwargs)
+        return plain.from_url(url, **kwargs)
     hosts, service, node, sentinel_kwargs = _sentinel_parts(url, kwargs)
-    return AsyncSentinel(hosts, sentinel_kwargs=sentinel_kwargs).master_for(service, **node)
+    return sentinel(hosts, sentinel_kwargs=sentinel_kwargs).master_for(service, **node)
 
 
 def _tls(ssl: bool, options: tuple[tuple[str, str], ...]) -> dict[str, Any]:
@@ -179,13 +183,15 @@ def _cluster_parts(url: str, kwargs: dict[str, Any]) -> tuple[list[tuple[str, in
     """(startup nodes, the nodes' connection kwargs)."""
     c = parse_cluster_url(url)
     node: dict[str, Any] = {k: v for k, v in kwargs.items() if k != "db"}
-    if c.password is not None:
-        node.setdefault("password", c.password)
-    if c.username is not None:
-        node.setdefault("username", c.username)
-    for key, value in _tls(c.ssl, c.ssl_options).items():
-        node.setdefault(key, value)
+    _defaults(node, c.username, c.password, _tls(c.ssl, c.ssl_options))
     return list(c.hosts), node
+
+
+def _defaults(node: dict[str, Any], username: str | None, password: str | None, tls: dict[str, Any]) -> None:
+    """The URL's credentials and TLS options into a node's connection kwargs, where the caller set none."""
+    for key, value in {"password": password, "username": username, **tls}.items():
+        if value is not None:
+            node.setdefault(key, value)
 
 
 def is_cluster(r: Any) -> bool:
@@ -222,13 +228,8 @@ def _sentinel_parts(url: str, kwargs: dict[str, Any]) -> tuple[list, str, dict[s
     """(sentinel hosts, service name, the primary's connection kwargs, the sentinels' connection kwargs)."""
     s = parse_sentinel_url(url)
     node: dict[str, Any] = {"db": s.db, **kwargs}
-    if s.password is not None:
-        node.setdefault("password", s.password)
-    if s.username is not None:
-        node.setdefault("username", s.username)
     tls = _tls(s.ssl, s.ssl_options)
-    for key, value in tls.items():
-        node.setdefault(key, value)
+    _defaults(node, s.username, s.password, tls)
     # The sentinels answer fast or not at all: a short timeout lets the client move on to the next one.
     sentinel_kwargs: dict[str, Any] = {"socket_timeout": 1.0, "socket_connect_timeout": 1.0}
     if s.sentinel_password is not None:

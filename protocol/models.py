@@ -122,7 +122,9 @@ class GenerationParams(BaseModel):
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
             raise ValueError(f"seed + n - 1 must be <= {MAX_SEED}: choice i uses seed + i")
-        grammar = grammar_for(self.response_format, self.regex, self.choice)
+        # (no constraint, the common case: no grammar to build; checked here as it is run for every request)
+        unconstrained = self.response_format is None and self.regex is None and self.choice is None
+        grammar = None if unconstrained else grammar_for(self.response_format, self.regex, self.choice)
         if grammar is not None:
             # the grammar decides where the output may end: forcing it on would contradict the grammar
             if self.min_tokens or self.ignore_eos:
@@ -165,8 +167,8 @@ class JobRequest(GenerationParams):
 
     @model_validator(mode="after")
     def _one_prompt(self) -> JobRequest:
-        given = [n for n in ("prompt", "messages", "prompt_token_ids") if getattr(self, n) is not None]
-        if len(given) != 1:
+        if (self.prompt is not None) + (self.messages is not None) + (self.prompt_token_ids is not None) != 1:
+            given = [n for n in ("prompt", "messages", "prompt_token_ids") if getattr(self, n) is not None]
             what = "none" if not given else " and ".join(given)
             raise ValueError(f"give exactly one of prompt, messages, prompt_token_ids (got {what})")
         if self.prompt is not None and self.prompt == "":
@@ -193,12 +195,12 @@ class JobRequest(GenerationParams):
     def to_json(self) -> str:
         """The request JSON; InvalidJob if it is not valid UTF-8 text or larger than MAX_REQUEST_BYTES."""
         # Defaults are left out: the record stays small and a reader applies the same defaults.
-        try:
-            text = self.model_dump_json(exclude_defaults=True)
+        try:  # model_dump_json's own call, for its bytes: their size is the limit's (run for every request)
+            raw = self.__pydantic_serializer__.to_json(self, exclude_defaults=True)
         except PydanticSerializationError as err:  # e.g. a lone surrogate ("\ud800"): not encodable as UTF-8
             raise InvalidJob(f"invalid job: a text field is not valid Unicode text ({err})") from None
-        check_request_size(len(text.encode()))
-        return text
+        check_request_size(len(raw))
+        return raw.decode()
 
 
 def is_valid_id(value: object) -> bool:

@@ -5,7 +5,7 @@ Every state change of a job record happens in one of these scripts, so each chan
 stream/event/batch side effects. A client in another language can EVAL the same files (docs/protocol.md).
 
 Worker side:   start_job (queued -> running), mark_first_token, finish_job (-> finished | failed | cancelled)
-Producer side: SUBMIT (via Client), cancel_job, bump_batch (via batches)
+Producer side: SUBMIT (via Client), SUBMIT_JOBS (a batch's ingest), cancel_job, bump_batch (via batches)
 Worker only:   read, renew, hand_back, publish_tokens (worker/serve/queue.py)
 """
 
@@ -22,6 +22,7 @@ import redis
 from redis.cluster import ClusterPipeline
 from redis.commands.core import Script
 
+from protocol.cluster import ScriptPipeline
 from protocol.models import (
     DEFAULT_RESULT_TTL,
     EVENTS_MAXLEN,
@@ -68,6 +69,7 @@ def lua(name: str) -> str:
 
 
 SUBMIT_JOB = lua("submit_job")
+SUBMIT_JOBS = lua("submit_jobs")  # many jobs of one queue a call: a batch's ingest (producer/submit_pipe.py)
 QUEUE_DEPTH = lua("queue_depth")
 START_JOB = lua("start_job")
 FIRST_TOKEN = lua("first_token")
@@ -90,8 +92,11 @@ class _Script(Script):
         self.sha = hashlib.sha1(text.encode()).hexdigest()
 
     def __call__(self, keys=(), args=(), client=None):  # noqa: ANN001, ANN204 (redis-py's signature)
-        # redis-py refuses EVALSHA in a Redis Cluster pipeline (it could not load the script on NOSCRIPT):
-        # there the script goes as EVAL with its text, ~3-4 KB more per call on the wire (docs/deployment.md).
+        # redis-py refuses EVALSHA in a Redis Cluster pipeline (it could not load the script on NOSCRIPT): the
+        # pipelines of protocol.cluster.ScriptCluster (what redis_from_url makes) load it on the shard and send
+        # EVALSHA; any other cluster pipeline gets EVAL with the text, ~3-4 KB more per call (docs/deployment.md).
+        if isinstance(client, ScriptPipeline):
+            return client.queue_script(self.script, self.sha, list(keys), list(args))
         if isinstance(client, ClusterPipeline):
             return client.execute_command("EVAL", self.script, len(keys), *keys, *args)
         return super().__call__(keys=keys, args=args, client=client)

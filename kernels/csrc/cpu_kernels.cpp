@@ -569,24 +569,40 @@ void panel_rows(const float* x, int64_t x_stride, const float* panel, int64_t k,
   store_tile<ROWS>(acc, y, y_stride, col0, n, bias);
 }
 
+void check_panel_x(const torch::Tensor& x) {
+  check_layout(x, "x");
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features]");
+}
+
+// What the fp32 panel linear and the int8 one (cpu_quant.cpp) share around their tile kernels: y [rows,
+// out_features] and the loop over (panel, row tile). tile(p, height, x_rows, y_rows, bias) computes panel p's
+// kPanelCols columns of the tile's `height` rows (x's row stride is x.stride(0), y's out_features).
+template <typename Tile>
+torch::Tensor panel_linear_tiles(const torch::Tensor& x, int64_t num_panels, int64_t out_features,
+                                 const c10::optional<torch::Tensor>& bias, Tile&& tile) {
+  const int64_t rows = x.size(0), xs = x.stride(0);
+  auto y = torch::empty({rows, out_features}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  for_each_panel_tile(rows, num_panels, [&](int64_t p, int64_t r0, auto height) {
+    tile(p, height, xp + r0 * xs, yp + r0 * out_features, bp);
+  });
+  return y;
+}
+
 }  // namespace
 
 torch::Tensor panel_linear_cpu(torch::Tensor x, torch::Tensor panels, int64_t out_features,
                                c10::optional<torch::Tensor> bias) {
-  check_layout(x, "x");
-  TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features]");
+  check_panel_x(x);
   TORCH_CHECK(panels.is_contiguous() && panels.size(2) == kPanelCols && panels.size(1) == x.size(1),
               "panels must be the contiguous [ceil(out / 16), in_features, 16] packing of the weight");
-  const int64_t rows = x.size(0), k = x.size(1), num_panels = panels.size(0);
-  auto y = torch::empty({rows, out_features}, x.options());
-  const float* xp = x.data_ptr<float>();
+  const int64_t k = x.size(1), xs = x.stride(0);
   const float* wp = panels.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  const int64_t xs = x.stride(0);
-  for_each_panel_tile(rows, num_panels, [&](int64_t p, int64_t r0, auto height) {
-    panel_rows<decltype(height)::value>(xp + r0 * xs, xs, wp + p * k * kPanelCols, k, yp + r0 * out_features,
-                                        out_features, p * kPanelCols, out_features, bp);
+  return panel_linear_tiles(x, panels.size(0), out_features, bias,
+                            [&](int64_t p, auto height, const float* xr, float* yr, const float* bp) {
+    panel_rows<decltype(height)::value>(xr, xs, wp + p * k * kPanelCols, k, yr, out_features, p * kPanelCols,
+                                        out_features, bp);
   });
-  return y;
 }

@@ -1,6 +1,6 @@
 // Weight-only int8 linear layers for the CPU serving path (worker/engine/quantization.py, issue 24).
 // Built after cpu_kernels.cpp in the same translation unit (kernels/cpu.py), beside its fp32 panel kernel, whose
-// tile loop (for_each_panel_tile) and store (store_tile) it shares.
+// checks (check_panel_x), tile loop (panel_linear_tiles) and store (store_tile) it shares.
 //
 // y [m, n] = x [m, k] · (W_int8 · diag(scale))ᵀ (+ bias). The weight is the int8 twin of the fp32 panels,
 // [ceil(n / 16), k, 16] int8 (worker/engine/backends/cpu_linear.py packs it), with one fp32 scale per output
@@ -78,27 +78,21 @@ void panel_rows_int8(const float* x, int64_t x_stride, const int8_t* panel, cons
 
 torch::Tensor panel_linear_int8_cpu(torch::Tensor x, torch::Tensor panels, torch::Tensor scales,
                                     int64_t out_features, c10::optional<torch::Tensor> bias) {
-  check_layout(x, "x");
-  TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features]");
+  check_panel_x(x);
   TORCH_CHECK(panels.scalar_type() == torch::kInt8 && panels.is_contiguous() && panels.dim() == 3 &&
                   panels.size(2) == kPanelCols && panels.size(1) == x.size(1),
               "panels must be the contiguous int8 [ceil(out / 16), in_features, 16] packing of the weight");
   TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() &&
                   scales.numel() == panels.size(0) * kPanelCols && out_features <= scales.numel(),
               "scales must be float32, one per output channel, padded to ceil(out / 16) * 16");
-  const int64_t rows = x.size(0), k = x.size(1), num_panels = panels.size(0);
-  auto y = torch::empty({rows, out_features}, x.options());
-  const float* xp = x.data_ptr<float>();
+  const int64_t k = x.size(1), xs = x.stride(0);
   const int8_t* wp = panels.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  const int64_t xs = x.stride(0);
-  for_each_panel_tile(rows, num_panels, [&](int64_t p, int64_t r0, auto height) {
-    panel_rows_int8<decltype(height)::value>(xp + r0 * xs, xs, wp + p * k * kPanelCols, sp, k,
-                                             yp + r0 * out_features, out_features, p * kPanelCols, out_features, bp);
+  return panel_linear_tiles(x, panels.size(0), out_features, bias,
+                            [&](int64_t p, auto height, const float* xr, float* yr, const float* bp) {
+    panel_rows_int8<decltype(height)::value>(xr, xs, wp + p * k * kPanelCols, sp, k, yr, out_features,
+                                             p * kPanelCols, out_features, bp);
   });
-  return y;
 }
 
 // The fused decode layers' linear: fp32 panels when scales is empty, W8A8 panels (4-d, cpu_w8a8.cpp) with their

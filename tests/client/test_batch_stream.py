@@ -1,15 +1,19 @@
-"""The streaming submit's two halves against a real redis-server: SUBMIT_JOB with chunks in flight
+"""The streaming submit's two halves against a real redis-server: SUBMIT_JOBS with calls in flight
 (producer/submit_pipe.py) and the one-pass submit of a file validated already (the gateway's)."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
+import redis
 
-from producer import Client, InvalidBatch
+from producer import Client, InvalidBatch, InvalidJob
 from producer.batches import submit_batch
 from producer.submit_pipe import SubmitPipe
+from protocol import scripts
+from protocol.models import GROUP
 from protocol.scripts import PendingJob
 
 
@@ -65,3 +69,68 @@ def test_chunks_in_flight_survive_redis_forgetting_the_script(redis_server):
     assert sum(done) == 400
     stream = client.redis.xrange(client.keys.queue())
     assert [f["job_id"] for _, f in stream] == [f"j{i}" for i in range(400)]  # each once, in order
+
+
+def test_one_submit_jobs_call_writes_each_job_as_submit_job_would(redis_server):
+    """SUBMIT_JOBS (many jobs of one queue a call) against docs/protocol.md's SUBMIT_JOB: each record, entry,
+    counter and registry as one SUBMIT_JOB a job writes them; a taken id, an existing job and a full queue
+    refuse only their own job; an error reply writes nothing."""
+    client = Client(redis_server.url, max_queue_len=0)
+    k, r = client.keys, client.redis
+    client.submit("plain", job_id="b-3")  # a loose job holds batch b's fourth id
+    queue, registry = k.queue("bulk", "b"), k.registry("bulk")
+    submit = scripts.script(scripts.SUBMIT_JOBS)
+
+    def call(ids: list[str], limit: int = 0, customs: list[str] | None = None) -> list:
+        customs = customs or [f"c{j}" for j in ids]
+        triples = [x for jid, cid in zip(ids, customs, strict=True) for x in (jid, json.dumps({"prompt": jid}), cid)]
+        return submit(keys=[queue, registry, *(k.job(j) for j in ids)],
+                      args=[time.time(), limit, 60, "b", "bulk", k.layout, GROUP, *triples], client=r)
+
+    out = call(["b-0", "b-1", "b-2", "b-3", "b-4"], customs=["c0", "", "c2", "c3", "c4"])
+    assert [code for code, _ in out] == [1, 1, 1, -2, 1] and out[3][1] == ""
+    stream = r.xrange(queue)
+    assert [(e, f) for e, f in stream] == [
+        (out[i][1], {"job_id": f"b-{i}", "request": json.dumps({"prompt": f"b-{i}"})}) for i in (0, 1, 2, 4)]
+    rec = r.hgetall(k.job("b-0"))
+    assert list(rec) == ["status", "created_at", "result_ttl", "entry_id", "queue", "priority", "batch_id",
+                         "custom_id"]
+    assert {f: rec[f] for f in ("status", "result_ttl", "entry_id", "queue", "priority", "batch_id", "custom_id")} \
+        == {"status": "queued", "result_ttl": "60", "entry_id": out[0][1], "queue": queue, "priority": "bulk",
+            "batch_id": "b", "custom_id": "c0"}
+    assert "custom_id" not in r.hgetall(k.job("b-1")) and r.object("encoding", k.job("b-0")) == "listpack"
+    assert r.hget(k.job("b-3"), "batch_id") is None  # the loose job is left as it was
+    # the loose job and four of b's, in the queues and in the depth counter
+    assert scripts.queue_totals(r, k) == (5, 0) and scripts.depth(r, k).total == 5
+    assert r.zscore(registry, queue) is not None and r.zscore(k.ready("bulk"), queue) == r.zscore(registry, queue)
+    assert [f["queue"] for _, f in r.xrange(k.wake)] == [queue]
+    # again, with two more: the written ones answer {0, status}, and the queue fills after one more job
+    out = call(["b-0", "b-5", "b-6", "b-7"], limit=6)
+    assert out == [[0, "queued"], [1, out[1][1]], [-1, "6"], [-1, "6"]]
+    assert scripts.queue_totals(r, k) == (6, 0) and scripts.depth(r, k).total == 6 and not r.exists(k.job("b-6"))
+    assert [f["queue"] for _, f in r.xrange(k.wake)] == [queue]  # it was ready already: no second wake
+    with pytest.raises(redis.ResponseError, match="priority must be one of"):
+        submit(keys=[queue, registry, k.job("b-8")],
+               args=[time.time(), 0, 60, "b", "urgent", k.layout, GROUP, "b-8", "{}", ""], client=r)
+    with pytest.raises(redis.ResponseError, match="KEYS"):
+        submit(keys=[k.queue("bulk"), registry, k.job("b-8")],
+               args=[time.time(), 0, 60, "b", "bulk", k.layout, GROUP, "b-8", "{}", ""], client=r)
+    with pytest.raises(redis.ResponseError, match="1 records need 10 ARGV, got 9"):
+        submit(keys=[queue, registry, k.job("b-8")],
+               args=[time.time(), 0, 60, "b", "bulk", k.layout, GROUP, "b-8", "{}"], client=r)
+    assert not r.exists(k.job("b-8")) and scripts.queue_totals(r, k) == (6, 0)
+
+
+def test_the_pipe_splits_its_calls_by_queue_and_names_a_refused_job(redis_server):
+    client = Client(redis_server.url, max_queue_len=0)
+    with SubmitPipe(client.redis, client.keys, 0, 60, chunk_size=4) as pipe:
+        for i in range(10):  # loose and batch jobs interleaved: one call never mixes queues
+            pipe.add(PendingJob(f"j{i}", json.dumps({"prompt": "p"}), "b" if i % 3 else "", "", "bulk"))
+        assert pipe.close() == 10
+    assert client.redis.xlen(client.keys.queue("bulk")) == 4
+    assert [f["job_id"] for _, f in client.redis.xrange(client.keys.queue("bulk", "b"))] == \
+        [f"j{i}" for i in range(10) if i % 3]
+    with pytest.raises(InvalidJob, match="job id 'j0' of batch 'c' is taken"), \
+            SubmitPipe(client.redis, client.keys, 0, 60) as pipe:
+        pipe.add(PendingJob("j0", json.dumps({"prompt": "p"}), "c", "", "bulk"))
+        pipe.close()

@@ -13,8 +13,7 @@ import torch
 
 from kernels import cpu
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
-from tests.kernels.test_kernels import LENGTH_CASES, paged_cache, strided
-from tests.support.kernel_cases import count_calls
+from tests.support.kernel_cases import LENGTH_CASES, count_calls, paged_cache, prefill_inputs, strided
 from worker.engine.backends import CpuBackend, select_backend
 
 
@@ -138,14 +137,9 @@ def test_prefill_as_decodes_matches_reference(ext, block_size, hq, hk, head_dim)
     bs = block_size
     pairs = [(1, 1), (bs - 1, bs - 1), (bs, 3), (bs + 1, bs + 1), (2 * bs, 0), (4 * bs + 7, 1),
              (4 * bs + 7, 2 * bs + 5)]
-    lens = [c for c, _ in pairs]
-    k_cache, v_cache, table = paged_cache(lens, block_size, hk, head_dim, torch.float32, gen, device="cpu")
-    cu = [0]
-    for _, q_len in pairs:
-        cu.append(cu[-1] + q_len)
-    cu_seqlens_q = torch.tensor(cu, dtype=torch.int32)
-    q = strided(torch.randn(cu[-1], hq, head_dim, generator=gen), gen)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    k_cache, v_cache, table = paged_cache([c for c, _ in pairs], block_size, hk, head_dim, torch.float32, gen,
+                                          device="cpu")
+    q, cu_seqlens_q, seq_lens = prefill_inputs(pairs, hq, head_dim, torch.float32, gen, device="cpu")
     out = CpuBackend(ext).prefill_attention(q, k_cache, v_cache, table, cu_seqlens_q, seq_lens, head_dim**-0.5)
     ref = paged_prefill_attention_ref(q, k_cache, v_cache, table, cu_seqlens_q, seq_lens, head_dim**-0.5)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

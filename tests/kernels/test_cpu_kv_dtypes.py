@@ -12,7 +12,7 @@ from kernels import cpu
 from kernels.kv_quant import cache_shape, dequantize, quantize
 from kernels.reference import paged_decode_attention_ref, write_kv_ref
 from tests.kernels.test_cpu_kernels import DECODE_CASES
-from tests.kernels.test_kernels import LENGTH_CASES, paged_cache, strided
+from tests.support.kernel_cases import LENGTH_CASES, paged_cache, strided
 
 KV_DTYPES = [torch.bfloat16, torch.int8]
 

@@ -11,7 +11,15 @@ import torch
 
 from kernels.kv_quant import cache_shape, dequantize, quantize
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
-from tests.kernels.test_kernels import DEVICE, INTERPRETED, LENGTH_CASES, needs_kernels, paged_cache, strided
+from tests.support.kernel_cases import (
+    DEVICE,
+    INTERPRETED,
+    LENGTH_CASES,
+    needs_kernels,
+    paged_cache,
+    prefill_inputs,
+    strided,
+)
 from tests.support.sm90_compile import compile_for_sm90, stack_bytes
 
 FP8 = torch.float8_e4m3fn
@@ -78,14 +86,8 @@ def test_prefill_over_fp8_equals_reference_dequantized(dtype):
     gen = torch.Generator().manual_seed(5)
     block_size, hq, hk, head_dim = 16, 6, 2, 32
     pairs = [(1, 1), (block_size + 1, block_size + 1), (2 * block_size, 0), (4 * block_size + 7, 9)]
-    lens = [c for c, _ in pairs]
-    k_cache, v_cache, table = fp8_cache(lens, block_size, hk, head_dim, gen)
-    cu = [0]
-    for _, q_len in pairs:
-        cu.append(cu[-1] + q_len)
-    cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
-    q = strided(torch.randn(cu[-1], hq, head_dim, generator=gen).to(dtype).to(DEVICE), gen)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    k_cache, v_cache, table = fp8_cache([c for c, _ in pairs], block_size, hk, head_dim, gen)
+    q, cu_seqlens_q, seq_lens = prefill_inputs(pairs, hq, head_dim, dtype, gen)
     out = paged_prefill_attention_triton(q, k_cache, v_cache, table, cu_seqlens_q, seq_lens, 0.2)
     ref = paged_prefill_attention_ref(q, dequantize(k_cache).to(dtype), dequantize(v_cache).to(dtype), table,
                                       cu_seqlens_q, seq_lens, 0.2)

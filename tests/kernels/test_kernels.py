@@ -23,7 +23,18 @@ import pytest
 import torch
 
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
-from tests.support.kernel_cases import DEVICE, INTERPRETED, attention_plan_inputs, case_id, needs_kernels
+from tests.support.kernel_cases import (
+    DEVICE,
+    INTERPRETED,
+    LENGTH_CASES,
+    attention_plan_inputs,
+    case_id,
+    cdiv,
+    needs_kernels,
+    paged_cache,
+    prefill_inputs,
+    strided,
+)
 from tests.support.sm90_compile import check_attention_compiles
 
 TOL = {
@@ -31,42 +42,10 @@ TOL = {
     torch.float16: dict(rtol=2e-3, atol=2e-3),
     torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
 }
-UNUSED_BLOCK = 2**30  # table entries past a sequence's blocks: any read of one would fault
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def paged_cache(lens, block_size, num_kv_heads, head_dim, dtype, gen, device=None):
-    """Random caches (junk in every slot a kernel must not read) and shuffled, padded block tables."""
-    need = [cdiv(n, block_size) for n in lens]
-    num_blocks = sum(need) + 3
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    ids = torch.randperm(num_blocks, generator=gen).tolist()
-    table = torch.full((len(lens), max(need) + 1), UNUSED_BLOCK, dtype=torch.int32)
-    for i, n in enumerate(need):
-        table[i, :n] = torch.tensor(ids[:n], dtype=torch.int32)
-        ids = ids[n:]
-    device = device or DEVICE
-    return k_cache.to(device), v_cache.to(device), table.to(device)
-
-
-def strided(t: torch.Tensor, gen) -> torch.Tensor:
-    """The same values as a non-contiguous view (heads interleaved with junk), as a fused qkv split gives."""
-    n, h, d = t.shape
-    wide = torch.randn(n, 2 * h + 1, d, generator=gen).to(t.dtype).to(t.device)
-    wide[:, 1 : 2 * h + 1 : 2] = t
-    return wide[:, 1 : 2 * h + 1 : 2]
-
-
 def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert not torch.isnan(out).any(), "kernel left poisoned (NaN) entries in its output"
     torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), **TOL[out.dtype])
 
-
-LENGTH_CASES = lambda bs: [1, bs - 1, bs, bs + 1, 4 * bs + 7]  # noqa: E731
 
 # (dtype, block_size, num_q_heads, num_kv_heads, head_dim, partition_size)
 DECODE_CASES = [
@@ -155,14 +134,8 @@ def test_prefill_matches_reference(dtype, block_size, hq, hk, head_dim):
     # a single new token, and an empty entry (q_len 0) between others.
     pairs = [(1, 1), (bs - 1, bs - 1), (bs, 3), (bs + 1, bs + 1), (2 * bs, 0), (4 * bs + 7, 1),
              (4 * bs + 7, 2 * bs + 5)]
-    lens = [c for c, _ in pairs]
-    k_cache, v_cache, table = paged_cache(lens, block_size, hk, head_dim, dtype, gen)
-    cu = [0]
-    for _, q_len in pairs:
-        cu.append(cu[-1] + q_len)
-    cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
-    q = strided(torch.randn(cu[-1], hq, head_dim, generator=gen).to(dtype).to(DEVICE), gen)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    k_cache, v_cache, table = paged_cache([c for c, _ in pairs], block_size, hk, head_dim, dtype, gen)
+    q, cu_seqlens_q, seq_lens = prefill_inputs(pairs, hq, head_dim, dtype, gen)
     scale = head_dim**-0.5
     out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
     paged_prefill_attention_triton(q, k_cache, v_cache, table, cu_seqlens_q, seq_lens, scale, out=out)

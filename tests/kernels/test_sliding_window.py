@@ -15,26 +15,17 @@ import pytest
 import torch
 
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
-from tests.support.kernel_cases import INTERPRETED, attention_plan_inputs
+from tests.support.kernel_cases import INTERPRETED, attention_plan_inputs, paged_cache
 from tests.support.sm90_compile import check_attention_compiles
 
-UNUSED_BLOCK = 2**30  # table entries past a sequence's blocks: any read of one would fault
 BLOCK = 16
 WINDOWS = [5, BLOCK, BLOCK + 3, 1000]  # shorter than a block, one block, longer, longer than any sequence
 LENS = [1, BLOCK - 1, BLOCK + 1, 3 * BLOCK + 7]
 
 
 def paged(lens, hk, d, gen):
-    need = [-(-n // BLOCK) for n in lens]
-    num_blocks = sum(need) + 2
-    k = torch.randn(num_blocks, BLOCK, hk, d, generator=gen)
-    v = torch.randn(num_blocks, BLOCK, hk, d, generator=gen)
-    ids = torch.randperm(num_blocks, generator=gen).tolist()
-    table = torch.full((len(lens), max(need) + 1), UNUSED_BLOCK, dtype=torch.int32)
-    for i, n in enumerate(need):
-        table[i, :n] = torch.tensor(ids[:n], dtype=torch.int32)
-        ids = ids[n:]
-    return k, v, table
+    """float32 caches of BLOCK-token blocks on the CPU (the tests move them where their kernel runs)."""
+    return paged_cache(lens, BLOCK, hk, d, torch.float32, gen, device="cpu")
 
 
 def dense_attention(q, keys, values, q_pos, scale, window, softcap):

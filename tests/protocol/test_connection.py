@@ -28,19 +28,25 @@ def test_tls_user_and_sentinel_password():
     assert (s.username, s.password, s.sentinel_password, s.ssl) == ("app", "pw", "sp", True)
 
 
-@pytest.mark.parametrize("url, problem", [
-    ("redis+sentinel://h1:26379", "names no service"),
-    ("redis+sentinel://h1:26379/svc/x", "not a number"),
-    ("redis+sentinel://h1:port/svc", "bad sentinel port"),
-    ("redis+sentinel://h1,,h2/svc", "empty sentinel host"),
-    ("redis+sentinel://h1/svc/0/extra", "expected /service_name"),
-    ("redis+sentinel://h1/svc?ssl=1", "unknown sentinel URL parameter"),
-    ("redis+sentinel://h1/svc?ssl_ca_certs=/ca.crt", "unknown sentinel URL parameter"),  # TLS options need rediss
-    ("redis://h1/0", "not a sentinel URL"),
-])
-def test_bad_urls_say_what_is_wrong(url, problem):
+@pytest.mark.parametrize("parse, url, problem", [
+    (parse_sentinel_url, "redis+sentinel://h1:26379", "names no service"),
+    (parse_sentinel_url, "redis+sentinel://h1:26379/svc/x", "not a number"),
+    (parse_sentinel_url, "redis+sentinel://h1:port/svc", "bad sentinel port"),
+    (parse_sentinel_url, "redis+sentinel://h1,,h2/svc", "empty sentinel host"),
+    (parse_sentinel_url, "redis+sentinel://h1/svc/0/extra", "expected /service_name"),
+    (parse_sentinel_url, "redis+sentinel://h1/svc?ssl=1", "unknown sentinel URL parameter"),
+    # TLS options need rediss
+    (parse_sentinel_url, "redis+sentinel://h1/svc?ssl_ca_certs=/ca.crt", "unknown sentinel URL parameter"),
+    (parse_sentinel_url, "redis://h1/0", "not a sentinel URL"),
+    (parse_cluster_url, "redis+cluster://h1:7000/3", "only db 0"),
+    (parse_cluster_url, "redis+cluster://h1:x", "bad cluster node port"),
+    (parse_cluster_url, "redis+cluster://h1,,h2", "empty cluster node host"),
+    (parse_cluster_url, "redis+cluster://h1?ssl_ca_certs=/ca.crt", "unknown cluster URL parameter"),  # TLS: rediss
+    (parse_cluster_url, "redis+sentinel://h1/svc", "not a cluster URL"),
+], ids=lambda v: getattr(v, "__name__", None))
+def test_bad_urls_say_what_is_wrong(parse, url, problem):
     with pytest.raises(ValueError, match=problem):
-        parse_sentinel_url(url)
+        parse(url)
 
 
 def test_tls_options_reach_the_sentinels_and_the_primary():
@@ -79,15 +85,3 @@ def test_cluster_urls():
     assert not is_sentinel_url("redis+cluster://h")
     shown = redact_url("redis+cluster://:hunter2@h1:7000,h2:7001")
     assert "hunter2" not in shown and "h1:7000,h2:7001" in shown
-
-
-@pytest.mark.parametrize("url, problem", [
-    ("redis+cluster://h1:7000/3", "only db 0"),
-    ("redis+cluster://h1:x", "bad cluster node port"),
-    ("redis+cluster://h1,,h2", "empty cluster node host"),
-    ("redis+cluster://h1?ssl_ca_certs=/ca.crt", "unknown cluster URL parameter"),  # TLS options need rediss
-    ("redis+sentinel://h1/svc", "not a cluster URL"),
-])
-def test_bad_cluster_urls_say_what_is_wrong(url, problem):
-    with pytest.raises(ValueError, match=problem):
-        parse_cluster_url(url)

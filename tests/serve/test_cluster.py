@@ -116,3 +116,50 @@ def test_the_gateway_keeps_its_data_on_the_shard_and_rq_on_a_plain_redis(cluster
         assert redis_server.client().exists("rq:job:cluster-probe"), "RQ's job is on the plain Redis"
     finally:
         ctx.close()
+
+
+def test_pipelined_scripts_go_as_evalsha_and_survive_a_script_flush(cluster):
+    """A pipeline of the cluster client sends scripts as EVALSHA (loaded once on the namespace's shard), not as
+    EVAL with their text; after SCRIPT FLUSH on that shard (what a restart at the same address does) the calls
+    that hit NOSCRIPT are sent again alone and their replies are the real ones, a WAIT after them asked again;
+    a MULTI pipeline keeps EVAL (a NOSCRIPT inside EXEC would let the rest through)."""
+    from protocol.cluster import ScriptPipeline
+
+    ns = "evalsha"
+    keys, shard = Keys(ns), cluster.port_of_key(Keys(ns).prefix)
+    client = Client(cluster.url, namespace=ns, max_queue_len=0)  # 0: no depth check before the submit
+    with cluster.node(shard) as node:
+
+        def calls() -> dict[str, int]:
+            stats = node.info("commandstats")
+            return {c: int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("eval", "evalsha", "wait")}
+
+        node.config_resetstat()
+        ids = client.submit_many([{"prompt": f"p{i}"} for i in range(6)])  # SUBMIT_JOB x 6, one pipeline
+        pipe = client.redis.pipeline(transaction=False)
+        assert isinstance(pipe, ScriptPipeline)
+        scripts.cancel_job(pipe, keys, ids[0])  # CANCEL_JOB loaded on the shard here
+        assert pipe.execute() == ["cancelled"]
+        assert calls() == {"eval": 0, "evalsha": 7, "wait": 0}
+
+        node.script_flush()
+        node.config_resetstat()
+        pipe = client.redis.pipeline(transaction=False)
+        for job_id in ids[1:4]:
+            scripts.cancel_job(pipe, keys, job_id)
+        pipe.execute_command("WAIT", 0, 100, **on_shard(client.redis, keys.routing_key))
+        replies = pipe.execute()
+        assert replies[:3] == ["cancelled"] * 3 and replies[3] == 0, replies
+        # NOSCRIPT x 3, then each alone as EVAL; the WAIT twice (in the pipeline, then after the re-sent scripts)
+        assert calls() == {"eval": 3, "evalsha": 3, "wait": 2}
+        assert [j.status for j in client.get_many(ids)] == ["cancelled"] * 4 + ["queued"] * 2
+
+        node.config_resetstat()
+        pipe = client.redis.pipeline(transaction=False)  # loaded again once, then EVALSHA
+        scripts.cancel_job(pipe, keys, ids[4])
+        assert pipe.execute() == ["cancelled"]
+        multi = client.redis.pipeline(transaction=True)
+        scripts.cancel_job(multi, keys, ids[5])
+        assert multi.execute() == ["cancelled"]
+        assert calls() == {"eval": 1, "evalsha": 1, "wait": 0}
+    client.close()

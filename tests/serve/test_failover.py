@@ -6,32 +6,17 @@ The figures this prints are the ones in docs/reliability.md."""
 from __future__ import annotations
 
 import time
-from collections import Counter
 
 import pytest
-import redis
 
 from producer.client import Client
-from protocol import scripts
 from protocol.models import Keys
-from tests.serve.test_serve_process import worker_args
+from tests.support.failover import FIRST_WAVE, check_nothing_lost, finished, first_wave, start_worker_pair
+from tests.support.polling import until as _until
 from tests.support.sentinel import Primary, Replica, SentinelGroup, replica_online
 from worker.serve.queue import Ending, JobQueue
 
 K = Keys("tokenbus")
-
-
-def _until(predicate, timeout: float, what: str) -> float:
-    """Poll until predicate() is true; returns when (monotonic)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if predicate():
-                return time.monotonic()
-        except (redis.ConnectionError, redis.TimeoutError, OSError):
-            pass
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.02)
 
 
 def test_results_wait_for_replicas_and_a_short_wait_is_counted():
@@ -65,27 +50,14 @@ def test_primary_sigkilled_mid_run_nothing_lost(serve_model_dir, worker_process)
     t0 = time.monotonic()
     with SentinelGroup(down_after_ms=500, failover_timeout_ms=5000) as g:
         # The workers start (torch, the model) while the sentinels find each other; they wait for their Redis.
-        a, b = (worker_process(*worker_args(g.url, serve_model_dir, name, "--lease-ms", "3000",
-                                            "--redis-min-replicas", "1", "--redis-wait-ms", "1000",
-                                            "--cpu-kernels", "false"))
-                for name in ("worker-a", "worker-b"))
+        a, b = start_worker_pair(worker_process, g.url, serve_model_dir)
         g.wait_ready()
         for w in (a, b):  # both serving, so the jobs are shared between them
             w.wait_for_event("worker_ready", timeout=120)
         client = Client(g.url)
-        lengths = [2] * 4 + [24] * 8
-        ids = client.submit_many([{"prompt": f"failover {i}", "max_tokens": n, "ignore_eos": True,
-                                   "temperature": 0.0} for i, n in enumerate(lengths)])
-
-        def finished() -> list[dict]:
-            return [e for w in (a, b) for e in w.events() if e.get("event") == "job_finished"]
-
-        _until(lambda: len(finished()) >= 3, 120, "3 results")
+        ids, running = first_wave(client, (a, b))
         # Acknowledged: a worker logs job_finished only after its pipeline, WAIT 1 included, returned.
-        acked = {e["job_id"] for e in finished()}
-        running = {j.id: j.worker for j in client.get_many(ids) if j.status == "running"}
-        assert "worker-a" in running.values() and "worker-b" in running.values(), running
-        assert not [e for w in (a, b) for e in w.events() if e.get("event") == "results_not_replicated"]
+        acked = {e["job_id"] for e in finished((a, b))}
 
         print(f"\nstart-up to the kill {time.monotonic() - t0:.1f} s")
         killed_at = time.monotonic()
@@ -100,24 +72,13 @@ def test_primary_sigkilled_mid_run_nothing_lost(serve_model_dir, worker_process)
         worker_s = _until(lambda: any(e.get("event") == "redis_back" for e in b.events()), 30,
                           "the worker to reconnect") - killed_at
 
-        jobs = {j.id: j for j in client.as_completed(ids, timeout=120)}
-        lost = [i for i in ids if i not in jobs or jobs[i].status != "finished"]
-        reclaimed = [i for i, w in running.items() if w == "worker-a"]
+        # Every job finished (none lost); B's own in-flight jobs kept their leases, A's were reclaimed by B from
+        # the promoted replica; each ended once there.
+        _jobs, reclaimed = check_nothing_lost(client, g.replica.client(decode_responses=True), K, ids, FIRST_WAVE,
+                                              running, b, "worker-b")
         print(f"\nfailover: promoted {promoted_s:.2f} s, client back {client_s:.2f} s, worker back "
               f"{worker_s:.2f} s after SIGKILL; acknowledged before the kill {len(acked)}, in flight "
-              f"{len(running)} ({len(reclaimed)} on the killed worker), jobs {len(ids)}, lost {len(lost)}")
-        assert lost == [], [jobs.get(i) for i in lost]
-        assert [jobs[i].result.usage.completion_tokens for i in ids] == lengths
-        # B's own in-flight jobs kept their leases; A's were reclaimed by B from the promoted replica.
-        assert all(jobs[i].worker == "worker-b" and jobs[i].attempts == 1 for i, w in running.items()
-                   if w == "worker-b")
-        assert all(jobs[i].worker == "worker-b" and jobs[i].attempts == 2 for i in reclaimed)
-        assert any(e.get("event") == "entry_reclaimed" for e in b.events())
-        new_primary = g.replica.client(decode_responses=True)
-        assert new_primary.info("replication")["role"] == "master"
-        events = Counter(f["job_id"] for _id, f in new_primary.xrange(K.events))
-        assert events == Counter(ids), "every job ended exactly once, on the record the replica kept"
-        assert scripts.queue_totals(new_primary, K) == (0, 0)
+              f"{len(running)} ({len(reclaimed)} on the killed worker), jobs {len(ids)}, lost 0")
         # With no replica left, WAIT 1 times out: logged, and the results are still written.
         b.wait_for_event("results_not_replicated", timeout=5)
         assert promoted_s < 10 and client_s < 15 and worker_s < 30

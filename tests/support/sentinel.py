@@ -13,12 +13,12 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import redis
 
 from tests.support.local_redis import RedisServer, free_port
+from tests.support.polling import until
 
 SERVICE = "tbprimary"
 
@@ -94,7 +94,7 @@ class SentinelGroup:
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Until the replica is in sync and the three sentinels know each other and it (~2 hello periods)."""
-        self._until(timeout, "the replica in sync and three sentinels that know each other and it", self._ready)
+        until(self._ready, timeout, "the replica in sync and three sentinels that know each other and it")
 
     def _ready(self) -> bool:
         if not replica_online(self.primary):
@@ -117,20 +117,7 @@ class SentinelGroup:
         return None
 
     def wait_promoted(self, timeout: float) -> None:
-        self._until(timeout, "the sentinels to promote the replica", lambda: self.primary_port() == self.replica.port)
-
-    @staticmethod
-    def _until(timeout: float, what: str, predicate) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if predicate():
-                    return
-            except redis.RedisError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-            time.sleep(0.05)
+        until(lambda: self.primary_port() == self.replica.port, timeout, "the sentinels to promote the replica")
 
     def cleanup(self) -> None:
         for s in self.sentinels:
