@@ -1,7 +1,7 @@
 """int8 weights against fp32 on the CPU (issue 24), all rows in one run: the tokenbus engine offline and
 tokenbus end to end (producer.Client -> Redis -> `python -m worker` -> job records), each with
---quantization unset (fp32) and int8, in turns over --rounds rounds (the order rotates each round, so a
-position effect or drift falls on every system); each row reports its median round.
+--quantization unset (fp32), int8 and w8a8 (--systems picks rows), in turns over --rounds rounds (the order
+rotates each round, so a position effect or drift falls on every system); each row reports its median round.
 
 Workload: benchmarks/bench_workload.py's 64 chat prompts, long-tailed outputs 8-256 tokens, greedy, EOS ignored.
 Offline rows also report decode tok/s: tokens of pure decode steps / seconds inside them (each engine step
@@ -9,7 +9,7 @@ timed around ModelRunner.run). vLLM's CPU build is a row where .venv-vllm exists
 --vllm-dtype (bfloat16 by default: its fastest setting on an AVX-512 BF16 CPU), prefix caching on, in the same
 rotation (vllm.py: its LLM.generate call, no Redis).
 
-    .venv/bin/python -m benchmarks.bench_quant                       # ~15 min on 2 cores; writes docs/quantization.md
+    .venv/bin/python -m benchmarks.bench_quant                       # ~25 min on 2 cores; writes docs/quantization.md
     .venv/bin/python -m benchmarks.bench_quant --num-prompts 8 --max-tokens 16 --rounds 1 --no-write   # smoke
 """
 
@@ -29,7 +29,7 @@ from benchmarks.bench_e2e_tokenbus import run_e2e  # noqa: E402
 from benchmarks.bench_workload import chat_ids, workload  # noqa: E402
 from benchmarks.vllm_row import add_vllm_arguments, vllm_row, vllm_turn  # noqa: E402
 
-SYSTEMS = ("offline fp32", "offline int8", "e2e fp32", "e2e int8")
+SYSTEMS = ("offline fp32", "offline int8", "offline w8a8", "e2e fp32", "e2e int8", "e2e w8a8")
 
 
 def offline(quantization: str | None, prompt_ids, max_tokens) -> dict[str, float]:
@@ -89,6 +89,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="a comma-separated subset of the tokenbus "
+                        "rows (each needs its path's fp32 row)")
     add_vllm_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -100,7 +102,8 @@ def main() -> None:
     prompt_ids = chat_ids(tokenizer, items)
     max_tokens = [m for _, m in items]
     vllm = vllm_turn(args, prompt_ids, max_tokens)
-    systems = SYSTEMS + (("vllm",) if vllm else ())
+    tokenbus_systems = tuple(s for s in args.systems.split(",") if s)
+    systems = tokenbus_systems + (("vllm",) if vllm else ())
     results: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
     started = time.strftime("%Y-%m-%d %H:%M")
     with tempfile.TemporaryDirectory() as log_dir, RedisServer() as redis_server:
@@ -129,8 +132,8 @@ def main() -> None:
         return statistics.median(res[key] for res in results[name])
 
     rows = []
-    for name in SYSTEMS:
-        fp32 = name.replace("int8", "fp32")
+    for name in tokenbus_systems:
+        fp32 = f"{name.split()[0]} fp32"
         ratio = median(name, "tok/s") / median(fp32, "tok/s")
         decode = ""
         if "decode tok/s" in results[name][0]:
@@ -149,7 +152,8 @@ def main() -> None:
         *table(["system", "tok/s", "× fp32", "decode tok/s (× fp32)", "rounds tok/s", "1-min load avg per round"],
                rows),
         "",
-        vllm_row(args, results.get("vllm"), {name: median(name, "tok/s") for name in ("e2e int8", "e2e fp32")}),
+        vllm_row(args, results.get("vllm"), {name: median(name, "tok/s")
+                                             for name in ("e2e w8a8", "e2e int8", "e2e fp32") if results.get(name)}),
     ])
     publish(body, "quantization.md", "speed", not args.no_write)
 

@@ -7,7 +7,8 @@ SmolLM2-135M's real weights (the built-in GGUF, dequantized to fp32), CPU:
                the tokenbus engine serves (tests/engine/test_quantization.py: token for token equal); a KV
                dtype ("kv int8", "kv bf16") instead rounds each layer's rotated keys and its values as the
                cache stores them (kernels/kv_quant.py: per token and KV head) before attention, which is
-               what the engine's attention reads back;
+               what the engine's attention reads back; w8a8 also rounds each linear's input per token to
+               int8 (quantization.round_rows_int8, a forward pre-hook), as its kernel quantizes it;
   greedy       64 chat prompts (benchmarks/bench_workload.py), 64 new tokens each, EOS ignored, through the
   agreement    tokenbus engine, fp32 against the scheme: the share of requests whose tokens are identical,
                and the share of tokens before the first divergence (mean over requests).
@@ -20,6 +21,7 @@ slow on the CPU for 64 prompts). The GPU's bf16 activations and outputs are not 
 
     .venv/bin/python -m benchmarks.quant_quality              # ~5 min on 2 cores; writes docs/quantization.md
     .venv/bin/python -m benchmarks.quant_quality --no-write --num-prompts 4 --max-tokens 8   # smoke
+    .venv/bin/python -m benchmarks.quant_quality --no-write --no-greedy --schemes int8,w8a8 --heldout-tokens 1536
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from benchmarks.bench_common import write_section  # noqa: E402
 from benchmarks.bench_workload import chat_ids, workload  # noqa: E402
 from kernels.fp8_linear import fp8_linear_reference, quantize_weight  # noqa: E402
-from worker.engine.quantization import quantize_int8  # noqa: E402
+from worker.engine.quantization import quantize_int8, round_rows_int8  # noqa: E402
 
 HELDOUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quant_heldout.txt")
 WINDOW = 512
-SCHEMES = ("int8", "fp8", "kv bf16", "kv int8")  # weights; KV-cache dtypes (--kv-cache-dtype), fp32 weights
+SCHEMES = ("int8", "w8a8", "fp8", "kv bf16", "kv int8")  # weights; KV-cache dtypes (--kv-cache-dtype), fp32 weights
 
 
 def _kv_attention(dtype: torch.dtype):
@@ -95,6 +97,8 @@ def quantized_hf(directory: str, scheme: str):
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
                 module.weight.copy_(quantize_int8(module.weight).dequantize())
+                if scheme == "w8a8":  # and each linear's input rounded per token to int8, as the kernel does
+                    module.register_forward_pre_hook(lambda _m, args: (round_rows_int8(args[0]), *args[1:]))
     return model
 
 
@@ -103,7 +107,7 @@ def greedy_outputs(scheme: str, prompts: list[list[int]], max_tokens: int) -> li
 
     kv = scheme.removeprefix("kv ") if scheme.startswith("kv ") else "auto"
     engine = Engine("smollm2-135m", device="cpu", dtype="float32", max_num_seqs=64, kv_cache_dtype=kv,
-                    quantization=scheme if scheme in ("int8", "fp8") else None)
+                    quantization=scheme if scheme in ("int8", "w8a8", "fp8") else None)
     if scheme == "fp8":  # the engine's FP8 linears on their fp32 reference (the module docstring says why)
         from worker.engine.fp8 import Fp8Linear
 
@@ -130,6 +134,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--no-perplexity", action="store_true", help="greedy agreement only (a loaded machine)")
+    parser.add_argument("--no-greedy", action="store_true", help="perplexity only (no engine runs)")
     parser.add_argument("--schemes", default=",".join(SCHEMES), help=f"a comma-separated subset of {SCHEMES}")
     parser.add_argument("--section", default="quality", help="the docs/quantization.md section to write")
     parser.add_argument("--heldout-tokens", type=int, default=0, help="score only the first N tokens (0 = all)")
@@ -147,10 +152,11 @@ def main() -> None:
     schemes = () if args.no_perplexity else ("fp32", *schemes_run)
     ppl = {s: perplexity(quantized_hf(source.directory, s), ids) for s in schemes}
     ppl = {s: ppl.get(s, math.nan) for s in ("fp32", *schemes_run)}
-    reference = greedy_outputs("fp32", prompts, args.max_tokens)
+    reference = None if args.no_greedy else greedy_outputs("fp32", prompts, args.max_tokens)
     rows = [f"| fp32 | {ppl['fp32']:.3f} | — | 100 % | 100 % |"]
     for scheme in schemes_run:
-        same, prefix = agreement(greedy_outputs(scheme, prompts, args.max_tokens), reference)
+        same, prefix = (math.nan, math.nan) if reference is None else agreement(
+            greedy_outputs(scheme, prompts, args.max_tokens), reference)
         delta = ppl[scheme] / ppl["fp32"] - 1
         rows.append(f"| {scheme} | {ppl[scheme]:.3f} | {delta:+.2%} | {same:.1%} | {prefix:.1%} |")
     body = "\n".join([

@@ -1,7 +1,7 @@
 """The CPU serving path's C++ kernels, float32: csrc/cpu_kernels.cpp (RMSNorm, SiLU·mul, RoPE, a row-wise
 argmax and a panel GEMV), csrc/cpu_attention.cpp (write_kv and paged decode attention over a float32, bfloat16
-or int8 KV cache), csrc/cpu_quant.cpp (the panel GEMV with int8
-weights) and csrc/decode_layers.cpp (a pure decode
+or int8 KV cache), csrc/cpu_w8a8.cpp (the panel GEMV with int8 weights and per-token int8 activations, VNNI),
+csrc/cpu_quant.cpp (the panel GEMV with int8 weights) and csrc/decode_layers.cpp (a pure decode
 step's decoder layers composed of those kernels in one call). worker/engine/backends/cpu.py is their user.
 
 Built once per machine with torch's cpp_extension (g++ and ninja; ~25 s) into the tokenbus cache directory
@@ -34,15 +34,16 @@ import structlog
 import torch
 
 # one translation unit, in this order: cpu_kernels.cpp's helpers come first (check_layout, the panel tiles),
-# decode_layers.cpp calls the functions of all the others
+# each later file calls the functions of those before it, decode_layers.cpp those of all the others
 SOURCES = [Path(__file__).with_name("csrc") / name
-           for name in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_quant.cpp", "decode_layers.cpp")]
+           for name in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_w8a8.cpp", "cpu_quant.cpp", "decode_layers.cpp")]
 FUNCTIONS = [
     "write_kv_cpu", "paged_decode_attention_cpu",  # the CPU versions of two kernels/reference.py functions
     "add_rms_norm_cpu", "rms_norm_cpu", "silu_and_mul_cpu", "rotary_cpu",  # a decoder layer's elementwise ops
     "argmax_rows_cpu",  # greedy sampling
     "panel_linear_cpu",  # decode-sized linear layers (worker/engine/backends/cpu_linear.py)
     "panel_linear_int8_cpu",  # the same with int8 weights (worker/engine/quantization.py)
+    "panel_linear_w8a8_cpu", "w8a8_native_cpu",  # int8 weights and activations (VNNI) and whether it runs here
     "decode_layers_cpu",  # a decode step's layers in one call (worker/engine/backends/cpu_decode.py)
 ]
 # -ffast-math lets g++ vectorise exp and the dot-product reductions (the kernels never rely on inf/NaN);

@@ -95,9 +95,11 @@ torch::Tensor panel_linear_int8_cpu(torch::Tensor x, torch::Tensor panels, torch
   });
 }
 
-// The fused decode layers' linear: fp32 panels when scales is empty, int8 panels with their scales otherwise.
+// The fused decode layers' linear: fp32 panels when scales is empty, W8A8 panels (4-d, cpu_w8a8.cpp) with their
+// scales and column sums, weight-only int8 panels with their scales otherwise.
 torch::Tensor panel_linear_any_cpu(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& scales,
                                    int64_t out_features, c10::optional<torch::Tensor> bias) {
   if (scales.numel() == 0) return panel_linear_cpu(x, panels, out_features, bias);
+  if (panels.dim() == 4) return panel_linear_w8a8_cpu(x, panels, scales, out_features, bias);
   return panel_linear_int8_cpu(x, panels, scales, out_features, bias);
 }

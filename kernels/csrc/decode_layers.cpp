@@ -13,7 +13,8 @@
 //   weights       7 per layer: input norm, qkv panels, qkv bias (or an empty tensor), o panels,
 //                 post-attention norm, gate_up panels, down panels (panels as cpu_linear.pack_panels makes them)
 //   scales        4 per layer, one per linear (qkv, o, gate_up, down): empty for fp32 panels, the per-channel
-//                 scales of int8 panels (kernels/csrc/cpu_quant.cpp)
+//                 scales of int8 panels (kernels/csrc/cpu_quant.cpp), or the scales and column sums of W8A8
+//                 panels (kernels/csrc/cpu_w8a8.cpp)
 //   kv_caches     2 per layer: k_cache, v_cache
 //   window        every layer's sliding window (0 = none: Mistral, Qwen2 and Phi-3 use one for all layers)
 // Returns {x, residual}: the last layer's output and the residual stream before it (the final norm adds them).

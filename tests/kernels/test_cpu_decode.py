@@ -7,6 +7,8 @@ with the fused layers on, as every CPU float32 engine does.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -73,6 +75,23 @@ def test_fused_decode_equals_the_per_layer_path(ext, tmp_path_factory, shape):
     model_type, overrides = SHAPES[shape]
     directory = make_tiny_model(str(tmp_path_factory.mktemp(shape)), model_type, **overrides)
     engine = Engine(directory, device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=16)
+    _check_fused_equals_per_layer(engine, shape)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "w8a8"])
+def test_fused_decode_equals_the_per_layer_path_quantized(ext, tmp_path_factory, quantization):
+    """The fused layers' int8 linears (weight-only 3-d panels, W8A8 4-d panels) dispatch to the same kernels."""
+    directory = make_tiny_model(str(tmp_path_factory.mktemp(quantization)), "qwen2")
+    engine = Engine(directory, device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=16,
+                    quantization=quantization)
+    try:
+        _check_fused_equals_per_layer(engine, quantization)
+    finally:
+        if engine.quantized_cache and os.path.exists(engine.quantized_cache):
+            os.remove(engine.quantized_cache)
+
+
+def _check_fused_equals_per_layer(engine: Engine, shape: str) -> None:
     assert isinstance(engine.backend.fused, FusedDecodeLayers)
     fused, fused_steps = _hidden_per_step(engine)
     saved = engine.backend.fused

@@ -83,8 +83,9 @@ class Engine:
                                           prepare=fp8_loading.prepare)
         fp8_loading.finish(self.model, self.device)
         self.quantized_cache = None  # the int8 cache file this engine read or wrote
-        if cfg.quantization == "int8":
-            self.quantized_cache = quantization.apply_int8(self.model, source.directory, cfg.cache_dir)
+        if cfg.quantization in ("int8", "w8a8"):
+            self.quantized_cache = quantization.apply_int8(self.model, source.directory, cfg.cache_dir,
+                                                           w8a8=cfg.quantization == "w8a8")
             self.model.eval().requires_grad_(False)
         self.backend.prepare(self.model)
         max_blocks_per_seq = -(-self.max_model_len // cfg.block_size)

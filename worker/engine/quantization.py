@@ -7,6 +7,13 @@ model's linears are quantized, and the on-disk cache of the result.
            panels and widens them in registers (kernels/csrc/cpu_quant.cpp); prefill-sized batches run oneDNN
            on the dequantized weight, so both paths compute the same model: W ≈ q · s.
 
+    w8a8   CPU, float32. int8's weights (the same cache), and each linear's input rounded per row (token) to
+           int8 at each call, dynamically: sx = max|x_row| / 127, qx = round(x / sx). At a decode step's rows
+           the kernel multiplies int8 by int8 with VNNI (kernels/csrc/cpu_w8a8.cpp: 4 products per 32-bit
+           lane, int32 sums) where int8's kernel runs one fp32 FMA per weight; prefill-sized batches run oneDNN
+           on the rounded activations and the dequantized weight: the same model, y ≈ (qx · sx)(q · s)ᵀ. On a
+           CPU without VNNI the kernel's plain C++ sums are slower than int8's (a warning at load).
+
     fp8    FP8 (e4m3) weights with per-output-channel scales through torch._scaled_mm, activations quantized
            per token (worker/engine/fp8.py, kernels/fp8_linear.py). CUDA sm_89+ (Ada, Hopper); the CPU runs
            the same code on PyTorch's CPU _scaled_mm (slow: for checking). An unquantized checkpoint is
@@ -27,9 +34,9 @@ import structlog
 import torch
 from torch import nn
 
-from kernels.cpu import cache_root
+from kernels.cpu import cache_root, cpu_flags
 
-SCHEMES = ("int8", "fp8")
+SCHEMES = ("int8", "fp8", "w8a8")
 INT8_MAX = 127
 CACHE_VERSION = "int8-v1"  # bump when the int8 recipe changes: old cache entries are then ignored
 
@@ -52,6 +59,24 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
     q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return Int8Weight(q, scale.contiguous())
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric int8 of each row (token) of x [..., k]: (codes, scale [..., 1]) with scale =
+    max|x_row| / 127 and codes = round(x · (127 / max|x_row|)) in fp32, the ops the C++ W8A8 kernel runs
+    (kernels/csrc/cpu_w8a8.cpp); an all-zero row gets scale 0 and codes 0."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    # a tensor over a tensor: `127 / amax` would be amax.reciprocal() * 127, one rounding more than the kernel's
+    inv = torch.where(amax > 0, torch.full_like(amax, INT8_MAX) / amax, torch.zeros_like(amax))
+    return torch.round(x * inv).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), amax / INT8_MAX
+
+
+def round_rows_int8(x: torch.Tensor) -> torch.Tensor:
+    """x with each row rounded to its dynamic int8 value (quantized, then dequantized): what a W8A8 linear
+    multiplies its weight with."""
+    codes, scale = quantize_rows_int8(x)
+    return (codes.float() * scale).to(x.dtype)
 
 
 def check_int8_layout(name: str, qweight: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> None:
@@ -78,11 +103,14 @@ def check_scheme(scheme: str | None, device: torch.device, dtype: torch.dtype) -
         return
     if scheme not in SCHEMES:
         raise ValueError(f"quantization {scheme!r} is not supported; choose one of {list(SCHEMES)} or leave it unset")
-    if scheme == "int8" and (device.type != "cpu" or dtype != torch.float32):
+    if scheme in ("int8", "w8a8") and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(
-            f"quantization 'int8' is the CPU float32 path (got {device.type}, {dtype}): "
+            f"quantization {scheme!r} is the CPU float32 path (got {device.type}, {dtype}): "
             "use --device cpu --dtype float32"
         )
+    if scheme == "w8a8" and not vnni_available():
+        log.warning("w8a8_without_vnni", why="this CPU has no AVX512_VNNI or AVX_VNNI: the W8A8 kernel runs "
+                    "plain C++ integer sums, slower than --quantization int8 (same weights, fp32 activations)")
     if scheme == "fp8" and device.type == "cuda" and not fp8_gemm_available(device):
         major, minor = torch.cuda.get_device_capability(device)
         raise ValueError(
@@ -97,16 +125,24 @@ def check_scheme(scheme: str | None, device: torch.device, dtype: torch.dtype) -
         )
 
 
+def vnni_available() -> bool:
+    """Whether the CPU multiplies int8 by int8 in vector registers (what makes w8a8 fast): the C++ kernels are
+    compiled for the CPU they run on (-march=native), so its flags decide which path they take."""
+    flags = set(cpu_flags().split(":", 1)[-1].split())
+    return bool(flags & {"avx512_vnni", "avx_vnni"})
+
+
 def fp8_gemm_available(device: torch.device) -> bool:
     """Whether torch._scaled_mm has FP8 tensor cores here: CUDA sm_89+ (the CPU build emulates it)."""
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @torch.no_grad()
-def apply_int8(model: nn.Module, directory: str, cache_dir: str | None = None) -> str | None:
+def apply_int8(model: nn.Module, directory: str, cache_dir: str | None = None, w8a8: bool = False) -> str | None:
     """Quantize the loaded fp32 model's linears to int8 in place (or read them back from the cache): each
     nn.Linear's weight becomes its dequantized value and gains an `int8` attribute (Int8Weight) that
-    backends/cpu_linear.py packs for the C++ kernel. Returns the cache file's path (None: no cache)."""
+    backends/cpu_linear.py packs for the C++ kernel; w8a8 also marks it (`w8a8 = True`) to round its input per
+    token to int8 (the W8A8 kernel). Returns the cache file's path (None: no cache)."""
     linears = quantizable_linears(model)
     path = _cache_path(directory, model, cache_dir)
     quantized = _read_cache(path, linears) if path and os.path.isfile(path) else None
@@ -122,7 +158,8 @@ def apply_int8(model: nn.Module, directory: str, cache_dir: str | None = None) -
         else:
             linear.weight.copy_(deq)
         linear.int8 = quantized[name]
-    log.info("quantized", scheme="int8", linears=len(linears), cache=path)
+        linear.w8a8 = w8a8
+    log.info("quantized", scheme="w8a8" if w8a8 else "int8", linears=len(linears), cache=path)
     return path
 
 

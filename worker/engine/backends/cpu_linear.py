@@ -10,7 +10,9 @@ docs/kernels.md has the measurements behind PANEL_MAX_ROWS.
 
 An int8-quantized linear (worker/engine/quantization.py: the nn.Linear carries an `int8` attribute and its
 weight is the dequantized value) packs its int8 weight into the panels instead, with the per-channel scales
-padded alongside: the C++ kernel widens them in registers. oneDNN keeps the dequantized fp32 weight.
+padded alongside: the C++ kernel widens them in registers. oneDNN keeps the dequantized fp32 weight. A W8A8
+linear (`w8a8` attribute too) packs for the VNNI kernel (pack_panels_w8a8), which quantizes x per row itself;
+oneDNN then multiplies x rounded the same way (round_rows_int8), so both paths compute one model.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from types import ModuleType
 import structlog
 import torch
 from torch import nn
+
+from worker.engine.quantization import round_rows_int8
 
 PACK_FOR_ROWS = 16  # the row count oneDNN picks the packed layout for; any row count still works
 # the widest batch the panels serve: they were ahead of oneDNN up to 64 rows on every machine measured, and 64
@@ -39,6 +43,22 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, 16, in_features).transpose(1, 2).contiguous()
 
 
+def pack_panels_w8a8(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The W8A8 kernel's operands (kernels/csrc/cpu_w8a8.cpp) from int8 [out, in] and its scales [out]:
+    panels int8 [ceil(out / 16), ceil(in / 4), 16, 4] (4 consecutive inputs of each of 16 columns side by side,
+    zeros past in and out) and fp32 [2, ceil(out / 16) * 16]: the scales, then each column's sum of codes."""
+    out_features, in_features = qweight.shape
+    cols, k = -(-out_features // 16) * 16, -(-in_features // 4) * 4
+    padded = torch.zeros(cols, k, dtype=torch.int8)
+    padded[:out_features, :in_features] = qweight
+    panels = padded.view(cols // 16, 16, k // 4, 4).transpose(1, 2).contiguous()
+    scales = torch.zeros(2, cols)
+    scales[0] = 1.0
+    scales[0, :out_features] = scale
+    scales[1] = padded.sum(dim=1, dtype=torch.int64).float()  # |sum| <= 127 * in: exact in fp32
+    return panels, scales
+
+
 class CpuLinear(nn.Module):
     def __init__(self, linear: nn.Linear, ext: ModuleType | None) -> None:
         super().__init__()
@@ -48,9 +68,14 @@ class CpuLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
         self.bias = linear.bias.detach().clone() if linear.bias is not None else None
         self.ext = ext if weight.dtype == torch.float32 else None
-        self.panels = self.scales = None  # scales: None for fp32 panels, fp32 [ceil(out / 16) * 16] for int8
+        # scales: None for fp32 panels, fp32 [ceil(out / 16) * 16] for int8, [2, ceil(out / 16) * 16] for W8A8
+        self.panels = self.scales = None
         int8 = getattr(linear, "int8", None)
-        if self.ext is not None and int8 is not None:
+        # W8A8 (quantization.py): every row of x is rounded to int8 before the product, on every path
+        self.w8a8 = int8 is not None and getattr(linear, "w8a8", False)
+        if self.ext is not None and self.w8a8:
+            self.panels, self.scales = pack_panels_w8a8(int8.qweight, int8.scale)
+        elif self.ext is not None and int8 is not None:
             self.panels = pack_panels(int8.qweight)
             self.scales = torch.ones(self.panels.shape[0] * 16)
             self.scales[: self.out_features] = int8.scale
@@ -61,9 +86,13 @@ class CpuLinear(nn.Module):
         if x.dim() == 3 and x.shape[0] == 1:  # transformers' modules (the fallback) keep a batch dim of 1
             return self.forward(x[0]).unsqueeze(0)
         if self.panels is not None and x.dim() == 2 and x.shape[0] <= PANEL_MAX_ROWS and x.stride(-1) == 1:
+            if self.w8a8:
+                return self.ext.panel_linear_w8a8_cpu(x, self.panels, self.scales, self.out_features, self.bias)
             if self.scales is not None:
                 return self.ext.panel_linear_int8_cpu(x, self.panels, self.scales, self.out_features, self.bias)
             return self.ext.panel_linear_cpu(x, self.panels, self.out_features, self.bias)
+        if self.w8a8:  # the same model in fp32: the rounded activations times the dequantized weight
+            x = round_rows_int8(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
