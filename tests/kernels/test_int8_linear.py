@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu
-from tests.support.kernel_cases import count_calls
+from tests.support.kernel_cases import count_calls, int8_linear
 from worker.engine.backends.cpu_linear import PANEL_MAX_ROWS, CpuLinear, pack_panels
 from worker.engine.quantization import INT8_MAX, check_int8_layout, quantize_int8
 
@@ -74,13 +74,8 @@ def test_int8_kernel_avx2_path_equals_dequantized_reference():
 def test_cpu_linear_int8_panels_then_onednn(ext, rows):
     """CpuLinear of an int8 linear: int8 panels up to PANEL_MAX_ROWS rows, oneDNN on the dequantized weight
     beyond; both equal F.linear on the dequantized weight."""
-    gen = torch.Generator().manual_seed(rows)
-    linear = torch.nn.Linear(200, 77, bias=True)
-    q = quantize_int8(torch.randn(77, 200, generator=gen) * 0.05)
-    with torch.no_grad():
-        linear.weight.copy_(q.dequantize())
-        linear.bias.copy_(torch.randn(77, generator=gen))
-    linear.int8 = q
+    linear = int8_linear(rows, w8a8=False)
+    gen = torch.Generator().manual_seed(rows + 1000)
     cpu_linear = CpuLinear(linear, ext)
     assert cpu_linear.panels.dtype == torch.int8 and cpu_linear.scales.shape == (80,)
     calls = count_calls(cpu_linear, "panel_linear_int8_cpu")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels import cpu
-from tests.support.kernel_cases import count_calls
+from tests.support.kernel_cases import count_calls, int8_linear
 from worker.engine.backends.cpu_linear import PANEL_MAX_ROWS, CpuLinear, pack_panels_w8a8
 from worker.engine.quantization import quantize_int8, quantize_rows_int8, round_rows_int8
 
@@ -93,13 +93,8 @@ def test_w8a8_kernel_avx2_path_equals_integer_reference():
 def test_cpu_linear_w8a8_panels_then_onednn(ext, rows):
     """CpuLinear of a W8A8 linear: the kernel up to PANEL_MAX_ROWS rows, oneDNN on the rounded activations and
     the dequantized weight beyond; both equal F.linear of the same."""
-    gen = torch.Generator().manual_seed(rows)
-    linear = torch.nn.Linear(200, 77, bias=True)
-    q = quantize_int8(torch.randn(77, 200, generator=gen) * 0.05)
-    with torch.no_grad():
-        linear.weight.copy_(q.dequantize())
-        linear.bias.copy_(torch.randn(77, generator=gen))
-    linear.int8, linear.w8a8 = q, True
+    linear = int8_linear(rows, w8a8=True)
+    gen = torch.Generator().manual_seed(rows + 1000)
     cpu_linear = CpuLinear(linear, ext)
     assert cpu_linear.panels.shape == (5, 50, 16, 4) and cpu_linear.scales.shape == (2, 80)
     calls = count_calls(cpu_linear, "panel_linear_w8a8_cpu")

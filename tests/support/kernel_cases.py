@@ -96,3 +96,21 @@ def count_calls(obj, ext_function: str) -> list[int]:
 
     obj.ext = type("Spy", (), {ext_function: staticmethod(spy)})()
     return calls
+
+
+def int8_linear(seed: int, w8a8: bool = False) -> torch.nn.Linear:
+    """A 200 -> 77 nn.Linear quantized as the loader leaves it (worker/engine/quantization.py): the int8
+    weight with its scales in `int8`, the dequantized value as `weight`, a random bias; w8a8 marks it for
+    per-token activation rounding too."""
+    from worker.engine.quantization import quantize_int8
+
+    gen = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(200, 77, bias=True)
+    q = quantize_int8(torch.randn(77, 200, generator=gen) * 0.05)
+    with torch.no_grad():
+        linear.weight.copy_(q.dequantize())
+        linear.bias.copy_(torch.randn(77, generator=gen))
+    linear.int8 = q
+    if w8a8:
+        linear.w8a8 = True
+    return linear
