@@ -71,7 +71,8 @@ def test_cli_says_unreachable_without_printing_the_password():
 
 def test_worker_logs_auth_failure_without_the_password(locked_server, serve_model_dir, worker_process):
     url = f"redis://:{WRONG}@127.0.0.1:{locked_server.port}/0"
-    w = worker_process("--redis-url", url, "--model", serve_model_dir, "--kv-cache-gb", "0.05")
+    w = worker_process("--redis-url", url, "--model", serve_model_dir, "--kv-cache-gb", "0.05",
+                       "--cpu-kernels", "false")
     event = w.wait_for_event("redis_auth_failed", timeout=240)
     assert "TOKENBUS_REDIS_URL" in event["fix"]
     started = next(e for e in w.events() if e.get("event") == "worker_starting")

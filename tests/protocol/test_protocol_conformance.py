@@ -144,7 +144,7 @@ def doc_client(redis_server):
 def start_worker(worker_process, url: str, model: str):
     return worker_process("--redis-url", url, "--model", model, "--worker-name", WORKER, "--max-num-seqs", "4",
                           "--intake-lookahead", "2", "--max-num-batched-tokens", "256", "--kv-cache-gb", "0.05",
-                          "--heartbeat-s", "0.5", "--lease-ms", "3000")
+                          "--heartbeat-s", "0.5", "--lease-ms", "3000", "--cpu-kernels", "false")
 
 
 def test_a_client_written_from_the_doc(doc_client, redis_server, serve_model_dir, worker_process):

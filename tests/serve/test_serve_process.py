@@ -17,9 +17,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def worker_args(redis_url: str, model: str, name: str, *extra: str) -> list[str]:
+    # PyTorch's CPU kernels: these tests are about the process, and a worker that waited for the C++ build
+    # (another test may be holding its lock on a fresh machine) would only make them slower
     return ["--redis-url", redis_url, "--model", model, "--worker-name", name, "--max-num-seqs", "4",
             "--intake-lookahead", "2", "--max-num-batched-tokens", "256", "--kv-cache-gb", "0.05",
-            "--heartbeat-s", "0.5", *extra]
+            "--heartbeat-s", "0.5", "--cpu-kernels", "false", *extra]
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:

@@ -21,7 +21,7 @@ def start_worker_pair(worker_process, url: str, model_dir: str) -> tuple:
     """Workers A and B on `url`, results replicated to 1 replica (WAIT 1, 1 s) under 3 s leases; they start
     (torch, the model) while the Redis side forms, and wait for it."""
     return tuple(worker_process(*worker_args(url, model_dir, name, "--lease-ms", "3000", "--redis-min-replicas",
-                                             "1", "--redis-wait-ms", "1000", "--cpu-kernels", "false"))
+                                             "1", "--redis-wait-ms", "1000"))
                  for name in ("worker-a", "worker-b"))
 
 
