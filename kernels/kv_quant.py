@@ -78,10 +78,3 @@ def dequantize(packed: torch.Tensor) -> torch.Tensor:
     scale = raw[..., head_dim:].contiguous().view(torch.float32)
     return raw[..., :head_dim].view(packed.dtype).float() * scale
 
-
-def check_cache(cache: torch.Tensor, head_dim: int, who: str) -> None:
-    if cache.shape[-1] != row_width(head_dim, cache.dtype):
-        raise ValueError(
-            f"{who}: a {cache.dtype} cache needs rows of {row_width(head_dim, cache.dtype)} elements for head_dim "
-            f"{head_dim} (kernels/kv_quant.py), got {cache.shape[-1]}"
-        )
