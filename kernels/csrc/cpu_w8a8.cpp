@@ -1,8 +1,8 @@
 // W8A8 int8 linear layers for the CPU serving path (worker/engine/quantization.py, issue 24): int8 weights per
 // output channel as the weight-only kernel (cpu_quant.cpp) has them, and the activations quantized per row
 // (token) at each call, so the products are int8 × int8 summed in int32 by VNNI's vpdpbusd. Built after
-// cpu_kernels.cpp in the same translation unit (kernels/cpu.py): it shares the panel tile loop
-// (for_each_panel_tile) and store (store_tile).
+// cpu_kernels.cpp in the same translation unit (kernels/cpu.py): it shares the fp32 panel linear's check of
+// x (check_panel_x), its tile loop (for_each_panel_tile) and store (store_tile).
 //
 // Why: at 16-64 rows a decode step's linears are compute-bound, not weight-read-bound: the weight-only kernel
 // reads a quarter of the bytes but still runs one fp32 FMA per weight and row (16 columns a zmm). vpdpbusd
@@ -152,8 +152,7 @@ bool w8a8_native_cpu() { return kVnni; }
 
 torch::Tensor panel_linear_w8a8_cpu(torch::Tensor x, torch::Tensor panels, torch::Tensor scales,
                                     int64_t out_features, c10::optional<torch::Tensor> bias) {
-  check_layout(x, "x");
-  TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features]");
+  check_panel_x(x);
   const int64_t rows = x.size(0), k = x.size(1);
   const int64_t groups = (k + kGroup - 1) / kGroup;
   TORCH_CHECK(panels.scalar_type() == torch::kInt8 && panels.is_contiguous() && panels.dim() == 4 &&
