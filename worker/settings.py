@@ -31,7 +31,7 @@ ENGINE_HELP = {
     "kv_cache_gb": "KV-cache size in GiB; unset = from gpu_memory_utilization (cuda) or 1 GiB",
     "gpu_memory_utilization": "share of GPU memory the worker may use (weights + KV cache)",
     "num_kv_blocks": "a fixed KV-cache block count (tests, benchmarks); overrides both sizes above",
-    "cpu_kernels": "CPU float32: run the C++ kernels (built once per machine, ~25 s); false = PyTorch references",
+    "cpu_kernels": "CPU float32: run the C++ kernels (built once per machine, ~40 s); false = PyTorch references",
     "cache_dir": "dequantised GGUF weights and built CPU kernels; unset = ~/.cache/tokenbus",
     "model_impl": "'auto' (tokenbus's own model code where it has the family, else transformers'), "
     "'transformers' (always transformers' modeling code), 'native' (refuse the fallback)",
