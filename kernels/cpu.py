@@ -5,7 +5,8 @@ csrc/cpu_quant.cpp (the panel GEMV with int8 weights) and csrc/decode_layers.cpp
 step's decoder layers composed of those kernels in one call). worker/engine/backends/cpu.py is their user.
 
 Built once per machine with torch's cpp_extension (g++ and ninja; ~40 s of CPU: one translation unit of five
-files) into the tokenbus cache directory and loaded from there afterwards. The build is keyed by the source, the compiler flags, the torch version,
+files) into the tokenbus cache directory and loaded from there afterwards. The build is keyed by the source,
+the compiler flags, the torch version,
 the CPU's instruction sets (the code is compiled for the CPU it runs on) and the real paths (symlinks
 resolved) of torch, the compiler and Python: a worktree whose .venv is a link to another checkout's venv
 reaches the same toolchain, so it loads the same build. A finished build is loaded as it is, not handed to
