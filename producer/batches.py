@@ -173,10 +173,6 @@ def get_batch(client: Client, batch_id: str) -> BatchRecord:
     return BatchRecord.from_record(rec)
 
 
-def batch_job_ids(client: Client, batch_id: str) -> list[str]:
-    return [jid for chunk in iter_batch_job_ids(client, batch_id) for jid in chunk]
-
-
 def iter_batch_job_ids(client: Client, batch_id: str, chunk: int = CHUNK) -> Iterator[list[str]]:
     """The batch's job ids in input order, `chunk` at a time (a million ids never sit in memory at once)."""
     key, at = client.keys.batch_jobs(batch_id), 0

@@ -26,6 +26,8 @@ from typing import Any
 from redis.cluster import ClusterPipeline, RedisCluster
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
+from protocol.connection import slot_owner
+
 _TEXTS: dict[str, str] = {}  # sha -> script text, of every script queued as EVALSHA (a NOSCRIPT re-sends it)
 
 
@@ -64,7 +66,7 @@ class ScriptPipeline(ClusterPipeline):
 
     def _ensure_loaded(self, key: Any, text: str, sha: str) -> bool:
         try:
-            node = self.nodes_manager.get_node_from_slot(self.keyslot(key))
+            node = slot_owner(self, key)
             if (node.name, sha) not in self.scripts_loaded:
                 self.get_redis_connection(node).script_load(text)
                 self.scripts_loaded.add((node.name, sha))
@@ -98,7 +100,7 @@ class ScriptPipeline(ClusterPipeline):
         """`options` aimed at the node that owns the slot of an EVALSHA's first key, as the slot table says now
         (as they were if it names none)."""
         try:
-            return {**options, "target_nodes": self.nodes_manager.get_node_from_slot(self.keyslot(evalsha[3]))}
+            return {**options, "target_nodes": slot_owner(self, evalsha[3])}
         except (RedisError, RedisClusterException):
             return options
 

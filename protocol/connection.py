@@ -205,17 +205,18 @@ def is_cluster(r: Any) -> bool:
 def on_shard(r: Any, key: str) -> dict[str, Any]:
     """kwargs that send a keyless command (WAIT, INFO) to the shard that owns `key`: `{"target_nodes": node}`
     for a cluster client, {} otherwise (a single Redis is that shard)."""
-    if not is_cluster(r):
-        return {}
-    return {"target_nodes": r.nodes_manager.get_node_from_slot(r.keyslot(key))}
+    return {"target_nodes": slot_owner(r, key)} if is_cluster(r) else {}
 
 
 def shard_client(r: Any, key: str) -> Any:
     """A plain client of the shard that owns `key` (all of a namespace's keys share its slot), for code that
     drives a connection itself (SubmitPipe's pipelined raw replies); `r` itself when it is not a cluster."""
-    if not is_cluster(r):
-        return r
-    return r.nodes_manager.get_node_from_slot(r.keyslot(key)).redis_connection
+    return slot_owner(r, key).redis_connection if is_cluster(r) else r
+
+
+def slot_owner(r: Any, key: str) -> Any:
+    """The node of cluster client or pipeline `r` that owns `key`'s slot, as its slot table names it now."""
+    return r.nodes_manager.get_node_from_slot(r.keyslot(key))
 
 
 def socket_timeout(r: Any) -> float | None:
