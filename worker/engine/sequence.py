@@ -67,10 +67,6 @@ class Sequence:
             self.detokenize()
         return self.text
 
-    @output_text.setter
-    def output_text(self, text: str) -> None:
-        self.text = text
-
     def detokenize(self) -> str:
         """Feed the output tokens the detokenizer has not had yet; returns the text they add."""
         first = len(self.prompt_token_ids) + self.detokenized

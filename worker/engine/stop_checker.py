@@ -32,17 +32,20 @@ class StopChecker:
     @staticmethod
     def finds_stop_string(seq: Sequence, new_text_from: int) -> bool:
         """Whether a stop string ends in the text from new_text_from on (check() then cuts the text there)."""
-        text = seq.text
+        return bool(StopChecker._stop_hits(seq.text, seq, new_text_from))
+
+    @staticmethod
+    def _stop_hits(text: str, seq: Sequence, new_text_from: int) -> list[int]:
+        """Where each stop string found in text starts: one completed by this token ends in the new text, so it
+        starts at most stop_hold characters before it."""
         window_start = max(0, new_text_from - seq.params.stop_hold)
-        return any(text.find(s, window_start) != -1 for s in seq.params.stop_strings)
+        return [i for s in seq.params.stop_strings if (i := text.find(s, window_start)) != -1]
 
     @staticmethod
     def _cut_at_stop_string(seq: Sequence, new_text_from: int) -> bool:
         text = seq.output_text
-        # a stop string completed by this token ends in the new text, so it starts at most this far back
-        window_start = max(0, new_text_from - seq.params.stop_hold)
-        hits = [i for s in seq.params.stop_strings if (i := text.find(s, window_start)) != -1]
+        hits = StopChecker._stop_hits(text, seq, new_text_from)
         if not hits:
             return False
-        seq.output_text = text[: min(hits)]
+        seq.text = text[: min(hits)]
         return True
