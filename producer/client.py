@@ -23,6 +23,7 @@ from protocol.models import (
     DEFAULT_REDIS_URL,
     DEFAULT_RESULT_TTL,
     PRIORITIES,
+    TERMINAL_STATUSES,
     Job,
     JobRequest,
     Keys,
@@ -179,8 +180,10 @@ class Client:
             raise JobNotFound(self._not_found(job_id))
         return job
 
-    def get_many(self, job_ids: Iterable[str]) -> list[Job | None]:
-        """Records in the order asked; None where there is no record (never submitted, or expired)."""
+    def get_many(self, job_ids: Iterable[str], ended_requests_only: bool = False) -> list[Job | None]:
+        """Records in the order asked; None where there is no record (never submitted, or expired).
+        ended_requests_only: a job that has not ended comes without its request (no XRANGE for it): what a
+        reader that keeps only the ended ones (as_completed) needs."""
         job_ids = list(job_ids)
         out: list[Job | None] = []
         for start in range(0, len(job_ids), scripts.CHUNK):
@@ -191,7 +194,8 @@ class Client:
             for jid, rec in zip(job_ids[start:start + scripts.CHUNK], records, strict=True):
                 if rec:
                     rec.setdefault("id", jid)  # the key names the job: SUBMIT_JOB writes no `id` field
-            self._add_requests(records)
+            self._add_requests([rec for rec in records if rec and (not ended_requests_only
+                                                                   or rec.get("status") in TERMINAL_STATUSES)])
             out.extend(Job.from_record(rec) if rec else None for rec in records)
         return out
 

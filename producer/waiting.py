@@ -39,7 +39,7 @@ class Client(Protocol):
     def result_ttl(self) -> int: ...
 
     def get(self, job_id: str) -> Job: ...
-    def get_many(self, job_ids: Iterable[str]) -> list[Job | None]: ...
+    def get_many(self, job_ids: Iterable[str], ended_requests_only: bool = False) -> list[Job | None]: ...
     def events_last_id(self) -> str: ...
 
 
@@ -86,7 +86,8 @@ def as_completed(client: Client, job_ids: Iterable[str], timeout: float | None =
 
 def _collect_ended(client: Client, remaining: dict[str, None], candidates: list[str],
                    initial: bool = False) -> Iterator[Job]:
-    for jid, job in zip(candidates, client.get_many(candidates), strict=True):
+    # only ended jobs are yielded: the others' requests (one XRANGE each) would be read for nothing
+    for jid, job in zip(candidates, client.get_many(candidates, ended_requests_only=True), strict=True):
         if job is None:
             if initial:
                 raise JobNotFound(not_found(client, jid))

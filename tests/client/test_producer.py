@@ -236,6 +236,26 @@ def test_as_completed_yields_in_finish_order(client):
     assert seen[3][1] == JobStatus.failed
 
 
+def test_get_many_for_as_completed_reads_no_request_of_a_job_still_running(client):
+    """as_completed keeps only ended jobs: the running ones' requests (an XRANGE each of their queue entries) are
+    not read for it; an ended job still comes with its request, and a plain get_many reads every one."""
+    ids = client.submit_many([{"prompt": f"p{i}"} for i in range(4)])
+    entries = deliver(client)
+    finish_job(client.redis, client.keys, ids[3], "finished", entry_id=entries[ids[3]], result=result("3"))
+
+    def xranges() -> int:
+        return int(client.redis.info("commandstats").get("cmdstat_xrange", {}).get("calls", 0))
+
+    before = xranges()
+    jobs = client.get_many(ids, ended_requests_only=True)
+    assert xranges() == before, "an XRANGE for a job that has not ended"
+    assert [j.status for j in jobs] == [JobStatus.running] * 3 + [JobStatus.finished]
+    assert jobs[3].request is not None and jobs[3].request["prompt"] == "p3"
+    before = xranges()
+    assert [j.request["prompt"] for j in client.get_many(ids)] == ["p0", "p1", "p2", "p3"]
+    assert xranges() - before == 3
+
+
 def test_as_completed_resyncs_when_events_are_lost(client):
     jid = client.submit("x")
     entry = deliver(client)[jid]
