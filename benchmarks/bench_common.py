@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -14,7 +15,7 @@ import torch
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
 
 
-def bench_parser(doc: str, **defaults: int | str) -> argparse.ArgumentParser:
+def bench_parser(doc: str, **defaults: int | float | str) -> argparse.ArgumentParser:
     """A benchmark's argument parser: its docstring as the help, `--name-with-dashes` for each default given
     (typed as the default is), and --no-write (print the table, leave docs/ alone)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,6 +121,23 @@ def publish(body: str, filename: str, marker: str, write: bool) -> None:
     print(body)
     if write:
         write_section(filename, marker, body)
+
+
+def rotating_rounds(systems: tuple[str, ...], rounds: int,
+                    run_one: Callable[[str], dict | None]) -> dict[str, list[dict]]:
+    """{system: [its result per round]}: every round runs each system once through run_one, the order rotated
+    by one each round so that a position effect or drift falls on every system; a None result (a skipped run)
+    is left out. Prints each result's numbers as it comes."""
+    results: dict[str, list[dict]] = {name: [] for name in systems}
+    for r in range(rounds):
+        for name in systems[r % len(systems):] + systems[: r % len(systems)]:
+            res = run_one(name)
+            if res is None:
+                continue
+            results[name].append(res)
+            print(f"round {r + 1} {name}: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in res.items() if isinstance(v, int | float)), flush=True)
+    return results
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float) -> None:

@@ -12,14 +12,13 @@ rounds is reported. Writes the table to docs/quantization.md (section w8a8-kerne
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
 
 import torch
 
-from benchmarks.bench_common import cpu_name, write_section
+from benchmarks.bench_common import bench_parser, cpu_name, publish
 from kernels import cpu
 from worker.engine.backends.cpu_linear import pack_panels, pack_panels_w8a8
 from worker.engine.quantization import quantize_int8
@@ -52,11 +51,7 @@ def cpu_us(f, x, calls: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--min-cpu-ms", type=float, default=20.0, help="CPU time per kernel per round")
-    parser.add_argument("--no-write", action="store_true")
-    args = parser.parse_args()
+    args = bench_parser(__doc__, rounds=9, min_cpu_ms=20.0).parse_args()  # min-cpu-ms: per kernel per round
     torch.set_num_threads(1)
     ext = cpu.extension()
     assert ext is not None, "the C++ CPU kernels did not build"
@@ -87,9 +82,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|",
         *rows_out,
     ])
-    print(body)
-    if not args.no_write:
-        write_section("quantization.md", "w8a8-kernel", body)
+    publish(body, "quantization.md", "w8a8-kernel", not args.no_write)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from benchmarks.bench_common import cpu_name, publish, table  # noqa: E402
+from benchmarks.bench_common import cpu_name, publish, rotating_rounds, table  # noqa: E402
 from benchmarks.bench_e2e_tokenbus import run_e2e  # noqa: E402
 from benchmarks.bench_quant import timed_generate  # noqa: E402
 from benchmarks.bench_workload import chat_ids, shared_prefix_workload  # noqa: E402
@@ -148,28 +148,21 @@ def main() -> None:
           f"{sum(max_tokens)} output tokens", flush=True)
     vllm = vllm_turn(args, prompt_ids, max_tokens)
     systems = SYSTEMS + (("vllm",) if vllm else ())
-    results: dict[str, list[dict]] = {name: [] for name in systems}
     started = time.strftime("%Y-%m-%d %H:%M")
     with tempfile.TemporaryDirectory() as log_dir, RedisServer() as redis_server:
-        for r in range(args.rounds):
-            order = systems[r % len(systems):] + systems[: r % len(systems)]
-            for name in order:
-                if name == "vllm":
-                    got = vllm(log_dir)
-                    if got is not None:
-                        results[name].append(got)
-                        print(f"round {r + 1} vllm: tok/s {got['tok/s']:.1f}", flush=True)
-                    continue
-                kind, kv = name.split()
-                load = os.getloadavg()[0]
-                if kind == "offline":
-                    res = offline(kv, prompt_ids, max_tokens)
-                else:
-                    res = end_to_end(kv, redis_server.url, prompt_ids, max_tokens, log_dir)
-                res["load"] = load
-                results[name].append(res)
-                print(f"round {r + 1} {name}: " + ", ".join(
-                    f"{k} {v:.1f}" for k, v in res.items() if k != "outputs"), flush=True)
+
+        def run_one(name: str) -> dict | None:
+            if name == "vllm":
+                return vllm(log_dir)
+            kind, kv = name.split()
+            load = os.getloadavg()[0]
+            if kind == "offline":
+                res = offline(kv, prompt_ids, max_tokens)
+            else:
+                res = end_to_end(kv, redis_server.url, prompt_ids, max_tokens, log_dir)
+            return {**res, "load": load}
+
+        results = rotating_rounds(systems, args.rounds, run_one)
 
     def median(name: str, key: str) -> float:
         return statistics.median(res[key] for res in results[name])

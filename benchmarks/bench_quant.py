@@ -24,7 +24,7 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from benchmarks.bench_common import cpu_name, publish, table  # noqa: E402
+from benchmarks.bench_common import cpu_name, publish, rotating_rounds, table  # noqa: E402
 from benchmarks.bench_e2e_tokenbus import run_e2e  # noqa: E402
 from benchmarks.bench_workload import chat_ids, workload  # noqa: E402
 from benchmarks.vllm_row import add_vllm_arguments, vllm_row, vllm_turn  # noqa: E402
@@ -104,29 +104,22 @@ def main() -> None:
     vllm = vllm_turn(args, prompt_ids, max_tokens)
     tokenbus_systems = tuple(s for s in args.systems.split(",") if s)
     systems = tokenbus_systems + (("vllm",) if vllm else ())
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
     started = time.strftime("%Y-%m-%d %H:%M")
     with tempfile.TemporaryDirectory() as log_dir, RedisServer() as redis_server:
-        redis_url = redis_server.url
-        for r in range(args.rounds):
-            order = systems[r % len(systems):] + systems[: r % len(systems)]
-            for name in order:
-                if name == "vllm":
-                    res = vllm(log_dir)
-                    if res is None:
-                        continue
-                    results[name].append(res)
-                    print(f"round {r + 1} vllm: tok/s {res['tok/s']:.1f}", flush=True)
-                    continue
-                kind, scheme = name.split()
-                quant = None if scheme == "fp32" else scheme
-                if kind == "offline":
-                    res = offline(quant, prompt_ids, max_tokens)
-                else:
-                    res = end_to_end(quant, redis_url, prompt_ids, max_tokens, log_dir)
-                res["load"] = os.getloadavg()[0]
-                results[name].append(res)
-                print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in res.items()), flush=True)
+
+        def run_one(name: str) -> dict | None:
+            if name == "vllm":
+                return vllm(log_dir)
+            kind, scheme = name.split()
+            quant = None if scheme == "fp32" else scheme
+            if kind == "offline":
+                res = offline(quant, prompt_ids, max_tokens)
+            else:
+                res = end_to_end(quant, redis_server.url, prompt_ids, max_tokens, log_dir)
+            res["load"] = os.getloadavg()[0]
+            return res
+
+        results = rotating_rounds(systems, args.rounds, run_one)
 
     def median(name: str, key: str) -> float:
         return statistics.median(res[key] for res in results[name])

@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.bench_common import bench_parser, cpu_name, write_section
+from benchmarks.bench_common import bench_parser, cpu_name, publish
 from benchmarks.bench_workload import chat_ids, workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,9 +197,7 @@ def main() -> None:
             f"{med['step_wall']:.2f} | {med['outside']:.3f} | {med['serve_threads']:.3f} | "
             f"{med['redis_cpu']:.3f} | {med['client_cpu']:.3f} | {per_job:.2f} |"
         )
-    print("\n".join(lines))
-    if not a.no_write:
-        write_section("benchmarks.md", "serve_split", "\n".join(lines))
+    publish("\n".join(lines), "benchmarks.md", "serve_split", not a.no_write)
 
 
 if __name__ == "__main__":

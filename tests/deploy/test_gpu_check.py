@@ -43,3 +43,16 @@ def test_bench_scripts_import_without_structlog_pydantic_or_redis():
     )
     proc = subprocess.run([sys.executable, "-c", blocker], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "imported" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_the_stage_caps_docs_gpu_md_states_are_the_stages_own():
+    # docs/gpu.md sizes the run calls (timeout_s) by these sums: a cap raised in the code must show there
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_check_stages as stages
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    caps = {key: cap for key, (_, _, cap) in (stages.STAGES | stages.HIDDEN_STAGES).items()}
+    doc = (ROOT / "docs" / "gpu.md").read_text()
+    assert f"five stages whose caps sum to {sum(caps[k] for k in 'abcde')} s" in doc
+    assert f"the three opt-in stages (k, m, q: {sum(caps[k] for k in 'kmq')} s)" in doc
