@@ -8,7 +8,8 @@ SmolLM2-135M's real weights (the built-in GGUF, dequantized to fp32), CPU:
                dtype ("kv int8", "kv bf16") instead rounds each layer's rotated keys and its values as the
                cache stores them (kernels/kv_quant.py: per token and KV head) before attention, which is
                what the engine's attention reads back; w8a8 also rounds each linear's input per token to
-               int8 (quantization.round_rows_int8, a forward pre-hook), as its kernel quantizes it;
+               int8 per group of 64 features (quantization.round_activations_int8, a forward pre-hook), as its
+               kernel quantizes it;
   greedy       64 chat prompts (benchmarks/bench_workload.py), 64 new tokens each, EOS ignored, through the
   agreement    tokenbus engine, fp32 against the scheme: the share of requests whose tokens are identical,
                and the share of tokens before the first divergence (mean over requests).
@@ -38,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from benchmarks.bench_common import write_section  # noqa: E402
 from benchmarks.bench_workload import chat_ids, workload  # noqa: E402
 from kernels.fp8_linear import fp8_linear_reference, quantize_weight  # noqa: E402
-from worker.engine.quantization import quantize_int8, round_rows_int8  # noqa: E402
+from worker.engine.quantization import quantize_int8, round_activations_int8  # noqa: E402
 
 HELDOUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quant_heldout.txt")
 WINDOW = 512
@@ -98,7 +99,7 @@ def quantized_hf(directory: str, scheme: str):
             if isinstance(module, torch.nn.Linear):
                 module.weight.copy_(quantize_int8(module.weight).dequantize())
                 if scheme == "w8a8":  # and each linear's input rounded per token to int8, as the kernel does
-                    module.register_forward_pre_hook(lambda _m, args: (round_rows_int8(args[0]), *args[1:]))
+                    module.register_forward_pre_hook(lambda _m, args: (round_activations_int8(args[0]), *args[1:]))
     return model
 
 

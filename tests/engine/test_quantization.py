@@ -14,7 +14,7 @@ from tests.support.hf_reference import hf_greedy, load_hf
 from tests.support.tiny_models import make_tiny_model
 from worker import Engine, SamplingParams
 from worker.engine.config import EngineConfig
-from worker.engine.quantization import quantize_int8, round_rows_int8
+from worker.engine.quantization import quantize_int8, round_activations_int8
 
 PROMPTS = ["Hello there", "The capital of France is", "1, 2, 3,", "a b c d e f g h"]
 MAX_TOKENS = [12, 20, 7, 16]
@@ -44,8 +44,8 @@ def hf_dequantized(directory: str, w8a8: bool = False):
         for module in hf.modules():
             if isinstance(module, torch.nn.Linear):
                 module.weight.copy_(quantize_int8(module.weight).dequantize())
-                if w8a8:  # the input of every linear (lm_head too) rounded per token, as the W8A8 kernel does
-                    module.register_forward_pre_hook(lambda _m, args: (round_rows_int8(args[0]), *args[1:]))
+                if w8a8:  # the input of every linear (lm_head too) rounded per token and group, as the W8A8 kernel does
+                    module.register_forward_pre_hook(lambda _m, args: (round_activations_int8(args[0]), *args[1:]))
     return hf
 
 

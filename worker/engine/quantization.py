@@ -7,12 +7,13 @@ model's linears are quantized, and the on-disk cache of the result.
            panels and widens them in registers (kernels/csrc/cpu_quant.cpp); prefill-sized batches run oneDNN
            on the dequantized weight, so both paths compute the same model: W ≈ q · s.
 
-    w8a8   CPU, float32. int8's weights (the same cache), and each linear's input rounded per row (token) to
-           int8 at each call, dynamically: sx = max|x_row| / 127, qx = round(x / sx). At a decode step's rows
-           the kernel multiplies int8 by int8 with VNNI (kernels/csrc/cpu_w8a8.cpp: 4 products per 32-bit
-           lane, int32 sums) where int8's kernel runs one fp32 FMA per weight; prefill-sized batches run oneDNN
-           on the rounded activations and the dequantized weight: the same model, y ≈ (qx · sx)(q · s)ᵀ. On a
-           CPU without VNNI the kernel's plain C++ sums are slower than int8's (a warning at load).
+    w8a8   CPU, float32. int8's weights (the same cache), and each linear's input rounded to int8 at each
+           call, dynamically, per row (token) and group of 64 features: sx = max|x_group| / 127,
+           qx = round(x / sx). At a decode step's rows the kernel multiplies int8 by int8 with VNNI
+           (kernels/csrc/cpu_w8a8.cpp: 4 products per 32-bit lane, int32 sums per group, scaled into fp32)
+           where int8's kernel runs one fp32 FMA per weight; prefill-sized batches run oneDNN on the rounded
+           activations and the dequantized weight: the same model, y ≈ (qx · sx)(q · s)ᵀ. On a CPU without
+           VNNI the kernel's plain C++ sums are slower than int8's (a warning at load).
 
     fp8    FP8 (e4m3) weights with per-output-channel scales through torch._scaled_mm, activations quantized
            per token (worker/engine/fp8.py, kernels/fp8_linear.py). CUDA sm_89+ (Ada, Hopper); the CPU runs
@@ -38,6 +39,9 @@ from kernels.cpu import cache_root, cpu_flags
 
 SCHEMES = ("int8", "fp8", "w8a8")
 INT8_MAX = 127
+# w8a8: input features per activation scale. Per row (token) cost SmolLM2-135M +4.6 % perplexity, 64 +0.6 %,
+# 32 +0.55 %, 128 +1.6 % (docs/quantization.md); 64 is a whole number of the kernel's 4-feature lanes
+W8A8_GROUP = 64
 CACHE_VERSION = "int8-v1"  # bump when the int8 recipe changes: old cache entries are then ignored
 
 log = structlog.get_logger("tokenbus.quantization")
@@ -61,22 +65,27 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     return Int8Weight(q, scale.contiguous())
 
 
-def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic symmetric int8 of each row (token) of x [..., k]: (codes, scale [..., 1]) with scale =
-    max|x_row| / 127 and codes = round(x · (127 / max|x_row|)) in fp32, the ops the C++ W8A8 kernel runs
-    (kernels/csrc/cpu_w8a8.cpp); an all-zero row gets scale 0 and codes 0."""
+def quantize_activations_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric int8 of x [..., k] per row (token) and group of W8A8_GROUP consecutive features (the last
+    group may be shorter): (codes [..., k], scale [..., ceil(k / W8A8_GROUP)]) with scale = max|x_group| / 127 and
+    codes = round(x · (127 / max|x_group|)) in fp32, the ops the C++ W8A8 kernel runs (kernels/csrc/cpu_w8a8.cpp);
+    an all-zero group gets scale 0 and codes 0."""
     x = x.float()
-    amax = x.abs().amax(dim=-1, keepdim=True)
+    k = x.shape[-1]
+    groups = -(-k // W8A8_GROUP)
+    padded = torch.nn.functional.pad(x, (0, groups * W8A8_GROUP - k)).view(*x.shape[:-1], groups, W8A8_GROUP)
+    amax = padded.abs().amax(dim=-1, keepdim=True)
     # a tensor over a tensor: `127 / amax` would be amax.reciprocal() * 127, one rounding more than the kernel's
     inv = torch.where(amax > 0, torch.full_like(amax, INT8_MAX) / amax, torch.zeros_like(amax))
-    return torch.round(x * inv).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), amax / INT8_MAX
+    codes = torch.round(padded * inv).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return codes.view(*x.shape[:-1], groups * W8A8_GROUP)[..., :k], (amax / INT8_MAX).squeeze(-1)
 
 
-def round_rows_int8(x: torch.Tensor) -> torch.Tensor:
-    """x with each row rounded to its dynamic int8 value (quantized, then dequantized): what a W8A8 linear
-    multiplies its weight with."""
-    codes, scale = quantize_rows_int8(x)
-    return (codes.float() * scale).to(x.dtype)
+def round_activations_int8(x: torch.Tensor) -> torch.Tensor:
+    """x with each row's groups rounded to their dynamic int8 values (quantized, then dequantized): what a W8A8
+    linear multiplies its weight with."""
+    codes, scale = quantize_activations_int8(x)
+    return (codes.float() * scale.repeat_interleave(W8A8_GROUP, dim=-1)[..., : x.shape[-1]]).to(x.dtype)
 
 
 def check_int8_layout(name: str, qweight: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> None:
@@ -142,7 +151,7 @@ def apply_int8(model: nn.Module, directory: str, cache_dir: str | None = None, w
     """Quantize the loaded fp32 model's linears to int8 in place (or read them back from the cache): each
     nn.Linear's weight becomes its dequantized value and gains an `int8` attribute (Int8Weight) that
     backends/cpu_linear.py packs for the C++ kernel; w8a8 also marks it (`w8a8 = True`) to round its input per
-    token to int8 (the W8A8 kernel). Returns the cache file's path (None: no cache)."""
+    token and group to int8 (the W8A8 kernel). Returns the cache file's path (None: no cache)."""
     linears = quantizable_linears(model)
     path = _cache_path(directory, model, cache_dir)
     quantized = _read_cache(path, linears) if path and os.path.isfile(path) else None

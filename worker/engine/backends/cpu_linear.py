@@ -11,8 +11,8 @@ docs/kernels.md has the measurements behind PANEL_MAX_ROWS.
 An int8-quantized linear (worker/engine/quantization.py: the nn.Linear carries an `int8` attribute and its
 weight is the dequantized value) packs its int8 weight into the panels instead, with the per-channel scales
 padded alongside: the C++ kernel widens them in registers. oneDNN keeps the dequantized fp32 weight. A W8A8
-linear (`w8a8` attribute too) packs for the VNNI kernel (pack_panels_w8a8), which quantizes x per row itself;
-oneDNN then multiplies x rounded the same way (round_rows_int8), so both paths compute one model.
+linear (`w8a8` attribute too) packs for the VNNI kernel (pack_panels_w8a8), which quantizes x per row and group
+itself; oneDNN then multiplies x rounded the same way (round_activations_int8), so both paths compute one model.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import structlog
 import torch
 from torch import nn
 
-from worker.engine.quantization import round_rows_int8
+from worker.engine.quantization import W8A8_GROUP, round_activations_int8
 
 PACK_FOR_ROWS = 16  # the row count oneDNN picks the packed layout for; any row count still works
 # the widest batch the panels serve: they were ahead of oneDNN up to 64 rows on every machine measured, and 64
@@ -46,16 +46,19 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 def pack_panels_w8a8(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The W8A8 kernel's operands (kernels/csrc/cpu_w8a8.cpp) from int8 [out, in] and its scales [out]:
     panels int8 [ceil(out / 16), ceil(in / 4), 16, 4] (4 consecutive inputs of each of 16 columns side by side,
-    zeros past in and out) and fp32 [2, ceil(out / 16) * 16]: the scales, then each column's sum of codes."""
+    zeros past in and out) and fp32 [1 + ceil(in / W8A8_GROUP), ceil(out / 16) * 16]: the scales, then for each
+    activation group of W8A8_GROUP inputs each column's sum of codes over it."""
     out_features, in_features = qweight.shape
     cols, k = -(-out_features // 16) * 16, -(-in_features // 4) * 4
-    padded = torch.zeros(cols, k, dtype=torch.int8)
+    groups = -(-in_features // W8A8_GROUP)
+    padded = torch.zeros(cols, groups * W8A8_GROUP, dtype=torch.int8)
     padded[:out_features, :in_features] = qweight
-    panels = padded.view(cols // 16, 16, k // 4, 4).transpose(1, 2).contiguous()
-    scales = torch.zeros(2, cols)
+    panels = padded[:, :k].reshape(cols // 16, 16, k // 4, 4).transpose(1, 2).contiguous()
+    scales = torch.zeros(1 + groups, cols)
     scales[0] = 1.0
     scales[0, :out_features] = scale
-    scales[1] = padded.sum(dim=1, dtype=torch.int64).float()  # |sum| <= 127 * in: exact in fp32
+    # |sum| <= 127 * W8A8_GROUP: exact in fp32
+    scales[1:] = padded.view(cols, groups, W8A8_GROUP).sum(dim=2, dtype=torch.int64).T.float()
     return panels, scales
 
 
@@ -68,10 +71,10 @@ class CpuLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
         self.bias = linear.bias.detach().clone() if linear.bias is not None else None
         self.ext = ext if weight.dtype == torch.float32 else None
-        # scales: None for fp32 panels, fp32 [ceil(out / 16) * 16] for int8, [2, ceil(out / 16) * 16] for W8A8
+        # scales: None for fp32 panels, fp32 [ceil(out / 16) * 16] for int8, [1 + groups, ceil(out / 16) * 16] for W8A8
         self.panels = self.scales = None
         int8 = getattr(linear, "int8", None)
-        # W8A8 (quantization.py): every row of x is rounded to int8 before the product, on every path
+        # W8A8 (quantization.py): x is rounded to int8 per row and group before the product, on every path
         self.w8a8 = int8 is not None and getattr(linear, "w8a8", False)
         if self.ext is not None and self.w8a8:
             self.panels, self.scales = pack_panels_w8a8(int8.qweight, int8.scale)
@@ -92,7 +95,7 @@ class CpuLinear(nn.Module):
                 return self.ext.panel_linear_int8_cpu(x, self.panels, self.scales, self.out_features, self.bias)
             return self.ext.panel_linear_cpu(x, self.panels, self.out_features, self.bias)
         if self.w8a8:  # the same model in fp32: the rounded activations times the dequantized weight
-            x = round_rows_int8(x)
+            x = round_activations_int8(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
