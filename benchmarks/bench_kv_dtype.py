@@ -7,7 +7,8 @@ With the prefix cache on, prefill is mostly cache hits and a decode step reads ~
 sequence: 46 KB per token of context in float32 for SmolLM2, against 0.54 GB of weights per step.
 
 Rows: the tokenbus engine offline and end to end (producer.Client -> Redis -> `python -m worker`), each with
---kv-cache-dtype float32, bfloat16 and int8, in turns over --rounds rounds (the order rotates each round);
+--kv-cache-dtype float32, bfloat16 and int8 (fp32 weights), and with int8 KV and `--quantization w8a8` (int8
+weights and activations: tokenbus's fastest CPU setting), in turns over --rounds rounds (the order rotates each round);
 each row reports its median round. Offline rows also report decode tok/s (tokens of pure decode steps /
 seconds inside them) and the KV blocks the engine's default 1 GiB holds in that dtype. vLLM's CPU build
 (prefix caching on, --vllm-dtype) takes its turn in the same rotation where .venv-vllm exists
@@ -41,25 +42,33 @@ from benchmarks.bench_workload import chat_ids, shared_prefix_workload  # noqa: 
 from benchmarks.vllm_row import add_vllm_arguments, vllm_row, vllm_turn  # noqa: E402
 
 KV_DTYPES = ("float32", "bfloat16", "int8")
-SYSTEMS = tuple(f"{kind} {kv}" for kind in ("offline", "e2e") for kv in KV_DTYPES)
+# each path with each KV dtype and fp32 weights; then int8 KV with --quantization w8a8, tokenbus's fastest CPU
+# setting, the row the issue's goal against vLLM's CPU build is about
+SYSTEMS = tuple(f"{kind} {kv}" for kind in ("offline", "e2e") for kv in KV_DTYPES) + (
+    "offline int8 w8a8", "e2e int8 w8a8")
 MAX_NUM_BATCHED_TOKENS = 512
 
 
-def offline(kv: str, prompt_ids, max_tokens) -> dict[str, float]:
+def offline(kv: str, prompt_ids, max_tokens, quantization: str | None = None) -> dict[str, float]:
     from worker import Engine
 
     engine = Engine("smollm2-135m", device="cpu", dtype="float32", max_num_seqs=64,
-                    max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, kv_cache_dtype=kv)
+                    max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, kv_cache_dtype=kv, quantization=quantization)
     return {**timed_generate(engine, prompt_ids, max_tokens), "blocks": engine.block_manager.num_blocks}
 
 
-def end_to_end(kv: str, redis_url: str, prompt_ids, max_tokens, log_dir: str) -> dict[str, float]:
-    os.environ["TOKENBUS_KV_CACHE_DTYPE"] = kv  # the worker subprocess inherits it
+def end_to_end(kv: str, redis_url: str, prompt_ids, max_tokens, log_dir: str,
+               quantization: str | None = None) -> dict[str, float]:
+    os.environ["TOKENBUS_KV_CACHE_DTYPE"] = kv  # the worker subprocess inherits both
+    if quantization:
+        os.environ["TOKENBUS_QUANTIZATION"] = quantization
     try:
         timed = run_e2e(redis_url, prompt_ids, max_tokens, torch.get_num_threads(),
-                        os.path.join(log_dir, f"worker-{kv}.log"), max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+                        os.path.join(log_dir, f"worker-{kv}-{quantization}.log"),
+                        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
     finally:
         os.environ.pop("TOKENBUS_KV_CACHE_DTYPE", None)
+        os.environ.pop("TOKENBUS_QUANTIZATION", None)
     tokens = sum(len(t) for t in timed.outputs)
     return {"tok/s": tokens / timed.seconds, "seconds": timed.seconds, "outputs": [list(t) for t in timed.outputs]}
 
@@ -120,6 +129,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--kernel-only", action="store_true", help="time the C++ attention alone (see above)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="a comma-separated subset of the tokenbus "
+                        "rows (each needs its path's float32 row, the base of its ×)")
     add_vllm_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -147,19 +158,20 @@ def main() -> None:
     print(f"{len(prompt_ids)} prompts of {mean_prompt:.0f} tokens on average, {shared} shared by all; "
           f"{sum(max_tokens)} output tokens", flush=True)
     vllm = vllm_turn(args, prompt_ids, max_tokens)
-    systems = SYSTEMS + (("vllm",) if vllm else ())
+    tokenbus_systems = tuple(s for s in args.systems.split(",") if s)
+    systems = tokenbus_systems + (("vllm",) if vllm else ())
     started = time.strftime("%Y-%m-%d %H:%M")
     with tempfile.TemporaryDirectory() as log_dir, RedisServer() as redis_server:
 
         def run_one(name: str) -> dict | None:
             if name == "vllm":
                 return vllm(log_dir)
-            kind, kv = name.split()
+            kind, kv, *quantization = name.split()
             load = os.getloadavg()[0]
             if kind == "offline":
-                res = offline(kv, prompt_ids, max_tokens)
+                res = offline(kv, prompt_ids, max_tokens, *quantization)
             else:
-                res = end_to_end(kv, redis_server.url, prompt_ids, max_tokens, log_dir)
+                res = end_to_end(kv, redis_server.url, prompt_ids, max_tokens, log_dir, *quantization)
             return {**res, "load": load}
 
         results = rotating_rounds(systems, args.rounds, run_one)
@@ -168,8 +180,8 @@ def main() -> None:
         return statistics.median(res[key] for res in results[name])
 
     rows = []
-    for name in SYSTEMS:
-        kind, kv = name.split()
+    for name in tokenbus_systems:
+        kind = name.split()[0]
         base = f"{kind} float32"
         ratio = median(name, "tok/s") / median(base, "tok/s")
         decode = blocks = "—"
@@ -186,15 +198,16 @@ def main() -> None:
         f"Workload: {len(prompt_ids)} requests of {mean_prompt:.0f} prompt tokens on average, {shared} of them "
         f"shared by all (a system instruction of {args.rules} rules, SmolLM2's chat template), outputs "
         f"long-tailed 8–{args.max_tokens} tokens ({sum(max_tokens)} in all), greedy, EOS ignored, prefix caching "
-        f"on; SmolLM2-135M fp32 weights on the CPU ({cpu_name()}), {args.threads} threads; {args.rounds} rounds in "
+        f"on; SmolLM2-135M on the CPU ({cpu_name()}), {args.threads} threads; {args.rounds} rounds in "
         f"rotating order, medians; run {started} with `python -m benchmarks.bench_kv_dtype`. × is against the "
-        "same path with a float32 KV cache; blocks: what the default 1 GiB KV budget holds; same tokens: "
+        "same path with a float32 KV cache and fp32 weights; blocks: what the default 1 GiB KV budget holds; "
+        "same tokens: "
         "requests whose output equals the float32 row's (round 1).",
         "",
         *table(["system", "tok/s", "× fp32 KV", "decode tok/s (× fp32 KV)", "KV blocks in 1 GiB",
                 "same tokens as fp32 KV", "rounds tok/s", "1-min load avg per round"], rows),
         "",
-        vllm_row(args, results.get("vllm"), {name: median(name, "tok/s") for name in SYSTEMS if "e2e" in name}),
+        vllm_row(args, results.get("vllm"), {n: median(n, "tok/s") for n in tokenbus_systems if n.startswith("e2e")}),
     ])
     publish(body, "quantization.md", "kv-speed", not args.no_write)
 
