@@ -43,7 +43,8 @@ ENGINE_HELP = {
     "overlap": "schedule and prepare step N+1 while step N runs; unset = on for cuda, off on the cpu",
     "quantization": "weight quantization: unset = as loaded (an FP8 checkpoint serves FP8 on a GPU); 'int8' (CPU "
                     "float32, per-channel weight-only); 'w8a8' (CPU float32, int8 weights and activations rounded "
-                    "per token to int8: faster on VNNI CPUs); 'fp8' (GPU sm_89+, e4m3 weights per channel)",
+                    "to int8 per token and group of 64: faster on VNNI CPUs); 'fp8' (GPU sm_89+, e4m3 weights per "
+                    "channel)",
     "kv_cache_dtype": "KV-cache dtype: 'auto' (the model's), 'bfloat16', 'float32', 'int8' (CPU, scaled per "
     "token and head: ~3.8x the tokens of float32), 'fp8' (CUDA sm_89+, e4m3 with the same scales)",
 }

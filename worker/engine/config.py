@@ -48,7 +48,7 @@ class EngineConfig:
     overlap: bool | None = None  # schedule and prepare step N+1 while step N runs (overlap.py); None = on for
     # cuda, off on the cpu (there the forward and the host share the same cores)
     quantization: str | None = None  # weights: None = as loaded; "int8" (CPU fp32, weight-only per-channel);
-    # "w8a8" (CPU fp32: int8's weights and each linear's input rounded per token to int8, VNNI kernels);
+    # "w8a8" (CPU fp32: int8's weights and each linear's input rounded to int8 per token and group of 64, VNNI kernels);
     # "fp8" (CUDA sm_89+, e4m3 per-channel through torch._scaled_mm); worker/engine/quantization.py
     kv_cache_dtype: str = "auto"  # "auto" = the model dtype; "bfloat16", "float32"; "int8" (CPU: the C++
     # kernels, a scale per token and KV head); "fp8" (CUDA sm_89+: e4m3, the same scales). kernels/kv_quant.py
