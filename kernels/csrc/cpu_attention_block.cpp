@@ -337,7 +337,10 @@ void attend_block(const float* qs, int64_t group, int64_t head_dim, const typena
   }
   if (softcap > 0.f)
     for (int64_t h = 0; h < group; ++h)
-      for (int64_t j = 0; j < n; ++j) scores[h * block_size + j] = softcap * std::tanh(scores[h * block_size + j] / softcap);
+      for (int64_t j = 0; j < n; ++j) {
+        float& s = scores[h * block_size + j];
+        s = softcap * std::tanh(s / softcap);
+      }
   for (int64_t j = 0; j < masked; ++j)
     for (int64_t h = 0; h < group; ++h) scores[h * block_size + j] = -1e30f;
   float* corr = scores + group * block_size;
