@@ -1,10 +1,12 @@
 """The CPU serving path's C++ kernels, float32: csrc/cpu_kernels.cpp (RMSNorm, SiLU·mul, RoPE, a row-wise
-argmax and a panel GEMV), csrc/cpu_attention.cpp (write_kv and paged decode attention over a float32, bfloat16
-or int8 KV cache), csrc/cpu_w8a8.cpp (the panel GEMV with int8 weights and per-token int8 activations, VNNI),
-csrc/cpu_quant.cpp (the panel GEMV with int8 weights) and csrc/decode_layers.cpp (a pure decode
-step's decoder layers composed of those kernels in one call). worker/engine/backends/cpu.py is their user.
+argmax and a panel GEMV), csrc/cpu_attention.cpp (write_kv over a float32, bfloat16 or int8 KV cache),
+csrc/cpu_attention_block.cpp and cpu_decode_attention.cpp (paged decode attention over such a cache: one
+block's math, then the walk over blocks and sequences), csrc/cpu_w8a8.cpp (the panel GEMV with int8
+weights and per-token int8 activations, VNNI), csrc/cpu_quant.cpp (the panel GEMV with int8 weights) and
+csrc/decode_layers.cpp (a pure decode step's decoder layers composed of those kernels in one call).
+worker/engine/backends/cpu.py is their user.
 
-Built once per machine with torch's cpp_extension (g++ and ninja; ~40 s of CPU: one translation unit of five
+Built once per machine with torch's cpp_extension (g++ and ninja; ~40 s of CPU: one translation unit of seven
 files) into the tokenbus cache directory and loaded from there afterwards. The build is keyed by the source,
 the compiler flags, the torch version,
 the CPU's instruction sets (the code is compiled for the CPU it runs on) and the real paths (symlinks
@@ -37,7 +39,8 @@ import torch
 # one translation unit, in this order: cpu_kernels.cpp's helpers come first (check_layout, the panel tiles),
 # each later file calls the functions of those before it, decode_layers.cpp those of all the others
 SOURCES = [Path(__file__).with_name("csrc") / name
-           for name in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_w8a8.cpp", "cpu_quant.cpp", "decode_layers.cpp")]
+           for name in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_attention_block.cpp",
+                        "cpu_decode_attention.cpp", "cpu_w8a8.cpp", "cpu_quant.cpp", "decode_layers.cpp")]
 FUNCTIONS = [
     "write_kv_cpu", "paged_decode_attention_cpu",  # the CPU versions of two kernels/reference.py functions
     "add_rms_norm_cpu", "rms_norm_cpu", "silu_and_mul_cpu", "rotary_cpu",  # a decoder layer's elementwise ops

@@ -1,5 +1,5 @@
-"""The C++ CPU kernels (kernels/cpu.py, kernels/csrc/cpu_kernels.cpp and cpu_attention.cpp) against the PyTorch
-references, on fresh random inputs of awkward shapes, and the CPU dispatch that picks them."""
+"""The C++ CPU kernels (kernels/cpu.py, kernels/csrc/cpu_kernels.cpp and the cpu_*attention*.cpp files) against
+the PyTorch references, on fresh random inputs of awkward shapes, and the CPU dispatch that picks them."""
 
 from __future__ import annotations
 

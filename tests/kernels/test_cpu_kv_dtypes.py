@@ -1,7 +1,7 @@
 """The C++ KV write and paged attention over bfloat16 and int8 caches (kernels/csrc/cpu_attention.cpp,
-kernels/kv_quant.py): the write quantizes as kv_quant.quantize does, and attention over a quantized cache
-equals the PyTorch reference over the same cache dequantized (within fp32 rounding), on awkward shapes, with
-the AVX-512 and the AVX2 builds."""
+cpu_attention_block.cpp, cpu_decode_attention.cpp, kernels/kv_quant.py): the write quantizes as
+kv_quant.quantize does, and attention over a quantized cache equals the PyTorch reference over the same cache
+dequantized (within fp32 rounding), on awkward shapes, with the AVX-512 and the AVX2 builds."""
 
 from __future__ import annotations
 

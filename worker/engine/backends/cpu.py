@@ -1,6 +1,6 @@
 """CpuBackend: how a step runs on the CPU in float32 — the whole fast path in one place.
 
-    attention, KV write   C++ kernels (kernels/csrc/cpu_attention.cpp) over a float32, bfloat16 or int8 cache; a
+    attention, KV write   C++ kernels (kernels/csrc/cpu_*attention*.cpp) over a float32, bfloat16 or int8 cache; a
                           prompt chunk's causal attention runs as one decode per query token over its prefix
     norms, SiLU·mul, RoPE one C++ pass each, in place where the layer allows it
     linear layers         CpuLinear (cpu_linear.py): a panel GEMV for decode-sized batches, oneDNN above
