@@ -37,6 +37,8 @@ constexpr int64_t kGroupBytes = kGroup * kPanelCols;  // one panel lane group: 6
 constexpr int64_t kActGroup = 64;  // input features per activation scale (quantization.W8A8_GROUP)
 constexpr int64_t kLanesPerActGroup = kActGroup / kGroup;
 constexpr int32_t kZeroPoint = 128;
+// rows of a prefill-sized batch per pass over the weights: their codes (≤ 384 KiB at k = 1536) stay in L2
+constexpr int64_t kChunkRows = 256;
 // the weights asked for this far ahead: 4 KiB of panel, as the other panel kernels
 constexpr int64_t kPrefetchW8a8 = 4096;
 
@@ -193,10 +195,15 @@ torch::Tensor panel_linear_w8a8_cpu(torch::Tensor x, torch::Tensor panels, torch
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  for_each_panel_tile(rows, num_panels, [&](int64_t p, int64_t r0, auto height) {
-    panel_rows_w8a8<decltype(height)::value>(qp + r0 * kGroup, rows * kGroup, xsp + r0, rows,
-                                             wp + p * groups * kGroupBytes, sp, sp + cols, cols, groups, act_groups,
-                                             yp + r0 * out_features, out_features, p * kPanelCols, out_features, bp);
-  });
+  // Prefill-sized batches in chunks of rows, each chunk's codes (k bytes a row) read from L2 by every panel
+  for (int64_t c0 = 0; c0 < rows; c0 += kChunkRows) {
+    const int64_t chunk = std::min(kChunkRows, rows - c0);
+    for_each_panel_tile(chunk, num_panels, [&](int64_t p, int64_t r0, auto height) {
+      const int64_t r = c0 + r0;
+      panel_rows_w8a8<decltype(height)::value>(qp + r * kGroup, rows * kGroup, xsp + r, rows,
+                                               wp + p * groups * kGroupBytes, sp, sp + cols, cols, groups, act_groups,
+                                               yp + r * out_features, out_features, p * kPanelCols, out_features, bp);
+    });
+  }
   return y;
 }

@@ -108,21 +108,39 @@ def test_w8a8_kernel_avx2_path_equals_integer_reference():
     check_kernel(module, 1536, 576, seed=6, bias=False)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 16, 64, 65, 130])
-def test_cpu_linear_w8a8_panels_then_onednn(ext, rows):
-    """CpuLinear of a W8A8 linear: the kernel up to PANEL_MAX_ROWS rows, oneDNN on the rounded activations and
-    the dequantized weight beyond; both equal F.linear of the same."""
+class WithoutVnni:
+    """The real extension, reporting a CPU without VNNI: what CpuLinear then chooses (the kernels run as built)."""
+
+    def __init__(self, ext) -> None:
+        self.ext = ext
+
+    def __getattr__(self, name: str):
+        return getattr(self.ext, name)
+
+    def w8a8_native_cpu(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("vnni", [True, False])
+@pytest.mark.parametrize("rows", [1, 7, 16, 64, 65, 130, 300])
+def test_cpu_linear_w8a8_kernel_or_onednn(ext, rows, vnni):
+    """CpuLinear of a W8A8 linear: with VNNI the kernel at every row count (300: two chunks of rows) and no oneDNN
+    copy of the weight; without, the kernel up to PANEL_MAX_ROWS rows and oneDNN on the rounded activations and
+    the dequantized weight beyond. Every path equals F.linear of the same."""
+    if vnni and not ext.w8a8_native_cpu():
+        pytest.skip("this CPU has no VNNI")
     linear = int8_linear(rows, w8a8=True)
     gen = torch.Generator().manual_seed(rows + 1000)
-    cpu_linear = CpuLinear(linear, ext)
+    cpu_linear = CpuLinear(linear, ext if vnni else WithoutVnni(ext))
     assert cpu_linear.panels.shape == (5, 50, 16, 4) and cpu_linear.scales.shape == (5, 80)
+    assert (cpu_linear.packed_weight is None) == vnni
     calls = count_calls(cpu_linear, "panel_linear_w8a8_cpu")
     x = torch.randn(rows, 200, generator=gen)
     with torch.inference_mode():
         out = cpu_linear(x)
     expected = torch.nn.functional.linear(round_activations_int8(x), linear.weight, linear.bias)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    assert calls == ([rows] if rows <= PANEL_MAX_ROWS else [])
+    assert calls == ([rows] if vnni or rows <= PANEL_MAX_ROWS else [])
 
 
 def test_bad_w8a8_input_is_refused_with_a_reason(ext):

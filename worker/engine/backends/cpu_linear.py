@@ -12,7 +12,9 @@ An int8-quantized linear (worker/engine/quantization.py: the nn.Linear carries a
 weight is the dequantized value) packs its int8 weight into the panels instead, with the per-channel scales
 padded alongside: the C++ kernel widens them in registers. oneDNN keeps the dequantized fp32 weight. A W8A8
 linear (`w8a8` attribute too) packs for the VNNI kernel (pack_panels_w8a8), which quantizes x per row and group
-itself; oneDNN then multiplies x rounded the same way (round_activations_int8), so both paths compute one model.
+itself, and on a CPU with VNNI serves every batch, prefill included, from its int8 panels alone (no oneDNN copy).
+Without VNNI, batches over PANEL_MAX_ROWS go to oneDNN on x rounded the same way (round_activations_int8): the
+same model either way.
 """
 
 from __future__ import annotations
@@ -67,8 +69,6 @@ class CpuLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        # plain attributes, not parameters: packed weights are opaque to state_dict
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
         self.bias = linear.bias.detach().clone() if linear.bias is not None else None
         self.ext = ext if weight.dtype == torch.float32 else None
         # scales: None for fp32 panels, fp32 [ceil(out / 16) * 16] for int8, [1 + groups, ceil(out / 16) * 16] for W8A8
@@ -76,24 +76,36 @@ class CpuLinear(nn.Module):
         int8 = getattr(linear, "int8", None)
         # W8A8 (quantization.py): x is rounded to int8 per row and group before the product, on every path
         self.w8a8 = int8 is not None and getattr(linear, "w8a8", False)
+        # the widest batch the panels serve: W8A8 on VNNI takes every batch, since at prefill sizes it beat oneDNN
+        # on the rounded activations (the rounding alone cost a third of oneDNN's time) by 1.5-2x, and then
+        # no fp32 copy of the weight is kept at all
+        self.max_panel_rows = PANEL_MAX_ROWS
         if self.ext is not None and self.w8a8:
             self.panels, self.scales = pack_panels_w8a8(int8.qweight, int8.scale)
+            if self.ext.w8a8_native_cpu():
+                self.max_panel_rows = None
         elif self.ext is not None and int8 is not None:
             self.panels = pack_panels(int8.qweight)
             self.scales = torch.ones(self.panels.shape[0] * 16)
             self.scales[: self.out_features] = int8.scale
         elif self.ext is not None:
             self.panels = pack_panels(weight)
+        # plain attributes, not parameters: packed weights are opaque to state_dict
+        self.packed_weight = (None if self.panels is not None and self.max_panel_rows is None
+                              else torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 3 and x.shape[0] == 1:  # transformers' modules (the fallback) keep a batch dim of 1
             return self.forward(x[0]).unsqueeze(0)
-        if self.panels is not None and x.dim() == 2 and x.shape[0] <= PANEL_MAX_ROWS and x.stride(-1) == 1:
+        rows_fit = self.max_panel_rows is None or x.shape[0] <= self.max_panel_rows
+        if self.panels is not None and x.dim() == 2 and rows_fit and x.stride(-1) == 1:
             if self.w8a8:
                 return self.ext.panel_linear_w8a8_cpu(x, self.panels, self.scales, self.out_features, self.bias)
             if self.scales is not None:
                 return self.ext.panel_linear_int8_cpu(x, self.panels, self.scales, self.out_features, self.bias)
             return self.ext.panel_linear_cpu(x, self.panels, self.out_features, self.bias)
+        if self.w8a8 and self.packed_weight is None:  # the kernel, for shapes it does not take as they are
+            return self.forward(x.reshape(-1, self.in_features).contiguous()).view(*x.shape[:-1], self.out_features)
         if self.w8a8:  # the same model in fp32: the rounded activations times the dequantized weight
             x = round_activations_int8(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
