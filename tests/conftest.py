@@ -1,10 +1,20 @@
 """Fixtures every layer shares. tests/ is a package, so pytest puts the repository root first on sys.path and
 the tests import this checkout's code (also when run from a worktree beside an editable install)."""
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# pytest-xdist runs several test processes on a machine's few cores (scripts/test: two, beside the interpreted
+# kernel suites): an intra-op thread pool per process sized to every core oversubscribes them, and each parallel
+# region then waits for its descheduled threads (a 400-token Hugging Face generate took 33 s at 2 threads beside
+# other work, 3.7 s at 1). One thread per test process, and per worker process a test starts (inherited).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
 
 from tests.support.local_redis import RedisServer
 
@@ -29,7 +39,6 @@ def redis_server():
 
 # ---- serve loop (tests/test_serve*.py) -------------------------------------------------------------------
 
-import os  # noqa: E402
 import subprocess  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
