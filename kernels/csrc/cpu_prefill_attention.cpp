@@ -1,9 +1,9 @@
 // The CPU serving path's paged prefill attention over a float32, bfloat16 or int8 KV cache: the causal
 // attention of each sequence's newest q_len tokens over all its cached tokens (the same function and results
 // as kernels/reference.py's paged_prefill_attention over the cache dequantized). Built after
-// cpu_decode_attention.cpp in the same translation unit (kernels/cpu.py), whose cache kinds, vectors, exp,
-// softmax step and P·V loops (cpu_attention.cpp, cpu_attention_block.cpp) it reuses. worker/engine/backends/
-// cpu.py calls it; tests/kernels/test_cpu_prefill.py compares it with the reference.
+// cpu_decode_attention.cpp in the same translation unit (kernels/cpu.py), whose cache kinds, vectors, exp and
+// row widening (cpu_attention.cpp, cpu_attention_block.cpp, cpu_decode_attention.cpp) it reuses.
+// worker/engine/backends/cpu.py calls it; tests/kernels/test_cpu_prefill.py compares it with the reference.
 //
 // Layout: the top of cpu_attention.cpp, plus
 //   q             [num_tokens, num_q_heads, head_dim] fp32, sequences' new tokens back to back (head_dim
@@ -14,210 +14,205 @@
 //                 window, > its own - window)
 //
 // Why not one decode per query token (what the backend ran before): each query then re-read and re-widened
-// the whole context and summed each score across lanes. Here one work item is (sequence, KV head, tile of up
-// to kTileRows query rows: tokens × the group's query heads), and each context block is widened once per
-// item into a per-thread fp32 scratch, K transposed (Kt [head_dim, block_size]) and V as rows. A block's
-// scores for a query row are then whole vectors: scores += q[d] (broadcast) * Kt[d][:] over d, kScoreAccs
-// independent accumulators (rows × vectors of a block) at a time, no horizontal sums; the online softmax
-// (softmax_heads) and P·V (pv_heads) treat each query row like a decode's query head. Causal and window masks
-// set scores to -1e30 (finite: -ffast-math); a block is only visited by the tile's tokens that see one of its
-// keys, so every visited row has a real maximum. Blocks of other widths (not a multiple of the vector,
-// or more than 4 vectors) and run-time head_dims take per-row loops.
+// the whole context, and each score was a dot product summed across lanes. Here one work item is (sequence,
+// KV head, tile of up to kTileRows query rows: tokens × the group's query heads, row t * group + h), and
+// each context block is read (fp32) or widened (bf16, int8: rows times their scales, into a per-thread fp32
+// scratch) once per item. The item's queries are held TRANSPOSED, in chunks of kLanes rows (qt [dim,
+// kLanes], once per item), so that a lane is a query row throughout:
+//   - scores: for each key j of a block, st[j] = sum_d K[j][d] (broadcast) * qt[d] — the kLanes rows' scores
+//     for that key in one vector, kKeys keys (independent accumulators) at a time; no horizontal sums.
+//   - mask (causal, window) by comparing each lane's position with the key's; online softmax lane-wise: the
+//     block max is an element-wise max over the keys' vectors, each key's weights one exp_lanes, the
+//     running max, sum and correction of kLanes rows one vector each.
+//   - P·V: acc[row] += p[j][row] (broadcast) * V[j] for 4 rows at a time over the block's V rows (pv_rows).
+// This was measured against the design the issue proposed (K transposed per block, q broadcast, scores of a
+// row as a vector, decode's softmax_heads per row): that one spent a quarter of its time in the per-row
+// softmax (horizontal max and sum) and transposed K once per block and item; docs/quantization.md has both.
+// Any block size and head_dim work; head_dim 64 and 128 are compile-time in P·V.
 
 namespace {
 
-constexpr int kScoreAccs = 8;       // score accumulators per pass: rows × vectors of a block (8 chains)
+constexpr int kKeys = 8;            // score accumulators per pass: keys of a block (8 FMA chains)
 constexpr int64_t kTileRows = 64;   // query rows (tokens × group) per work item: acc [64, 64] is 16 KiB
 
-// x [kLanes] rows of kLanes lanes, transposed in place: log2(kLanes) rounds of pairwise interleaves of rows i
-// and i + kLanes / 2 (each round rotates the bits of a lane's (row, column) address by one; after log2(kLanes)
-// rounds row and column have swapped). kLanes / 2 * 2 two-source shuffles a round: 64 for 16 × 16 (vpermt2ps).
-TB_INLINE void transpose_lanes(Lanes* x) {
-  LaneIdx lo, hi;
-  for (int i = 0; i < kLanes / 2; ++i) {
-    lo[2 * i] = i, lo[2 * i + 1] = i + kLanes;
-    hi[2 * i] = i + kLanes / 2, hi[2 * i + 1] = i + kLanes / 2 + kLanes;
-  }
-  for (int round = 1; round < kLanes; round *= 2) {
-    Lanes y[kLanes];
-#pragma GCC unroll 16
-    for (int i = 0; i < kLanes / 2; ++i) {
-      y[2 * i] = __builtin_shuffle(x[i], x[i + kLanes / 2], lo);
-      y[2 * i + 1] = __builtin_shuffle(x[i], x[i + kLanes / 2], hi);
-    }
-#pragma GCC unroll 16
-    for (int i = 0; i < kLanes; ++i) x[i] = y[i];
-  }
-}
-
-// kt [dim, bs] = the n rows at src (row elements apart) as fp32, each times its scale, transposed; columns
-// n..bs zero (their scores are masked, but must be finite). Whole kLanes × kLanes tiles go through
-// registers (transpose_lanes: a quarter of the instructions of a lane-by-lane scatter); other shapes go
-// lane by lane.
-template <typename Kind>
-inline void widen_transposed(const typename Kind::T* __restrict src, int64_t row, int64_t n, int64_t dim,
-                             int64_t bs, float* __restrict kt) {
-  if (dim % kLanes == 0 && bs % kLanes == 0) {
-    for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
-      const int64_t rows = std::min<int64_t>(kLanes, n - j0);
-      float scales[kLanes];
-      for (int64_t i = 0; i < rows; ++i) scales[i] = Kind::scale(src + (j0 + i) * row, dim);
-      for (int64_t d0 = 0; d0 < dim; d0 += kLanes) {
-        Lanes x[kLanes];
-#pragma GCC unroll 16
-        for (int i = 0; i < kLanes; ++i) x[i] = i < rows ? load_lanes(src + (j0 + i) * row + d0) * scales[i] : Lanes{};
-        transpose_lanes(x);
-#pragma GCC unroll 16
-        for (int i = 0; i < kLanes; ++i) std::memcpy(kt + (d0 + i) * bs + j0, &x[i], sizeof(Lanes));
-      }
-    }
-    for (int64_t j0 = (n + kLanes - 1) / kLanes * kLanes; j0 < bs; j0 += kLanes)
-      for (int64_t d = 0; d < dim; ++d) std::fill(kt + d * bs + j0, kt + d * bs + j0 + kLanes, 0.f);
-    return;
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    const typename Kind::T* r = src + j * row;
-    const float s = Kind::scale(r, dim);
-    int64_t d = 0;
-    for (; d + kLanes <= dim; d += kLanes) {
-      const Lanes x = load_lanes(r + d) * s;
-#pragma GCC unroll 16
-      for (int i = 0; i < kLanes; ++i) kt[(d + i) * bs + j] = x[i];
-    }
-    for (; d < dim; ++d) kt[d * bs + j] = s * Kind::load(r, d);
-  }
-  if (n < bs)
-    for (int64_t d = 0; d < dim; ++d) std::fill(kt + d * bs + n, kt + (d + 1) * bs, 0.f);
-}
-
-// out [R, V * kLanes] (rows bs apart) = q [R, dim] (rows dim apart) times kt [dim, bs]: one broadcast FMA per
-// (row, vector, d), R * V independent accumulators
-template <int V, int R>
-TB_INLINE void score_rows(const float* __restrict q, int64_t dim, const float* __restrict kt, int64_t bs,
-                          float* __restrict out) {
-  Lanes acc[R][V];
+// st [C][J, kLanes] (chunks bs * kLanes apart) = the J keys' rows (K, row elements apart) times the C chunks'
+// qt [dim, kLanes] (dim * kLanes apart): a broadcast FMA per (key, chunk, d). Two chunks share each key's
+// broadcast: one load per FMA was more than the two load ports give with the two FMA units busy.
+template <int J, int C>
+TB_INLINE void score_keys(const float* __restrict k, int64_t row, const float* __restrict qt, int64_t dim,
+                          float* __restrict st, int64_t bs) {
+  Lanes acc[C][J];
+#pragma GCC unroll 2
+  for (int c = 0; c < C; ++c)
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) acc[r][v] = Lanes{};
-#pragma GCC unroll 4
+    for (int j = 0; j < J; ++j) acc[c][j] = Lanes{};
+#pragma GCC unroll 2
   for (int64_t d = 0; d < dim; ++d) {
-    Lanes k[V];
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) k[v] = load_lanes(kt + d * bs + v * kLanes);
+    Lanes q[C];
+#pragma GCC unroll 2
+    for (int c = 0; c < C; ++c) q[c] = load_lanes(qt + c * dim * kLanes + d * kLanes);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const float x = q[r * dim + d];
-#pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) acc[r][v] += x * k[v];
+    for (int j = 0; j < J; ++j) {
+      const float x = k[j * row + d];
+#pragma GCC unroll 2
+      for (int c = 0; c < C; ++c) acc[c][j] += x * q[c];
     }
   }
+#pragma GCC unroll 2
+  for (int c = 0; c < C; ++c)
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) std::memcpy(out + r * bs + v * kLanes, &acc[r][v], sizeof(Lanes));
+    for (int j = 0; j < J; ++j) std::memcpy(st + c * bs * kLanes + j * kLanes, &acc[c][j], sizeof(Lanes));
 }
 
-// The per-row fallback for block widths score_rows does not take: out[r][j] for j < ncols
-inline void score_rows_any(const float* __restrict q, int64_t rows, int64_t dim, const float* __restrict kt,
-                           int64_t bs, int64_t ncols, float* __restrict out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* o = out + r * bs;
-    std::fill(o, o + ncols, 0.f);
-    for (int64_t d = 0; d < dim; ++d) {
-      const float x = q[r * dim + d];
-#pragma omp simd
-      for (int64_t j = 0; j < ncols; ++j) o[j] += x * kt[d * bs + j];
+// the scores of C chunks (see score_keys) for a block's n keys
+template <int C>
+inline void score_block(const float* k, int64_t row, int64_t n, const float* qt, int64_t dim, float* st,
+                        int64_t bs) {
+  int64_t j = 0;
+  for (; j + kKeys <= n; j += kKeys) score_keys<kKeys, C>(k + j * row, row, qt, dim, st + j * kLanes, bs);
+  for (; j < n; ++j) score_keys<1, C>(k + j * row, row, qt, dim, st + j * kLanes, bs);
+}
+
+// acc_h = acc_h * corr[h] + sum_j pt[j * kLanes + h] * v[j * row] for H rows (acc [H, D]), over n V rows
+// (fp32: a cache's or the widened scratch); the accumulators stay in registers, each V vector is loaded once
+// for the H rows
+template <int D, int H>
+TB_INLINE void pv_rows(float* __restrict acc, const float* corr, const float* __restrict pt,
+                       const float* __restrict v, int64_t row, int64_t n) {
+  constexpr int kVecs = D / kLanes;
+  Lanes a[H][kVecs];
+#pragma GCC unroll 4
+  for (int h = 0; h < H; ++h)
+#pragma GCC unroll 16
+    for (int i = 0; i < kVecs; ++i) a[h][i] = load_lanes(acc + h * D + i * kLanes) * corr[h];
+  for (int64_t j = 0; j < n; ++j) {
+#pragma GCC unroll 16
+    for (int i = 0; i < kVecs; ++i) {
+      const Lanes x = load_lanes(v + j * row + i * kLanes);
+#pragma GCC unroll 4
+      for (int h = 0; h < H; ++h) a[h][i] += pt[j * kLanes + h] * x;
     }
   }
+#pragma GCC unroll 4
+  for (int h = 0; h < H; ++h)
+#pragma GCC unroll 16
+    for (int i = 0; i < kVecs; ++i) std::memcpy(acc + h * D + i * kLanes, &a[h][i], sizeof(Lanes));
 }
 
-// A thread's buffers: the widened block (kt [dim, bs], vw [bs, dim]), one tile's scaled queries qs and scores
-// (kScoreAccs rows of padding each: score_rows runs in whole passes), and its softmax state
+// A thread's buffers: the widened block (kw, vw [bs, dim]: bf16/int8 only), one item's transposed queries
+// (qt [chunks, dim, kLanes]) and two chunks' scores, then weights (st [2, bs, kLanes]); per row (padded to
+// whole chunks) the accumulator, running max, sum and correction
 struct Scratch {
-  std::vector<float> kt, vw, qs, scores, corr, acc, m, l;
+  std::vector<float> kw, vw, qt, st, acc, m, l, corr;
+  std::vector<LaneIdx> pos;  // per chunk, its rows' positions
   Scratch(int64_t dim, int64_t bs, int64_t rows)
-      : kt(dim * bs), vw(bs * dim), qs((rows + kScoreAccs) * dim), scores((rows + kScoreAccs) * bs), corr(rows),
-        acc(rows * dim), m(rows), l(rows) {}
+      : kw(bs * dim), vw(bs * dim), qt(rows * dim), st(2 * bs * kLanes), acc(rows * dim), m(rows), l(rows),
+        corr(rows), pos(rows / kLanes) {}
 };
 
-// One work item: `tokens` query tokens (qs [tokens * group, dim], row t * group + h: token t, query head h of
-// the group, scaled), the first at position pos0, over the KV head's cached keys up to the last one's
-// position. k, v: the KV head's first row (block 0, token 0), rows `row` elements apart. Leaves the
-// unnormalised output in w.acc and the softmax sums in w.l.
+// One chunk of kLanes query rows (their positions pos) over one block's n keys at positions base.. (st
+// [n, kLanes]: their scores; V rows, row elements apart, fp32): soft-cap, mask, the online-softmax update of
+// m, l (kLanes each) and acc [kLanes, dim]. A row that sees none of the block's keys gets weights
+// 0 and correction 1 (its max is left as it was), so a chunk's rows need not agree on which blocks they see.
+template <int D>
+void softmax_pv(LaneIdx pos, const float* vb, int64_t row, int64_t n, int64_t base, int64_t dim, int64_t window,
+                float softcap, float* st, float* acc, float* m, float* l, float* corr) {
+  int64_t j = 0;
+  if (softcap > 0.f)
+    for (int64_t i = 0; i < n * kLanes; ++i) st[i] = softcap * std::tanh(st[i] / softcap);
+  const Lanes masked = Lanes{} - 1e30f, zero = {};
+  const LaneIdx oldest = window > 0 ? pos - static_cast<int32_t>(window) : pos - pos - 1;  // keys > oldest
+  int32_t pos_min = pos[0], pos_max = pos[0];
+  for (int i = 1; i < kLanes; ++i) pos_min = std::min(pos_min, pos[i]), pos_max = std::max(pos_max, pos[i]);
+  // every row sees every key of the block (most blocks of a long context): no masks
+  const bool full = pos_min >= base + n - 1 && (window <= 0 || pos_max - window < base);
+  Lanes mx = load_lanes(m);
+  for (j = 0; j < n; ++j) {
+    const int32_t key = static_cast<int32_t>(base + j);
+    Lanes s = load_lanes(st + j * kLanes);
+    if (!full) {
+      s = (key <= pos) & (key > oldest) ? s : masked;
+      std::memcpy(st + j * kLanes, &s, sizeof s);
+    }
+    mx = lanes_max(mx, s);
+  }
+  const Lanes c = exp_lanes(load_lanes(m) - mx);
+  Lanes sum = load_lanes(l) * c;
+  for (j = 0; j < n; ++j) {
+    const int32_t key = static_cast<int32_t>(base + j);
+    Lanes e = exp_lanes(load_lanes(st + j * kLanes) - mx);
+    if (!full) e = (key <= pos) & (key > oldest) ? e : zero;  // rows that see no key here: e^(-1e30 - -1e30)
+    std::memcpy(st + j * kLanes, &e, sizeof e);
+    sum += e;
+  }
+  std::memcpy(m, &mx, sizeof mx);
+  std::memcpy(l, &sum, sizeof sum);
+  std::memcpy(corr, &c, sizeof c);
+  if constexpr (D > 0) {
+    static_assert(kLanes % 4 == 0);
+    for (int h = 0; h < kLanes; h += 4) pv_rows<D, 4>(acc + h * D, corr + h, st + h, vb, row, n);
+  } else {
+    for (int h = 0; h < kLanes; ++h) {
+      float* a = acc + h * dim;
+      for (int64_t d = 0; d < dim; ++d) a[d] *= corr[h];
+      for (j = 0; j < n; ++j) {
+        const float p = st[j * kLanes + h];
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) a[d] += p * vb[j * row + d];
+      }
+    }
+  }
+}
+
+// One work item: `tokens` query tokens, the first at position pos0 (w.qt: their rows transposed and scaled,
+// chunks of kLanes rows), over the KV head's cached keys up to the last one's position. k, v: the KV head's
+// first row (block 0, token 0), rows `row` elements apart. Leaves the unnormalised output in w.acc and the
+// softmax sums in w.l.
 template <typename Kind, int D>
 void attend_tile(int64_t tokens, int64_t group, int64_t dim, int64_t pos0, const typename Kind::T* k,
                  const typename Kind::T* v, int64_t row, const int32_t* table, int64_t bs, int64_t window,
                  float softcap, Scratch& w) {
   using T = typename Kind::T;
-  constexpr bool kInPlace = std::is_same_v<Kind, KvF32>;  // fp32 V rows are read where they are
-  const int64_t rows = tokens * group, last = pos0 + tokens - 1;
-  const int64_t vecs = bs % kLanes == 0 ? bs / kLanes : 0;
-  std::fill(w.m.begin(), w.m.begin() + rows, -1e30f);
-  std::fill(w.l.begin(), w.l.begin() + rows, 0.f);
-  std::fill(w.acc.begin(), w.acc.begin() + rows * dim, 0.f);
+  constexpr bool kInPlace = std::is_same_v<Kind, KvF32>;  // fp32 rows are read where they are
+  const int64_t chunks = (tokens * group + kLanes - 1) / kLanes, last = pos0 + tokens - 1;
+  std::fill(w.m.begin(), w.m.begin() + chunks * kLanes, -1e30f);
+  std::fill(w.l.begin(), w.l.begin() + chunks * kLanes, 0.f);
+  std::fill(w.acc.begin(), w.acc.begin() + chunks * kLanes * dim, 0.f);
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int i = 0; i < kLanes; ++i) w.pos[c][i] = static_cast<int32_t>(pos0 + (c * kLanes + i) / group);
   const int64_t first_key = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
   const Ahead none = {nullptr, 0, 0};
   for (int64_t b = first_key / bs; b <= last / bs; ++b) {
     const int64_t base = b * bs, n = std::min(bs, last + 1 - base);
-    // the tile's tokens that see a key of this block: position >= base, and (window) > base + n - 1 - window
-    const int64_t t_lo = std::max<int64_t>(0, base - pos0);
-    const int64_t t_hi = window > 0 ? std::min(tokens - 1, base + n - 2 + window - pos0) : tokens - 1;
-    if (t_lo > t_hi) continue;
     const T* kb = k + table[b] * bs * row;
     const T* vb = v + table[b] * bs * row;
-    widen_transposed<Kind>(kb, row, n, dim, bs, w.kt.data());
-    const float* vrows = reinterpret_cast<const float*>(vb);
-    int64_t vstride = row;
+    const float* kr = reinterpret_cast<const float*>(kb);
+    const float* vr = reinterpret_cast<const float*>(vb);
+    int64_t stride = row;
     if constexpr (!kInPlace) {
+      widen_rows<Kind, D>(kb, row, n, dim, w.kw.data(), none);
       widen_rows<Kind, D>(vb, row, n, dim, w.vw.data(), none);
-      vrows = w.vw.data();
-      vstride = dim;
+      kr = w.kw.data(), vr = w.vw.data(), stride = dim;
     }
-    const int64_t ncols = vecs ? bs : n;  // whole vectors: columns past n are masked
-    const int64_t r_lo = t_lo * group, count = (t_hi - t_lo + 1) * group;
-    const float* q = w.qs.data() + r_lo * dim;
-    float* s = w.scores.data() + r_lo * bs;
-    switch (vecs) {
-      case 1: for (int64_t r = 0; r < count; r += kScoreAccs) score_rows<1, kScoreAccs>(q + r * dim, dim,
-                                                                  w.kt.data(), bs, s + r * bs); break;
-      case 2: for (int64_t r = 0; r < count; r += kScoreAccs / 2) score_rows<2, kScoreAccs / 2>(q + r * dim, dim,
-                                                                  w.kt.data(), bs, s + r * bs); break;
-      case 4: for (int64_t r = 0; r < count; r += kScoreAccs / 4) score_rows<4, kScoreAccs / 4>(q + r * dim, dim,
-                                                                  w.kt.data(), bs, s + r * bs); break;
-      default: score_rows_any(q, count, dim, w.kt.data(), bs, ncols, s); break;
-    }
-    if (softcap > 0.f)
-      for (int64_t r = 0; r < count; ++r)
-        for (int64_t j = 0; j < n; ++j) s[r * bs + j] = softcap * std::tanh(s[r * bs + j] / softcap);
-    for (int64_t t = t_lo; t <= t_hi; ++t) {  // keys this token must not see: later, or out of its window
-      const int64_t p = pos0 + t;
-      const int64_t j_lo = window > 0 ? std::clamp<int64_t>(p - window + 1 - base, 0, ncols) : 0;
-      const int64_t j_hi = std::clamp<int64_t>(p + 1 - base, 0, n);
-      if (j_lo == 0 && j_hi == ncols) continue;
-      for (int64_t h = 0; h < group; ++h) {
-        float* sr = s + ((t - t_lo) * group + h) * bs;
-        for (int64_t j = 0; j < j_lo; ++j) sr[j] = -1e30f;
-        for (int64_t j = j_hi; j < ncols; ++j) sr[j] = -1e30f;
+    // the chunks whose rows see a key of this block (pos[c]: the positions of chunk c's rows), two at a time
+    // where both do
+    const auto sees = [&](int64_t c) {
+      const int64_t t_first = c * kLanes / group, t_last = std::min(tokens - 1, ((c + 1) * kLanes - 1) / group);
+      return pos0 + t_last >= base && !(window > 0 && pos0 + t_first - window >= base + n - 1);
+    };
+    for (int64_t c = 0; c < chunks;) {
+      const bool one = sees(c), two = c + 1 < chunks && sees(c + 1);
+      const float* qt = w.qt.data() + c * dim * kLanes;
+      if (one && two) score_block<2>(kr, stride, n, qt, dim, w.st.data(), bs);
+      else if (one || two) score_block<1>(kr, stride, n, qt + (one ? 0 : dim * kLanes), dim, w.st.data(), bs);
+      for (int64_t i = 0; i < 2 && c + i < chunks; ++i) {
+        if (!(i == 0 ? one : two)) continue;
+        const int64_t ci = c + i;
+        softmax_pv<D>(w.pos[ci], vr, stride, n, base, dim, window, softcap,
+                      w.st.data() + (one && two ? i * bs * kLanes : 0), w.acc.data() + ci * kLanes * dim,
+                      w.m.data() + ci * kLanes, w.l.data() + ci * kLanes, w.corr.data() + ci * kLanes);
       }
-    }
-    float* corr = w.corr.data();
-    softmax_heads(s, count, bs, ncols, w.m.data() + r_lo, w.l.data() + r_lo, corr);
-    float* acc = w.acc.data() + r_lo * dim;
-    if constexpr (D > 0 && D % kLanes == 0) {
-      for (int64_t r = 0; r < count; r += 4) {
-        float* ar = acc + r * D;
-        const float* pr = s + r * bs;
-        switch (std::min<int64_t>(4, count - r)) {
-          case 1: pv_heads<D, 1>(ar, corr + r, pr, bs, vrows, vstride, n, none); break;
-          case 2: pv_heads<D, 2>(ar, corr + r, pr, bs, vrows, vstride, n, none); break;
-          case 3: pv_heads<D, 3>(ar, corr + r, pr, bs, vrows, vstride, n, none); break;
-          default: pv_heads<D, 4>(ar, corr + r, pr, bs, vrows, vstride, n, none); break;
-        }
-      }
-    } else {
-      for (int64_t r = 0; r < count; ++r)
-        rescale_accumulate<KvF32, 0>(acc + r * dim, corr[r], s + r * bs, vrows, vstride, n, dim, none);
+      c += 2;
     }
   }
 }
@@ -251,15 +246,17 @@ void prefill_batch(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   const int64_t items = static_cast<int64_t>(tiles.size()) * num_kv_heads;
 
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    Scratch w(dim, bs, tile_tokens * group);  // group > kTileRows: one token per tile
+    // group > kTileRows: one token per tile; rows padded to whole chunks (the padding's output is not used)
+    Scratch w(dim, bs, (tile_tokens * group + kLanes - 1) / kLanes * kLanes);
     for (int64_t item = begin; item < end; ++item) {
       const auto [s, first, tokens] = tiles[item / num_kv_heads];
       const int64_t g = item % num_kv_heads, token0 = cu[s] + first;
       for (int64_t t = 0; t < tokens; ++t)
         for (int64_t h = 0; h < group; ++h) {
           const float* src = qp + (token0 + t) * qs0 + (g * group + h) * qs1;
-          float* dst = w.qs.data() + (t * group + h) * dim;
-          for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * scale;
+          const int64_t r = t * group + h;  // row r is lane r % kLanes of chunk r / kLanes
+          float* dst = w.qt.data() + r / kLanes * dim * kLanes + r % kLanes;
+          for (int64_t d = 0; d < dim; ++d) dst[d * kLanes] = src[d] * scale;
         }
       const int64_t pos0 = lens[s] - (cu[s + 1] - cu[s]) + first;
       attend(tokens, group, dim, pos0, kp + g * width, vp + g * width, row, tables + s * table_stride, bs, window,
@@ -292,10 +289,11 @@ torch::Tensor paged_prefill_attention_cpu(torch::Tensor q, torch::Tensor k_cache
   auto out = torch::zeros({q.size(0), q.size(1), q.size(2)}, q.options());
   const float fscale = static_cast<float>(scale), fsoftcap = static_cast<float>(softcap);
   const auto& c = cu_seqlens_q;
+  const auto& t = block_tables;
   switch (kind) {
-    case 0: prefill_batch<KvF32>(q, k_cache, v_cache, block_tables, c, seq_lens, fscale, window, fsoftcap, out); break;
-    case 1: prefill_batch<KvBf16>(q, k_cache, v_cache, block_tables, c, seq_lens, fscale, window, fsoftcap, out); break;
-    default: prefill_batch<KvInt8>(q, k_cache, v_cache, block_tables, c, seq_lens, fscale, window, fsoftcap, out); break;
+    case 0: prefill_batch<KvF32>(q, k_cache, v_cache, t, c, seq_lens, fscale, window, fsoftcap, out); break;
+    case 1: prefill_batch<KvBf16>(q, k_cache, v_cache, t, c, seq_lens, fscale, window, fsoftcap, out); break;
+    default: prefill_batch<KvInt8>(q, k_cache, v_cache, t, c, seq_lens, fscale, window, fsoftcap, out); break;
   }
   return out;
 }
