@@ -20,11 +20,13 @@
 // scratch) once per item. The item's queries are held TRANSPOSED, in chunks of kLanes rows (qt [dim,
 // kLanes], once per item), so that a lane is a query row throughout:
 //   - scores: for each key j of a block, st[j] = sum_d K[j][d] (broadcast) * qt[d] — the kLanes rows' scores
-//     for that key in one vector, kKeys keys (independent accumulators) at a time; no horizontal sums.
+//     for that key in one vector, kKeys keys × 2 chunks (independent accumulators) at a time; no
+//     horizontal sums.
 //   - mask (causal, window) by comparing each lane's position with the key's; online softmax lane-wise: the
 //     block max is an element-wise max over the keys' vectors, each key's weights one exp_lanes, the
 //     running max, sum and correction of kLanes rows one vector each.
-//   - P·V: acc[row] += p[j][row] (broadcast) * V[j] for 4 rows at a time over the block's V rows (pv_rows).
+//   - P·V: acc[row] += p[j][row] (broadcast) * V[j] for up to 4 rows at a time over the block's V rows
+//     (pv_rows).
 // This was measured against the design the issue proposed (K transposed per block, q broadcast, scores of a
 // row as a vector, decode's softmax_heads per row): that one spent a quarter of its time in the per-row
 // softmax (horizontal max and sum) and transposed K once per block and item; docs/quantization.md has both.
@@ -32,7 +34,8 @@
 
 namespace {
 
-constexpr int kKeys = 8;            // score accumulators per pass: keys of a block (8 FMA chains)
+// keys per score pass (× 2 chunks: 16 accumulators of the 32 zmm; AVX2's 16 ymm hold 8)
+constexpr int kKeys = kLanes == 16 ? 8 : 4;
 constexpr int64_t kTileRows = 64;   // query rows (tokens × group) per work item: acc [64, 64] is 16 KiB
 
 // st [C][J, kLanes] (chunks bs * kLanes apart) = the J keys' rows (K, row elements apart) times the C chunks'
@@ -149,8 +152,11 @@ void softmax_pv(LaneIdx pos, const float* vb, int64_t row, int64_t n, int64_t ba
   std::memcpy(l, &sum, sizeof sum);
   std::memcpy(corr, &c, sizeof c);
   if constexpr (D > 0) {
-    static_assert(kLanes % 4 == 0);
-    for (int h = 0; h < kLanes; h += 4) pv_rows<D, 4>(acc + h * D, corr + h, st + h, vb, row, n);
+    // rows per pass: their accumulators within ~3/4 of the registers (32 zmm, or 16 ymm), at most 4
+    constexpr int kRows = std::clamp((kLanes == 16 ? 24 : 12) / (D / kLanes), 1, 4);
+    int h = 0;
+    for (; h + kRows <= kLanes; h += kRows) pv_rows<D, kRows>(acc + h * D, corr + h, st + h, vb, row, n);
+    for (; h < kLanes; ++h) pv_rows<D, 1>(acc + h * D, corr + h, st + h, vb, row, n);
   } else {
     for (int h = 0; h < kLanes; ++h) {
       float* a = acc + h * dim;
