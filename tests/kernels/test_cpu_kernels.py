@@ -130,9 +130,10 @@ def test_a_failed_build_falls_back_to_the_reference(tmp_path):
 
 
 @pytest.mark.parametrize("block_size,hq,hk,head_dim", [(16, 9, 3, 64), (32, 8, 1, 64), (8, 4, 4, 32)])
-def test_prefill_as_decodes_matches_reference(ext, block_size, hq, hk, head_dim):
-    """CPU prefill runs each query token as a decode over its own prefix: chunks after earlier chunks, whole
-    prompts, single tokens and an empty entry, as in the Triton prefill test."""
+def test_backend_prefill_matches_reference(ext, block_size, hq, hk, head_dim):
+    """CpuBackend's prefill (the C++ prefill kernel; tests/kernels/test_cpu_prefill.py has its own cases):
+    chunks after earlier chunks, whole prompts, single tokens and an empty entry, as in the Triton prefill
+    test."""
     gen = torch.Generator().manual_seed(block_size + hq + head_dim)
     bs = block_size
     pairs = [(1, 1), (bs - 1, bs - 1), (bs, 3), (bs + 1, bs + 1), (2 * bs, 0), (4 * bs + 7, 1),

@@ -1,7 +1,7 @@
 """CpuBackend: how a step runs on the CPU in float32 — the whole fast path in one place.
 
-    attention, KV write   C++ kernels (kernels/csrc/cpu_*attention*.cpp) over a float32, bfloat16 or int8 cache; a
-                          prompt chunk's causal attention runs as one decode per query token over its prefix
+    attention, KV write   C++ kernels (kernels/csrc/cpu_*attention*.cpp) over a float32, bfloat16 or int8 cache: a
+                          decode step's, and a prompt chunk's causal attention (tiles of query tokens per block)
     norms, SiLU·mul, RoPE one C++ pass each, in place where the layer allows it
     linear layers         CpuLinear (cpu_linear.py): a panel GEMV for decode-sized batches, oneDNN above
     a pure decode step    all decoder layers in one C++ call (cpu_decode.py), the same kernels in the same
@@ -60,19 +60,15 @@ class CpuBackend(ReferenceBackend):
 
     def prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                           scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-        """Causal prefill as decodes: query token i of a sequence attends to the tokens up to its position,
-        which is a one-token decode over a prefix of the same block table (and the window, if any, ends at
-        that position too)."""
+        """Causal prefill (query token i of a sequence attends to the keys up to its position, and within the
+        window ending there, if any) in one C++ call: tiles of a sequence's query tokens against each block
+        of its context, the block widened once per tile (cpu_prefill_attention.cpp)."""
         if not self._takes(q, k_cache):
             return super().prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                                              window, softcap)
-        q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-        seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
-        index_in_seq = torch.arange(q.shape[0]) - cu_seqlens_q[:-1].long()[seq_of_token]
-        token_lens = (seq_lens.long() - q_lens)[seq_of_token] + index_in_seq + 1
-        token_tables = block_tables.index_select(0, seq_of_token)
-        return self.ext.paged_decode_attention_cpu(q, k_cache, v_cache, token_tables, token_lens.int(), scale,
-                                                   window, softcap)
+        return self.ext.paged_prefill_attention_cpu(
+            q, k_cache, v_cache, block_tables.int(), cu_seqlens_q.int().contiguous(), seq_lens.int().contiguous(),
+            scale, window, softcap)
 
     # ---- layer ops ----------------------------------------------------------------------------------------
 
