@@ -16,14 +16,6 @@ from kernels.reference import paged_decode_attention_ref, paged_prefill_attentio
 from tests.support.kernel_cases import LENGTH_CASES, count_calls, paged_cache, prefill_inputs, strided
 from worker.engine.backends import CpuBackend, select_backend
 
-
-@pytest.fixture(scope="module")
-def ext():
-    module = cpu.extension()
-    assert module is not None, "the C++ CPU kernels did not build (see the cpu_kernels_unavailable warning)"
-    return module
-
-
 # (block_size, num_q_heads, num_kv_heads, head_dim): SmolLM2's shape, MHA, GQA 3 and 8, MQA, odd head_dim
 DECODE_CASES = [(16, 9, 3, 64), (16, 4, 4, 32), (32, 16, 2, 128), (8, 7, 1, 48), (64, 6, 2, 80), (16, 24, 8, 64)]
 

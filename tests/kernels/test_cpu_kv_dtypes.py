@@ -12,21 +12,9 @@ from kernels import cpu
 from kernels.kv_quant import cache_shape, dequantize, quantize
 from kernels.reference import paged_decode_attention_ref, write_kv_ref
 from tests.kernels.test_cpu_kernels import DECODE_CASES
-from tests.support.kernel_cases import LENGTH_CASES, paged_cache, strided
+from tests.support.kernel_cases import LENGTH_CASES, paged_cache, stored_cache, strided
 
 KV_DTYPES = [torch.bfloat16, torch.int8]
-
-
-@pytest.fixture(scope="module")
-def ext():
-    module = cpu.extension()
-    assert module is not None, "the C++ CPU kernels did not build (see the cpu_kernels_unavailable warning)"
-    return module
-
-
-def stored(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A float32 cache [..., head_dim] as a `dtype` cache holds it (packed int8 rows, or rounded bf16)."""
-    return quantize(cache, dtype) if dtype == torch.int8 else cache.to(dtype)
 
 
 def test_quantized_rows_round_trip_within_half_a_step():
@@ -71,7 +59,7 @@ def check_decode(module, dtype, block_size, hq, hk, head_dim, window=0, softcap=
     gen = torch.Generator().manual_seed(block_size * 1000 + hq * 10 + head_dim)
     lens = LENGTH_CASES(block_size) + [int(n) for n in torch.randint(1, 9 * block_size, (4,), generator=gen)]
     k_cache, v_cache, table = paged_cache(lens, block_size, hk, head_dim, torch.float32, gen, device="cpu")
-    k_cache, v_cache = stored(k_cache * 2, dtype), stored(v_cache, dtype)
+    k_cache, v_cache = stored_cache(k_cache * 2, dtype), stored_cache(v_cache, dtype)
     q = strided(torch.randn(len(lens), hq, head_dim, generator=gen), gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     scale = head_dim**-0.5

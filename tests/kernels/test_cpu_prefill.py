@@ -10,24 +10,12 @@ import pytest
 import torch
 
 from kernels import cpu
-from kernels.kv_quant import dequantize, quantize
+from kernels.kv_quant import dequantize
 from kernels.reference import paged_prefill_attention_ref
-from tests.support.kernel_cases import paged_cache, prefill_inputs
+from tests.support.kernel_cases import paged_cache, prefill_inputs, stored_cache
 from worker.engine.backends import CpuBackend
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int8]
-
-
-@pytest.fixture(scope="module")
-def ext():
-    module = cpu.extension()
-    assert module is not None, "the C++ CPU kernels did not build (see the cpu_kernels_unavailable warning)"
-    return module
-
-
-def stored(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A float32 cache [..., head_dim] as a `dtype` cache holds it (packed int8 rows, or rounded bf16)."""
-    return quantize(cache, dtype) if dtype == torch.int8 else cache.to(dtype)
 
 
 def prefill_pairs(bs: int) -> list[tuple[int, int]]:
@@ -47,7 +35,7 @@ def check_prefill(module, dtype, block_size, hq, hk, head_dim, window=0, softcap
             last = int(table[i, (n - 1) // block_size])
             k_cache[last, (n - 1) % block_size + 1 :] = float("nan")
             v_cache[last, (n - 1) % block_size + 1 :] = float("nan")
-    k_cache, v_cache = stored(k_cache * 2, dtype), stored(v_cache, dtype)
+    k_cache, v_cache = stored_cache(k_cache * 2, dtype), stored_cache(v_cache, dtype)
     q, cu_seqlens_q, seq_lens = prefill_inputs(pairs, hq, head_dim, torch.float32, gen, device="cpu")
     scale = head_dim**-0.5
     out = module.paged_prefill_attention_cpu(q, k_cache, v_cache, table, cu_seqlens_q, seq_lens, scale, window,

@@ -14,13 +14,6 @@ from worker.engine.backends.cpu_linear import PANEL_MAX_ROWS, CpuLinear, pack_pa
 from worker.engine.quantization import INT8_MAX, check_int8_layout, quantize_int8
 
 
-@pytest.fixture(scope="module")
-def ext():
-    module = cpu.extension()
-    assert module is not None, "the C++ CPU kernels did not build (see the cpu_kernels_unavailable warning)"
-    return module
-
-
 def padded_scales(scale: torch.Tensor) -> torch.Tensor:
     out = torch.ones(-(-scale.numel() // 16) * 16)
     out[: scale.numel()] = scale

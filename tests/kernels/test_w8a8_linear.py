@@ -17,13 +17,6 @@ from worker.engine.quantization import W8A8_GROUP, quantize_activations_int8, qu
 ROWS = [1, 3, 16, 17, 40, 64]
 
 
-@pytest.fixture(scope="module")
-def ext():
-    module = cpu.extension()
-    assert module is not None, "the C++ CPU kernels did not build (see the cpu_kernels_unavailable warning)"
-    return module
-
-
 def reference_terms(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Each activation group's exact contribution to y, float64 [groups, rows, out]."""
     codes, sx = quantize_activations_int8(x)
