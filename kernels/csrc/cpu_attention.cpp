@@ -127,6 +127,45 @@ int cache_kind(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64
   return kind;
 }
 
+// f(Kind{}) for the kind cache_kind returned: the one switch every entry point (write, decode, prefill) shares
+template <typename F>
+void with_cache_kind(int kind, F&& f) {
+  switch (kind) {
+    case 0: f(KvF32{}); break;
+    case 1: f(KvBf16{}); break;
+    default: f(KvInt8{}); break;
+  }
+}
+
+// The arguments the paged attention kernels (decode, prefill) share, checked: q [tokens, q heads, head_dim]
+// fp32, the caches, int32 block tables whose rows are contiguous, whole GQA groups. Returns the cache kind.
+int check_paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                          const torch::Tensor& block_tables) {
+  check_layout(q, "q");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.stride(1) == 1,
+              "block_tables must be int32 with a contiguous last dimension");
+  const int kind = cache_kind(k_cache, v_cache, q.size(2));
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_q_heads must be a multiple of num_kv_heads");
+  return kind;
+}
+
+// A paged cache as the attention loops walk it: KV head g's rows of block b start at
+// k + (table[b] * block_size * row) + g * width, a row `row` elements after the previous token's
+template <typename Kind>
+struct PagedKv {
+  const typename Kind::T* k;
+  const typename Kind::T* v;
+  const int32_t* tables;
+  int64_t table_stride;
+  int64_t width;  // one head's row: head_dim, plus the int8 scale
+  int64_t row;    // one token's rows of every KV head
+
+  PagedKv(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& block_tables)
+      : k(cache_data<Kind>(k_cache)), v(cache_data<Kind>(v_cache)), tables(block_tables.data_ptr<int32_t>()),
+        table_stride(block_tables.stride(0)), width(k_cache.size(3)), row(k_cache.size(2) * k_cache.size(3)) {}
+  const int32_t* table(int64_t seq) const { return tables + seq * table_stride; }
+};
+
 }  // namespace
 
 void write_kv_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -136,9 +175,7 @@ void write_kv_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(),
               "slot_mapping must be a contiguous int64 tensor");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  switch (cache_kind(k_cache, v_cache, k.size(2))) {
-    case 0: write_kv_rows<KvF32>(k, v, k_cache, v_cache, slots); break;
-    case 1: write_kv_rows<KvBf16>(k, v, k_cache, v_cache, slots); break;
-    default: write_kv_rows<KvInt8>(k, v, k_cache, v_cache, slots); break;
-  }
+  with_cache_kind(cache_kind(k_cache, v_cache, k.size(2)), [&](auto kind) {
+    write_kv_rows<decltype(kind)>(k, v, k_cache, v_cache, slots);
+  });
 }

@@ -110,13 +110,9 @@ void attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache, const to
   const int64_t num_seqs = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_q_heads / num_kv_heads;
-  const int64_t width = head_dim + Kind::kExtra, row = num_kv_heads * width;
+  const PagedKv<Kind> kv(k_cache, v_cache, block_tables);
   const float* qp = q.data_ptr<float>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  const typename Kind::T* kp = cache_data<Kind>(k_cache);
-  const typename Kind::T* vp = cache_data<Kind>(v_cache);
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int64_t table_stride = block_tables.stride(0);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   const auto attend = head_dim == 64 ? attend_kv_head<Kind, 64>
@@ -139,7 +135,7 @@ void attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache, const to
         for (int64_t d = 0; d < head_dim; ++d) qs[h * head_dim + d] = src[d] * scale;
       }
       const int64_t first = window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0;
-      attend(qs.data(), group, head_dim, kp + g * width, vp + g * width, row, tables + s * table_stride,
+      attend(qs.data(), group, head_dim, kv.k + g * kv.width, kv.v + g * kv.width, kv.row, kv.table(s),
              first, lens[s], block_size, softcap, scores.data(), acc.data(), m.data(), l.data(), widened);
       for (int64_t h = 0; h < group; ++h) {
         float* dst = op + (s * num_q_heads + g * group + h) * head_dim;
@@ -157,19 +153,13 @@ void attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache, const to
 torch::Tensor paged_decode_attention_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                          torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                                          int64_t window, double softcap) {
-  check_layout(q, "q");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.stride(1) == 1,
-              "block_tables must be int32 with a contiguous last dimension");
+  const int kind = check_paged_attention(q, k_cache, v_cache, block_tables);
   TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(),
               "seq_lens must be a contiguous int32 tensor");
-  const int kind = cache_kind(k_cache, v_cache, q.size(2));
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_q_heads must be a multiple of num_kv_heads");
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  const float fscale = static_cast<float>(scale), fsoftcap = static_cast<float>(softcap);
-  switch (kind) {
-    case 0: attend_batch<KvF32>(q, k_cache, v_cache, block_tables, seq_lens, fscale, window, fsoftcap, out); break;
-    case 1: attend_batch<KvBf16>(q, k_cache, v_cache, block_tables, seq_lens, fscale, window, fsoftcap, out); break;
-    default: attend_batch<KvInt8>(q, k_cache, v_cache, block_tables, seq_lens, fscale, window, fsoftcap, out); break;
-  }
+  with_cache_kind(kind, [&](auto k) {
+    attend_batch<decltype(k)>(q, k_cache, v_cache, block_tables, seq_lens, static_cast<float>(scale), window,
+                              static_cast<float>(softcap), out);
+  });
   return out;
 }

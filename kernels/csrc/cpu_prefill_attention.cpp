@@ -230,7 +230,6 @@ void prefill_batch(const torch::Tensor& q, const torch::Tensor& k_cache, const t
                    const torch::Tensor& seq_lens, float scale, int64_t window, float softcap, torch::Tensor& out) {
   const int64_t num_seqs = seq_lens.size(0), num_q_heads = q.size(1), dim = q.size(2);
   const int64_t bs = k_cache.size(1), num_kv_heads = k_cache.size(2), group = num_q_heads / num_kv_heads;
-  const int64_t width = dim + Kind::kExtra, row = num_kv_heads * width;
   const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / group);
   const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -243,10 +242,7 @@ void prefill_batch(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   }
   const float* qp = q.data_ptr<float>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  const typename Kind::T* kp = cache_data<Kind>(k_cache);
-  const typename Kind::T* vp = cache_data<Kind>(v_cache);
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int64_t table_stride = block_tables.stride(0);
+  const PagedKv<Kind> kv(k_cache, v_cache, block_tables);
   float* op = out.data_ptr<float>();
   const auto attend = dim == 64 ? attend_tile<Kind, 64> : dim == 128 ? attend_tile<Kind, 128> : attend_tile<Kind, 0>;
   const int64_t items = static_cast<int64_t>(tiles.size()) * num_kv_heads;
@@ -265,7 +261,7 @@ void prefill_batch(const torch::Tensor& q, const torch::Tensor& k_cache, const t
           for (int64_t d = 0; d < dim; ++d) dst[d * kLanes] = src[d] * scale;
         }
       const int64_t pos0 = lens[s] - (cu[s + 1] - cu[s]) + first;
-      attend(tokens, group, dim, pos0, kp + g * width, vp + g * width, row, tables + s * table_stride, bs, window,
+      attend(tokens, group, dim, pos0, kv.k + g * kv.width, kv.v + g * kv.width, kv.row, kv.table(s), bs, window,
              softcap, w);
       for (int64_t t = 0; t < tokens; ++t)
         for (int64_t h = 0; h < group; ++h) {
@@ -283,23 +279,16 @@ void prefill_batch(const torch::Tensor& q, const torch::Tensor& k_cache, const t
 torch::Tensor paged_prefill_attention_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                           torch::Tensor block_tables, torch::Tensor cu_seqlens_q,
                                           torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
-  check_layout(q, "q");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.stride(1) == 1,
-              "block_tables must be int32 with a contiguous last dimension");
+  const int kind = check_paged_attention(q, k_cache, v_cache, block_tables);
   TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous() &&
                   cu_seqlens_q.scalar_type() == torch::kInt32 && cu_seqlens_q.is_contiguous(),
               "seq_lens and cu_seqlens_q must be contiguous int32 tensors");
   TORCH_CHECK(cu_seqlens_q.size(0) == seq_lens.size(0) + 1, "cu_seqlens_q must have num_seqs + 1 entries");
-  const int kind = cache_kind(k_cache, v_cache, q.size(2));
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_q_heads must be a multiple of num_kv_heads");
-  auto out = torch::zeros({q.size(0), q.size(1), q.size(2)}, q.options());
-  const float fscale = static_cast<float>(scale), fsoftcap = static_cast<float>(softcap);
-  const auto& c = cu_seqlens_q;
-  const auto& t = block_tables;
-  switch (kind) {
-    case 0: prefill_batch<KvF32>(q, k_cache, v_cache, t, c, seq_lens, fscale, window, fsoftcap, out); break;
-    case 1: prefill_batch<KvBf16>(q, k_cache, v_cache, t, c, seq_lens, fscale, window, fsoftcap, out); break;
-    default: prefill_batch<KvInt8>(q, k_cache, v_cache, t, c, seq_lens, fscale, window, fsoftcap, out); break;
-  }
+  // every query row is written: each sees at least its own key
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  with_cache_kind(kind, [&](auto k) {
+    prefill_batch<decltype(k)>(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, static_cast<float>(scale),
+                               window, static_cast<float>(softcap), out);
+  });
   return out;
 }
