@@ -3,7 +3,7 @@ argmax and a panel GEMV), csrc/cpu_attention.cpp (write_kv over a float32, bfloa
 csrc/cpu_attention_block.cpp and cpu_decode_attention.cpp (paged decode attention over such a cache: one
 block's math, then the walk over blocks and sequences), csrc/cpu_prefill_attention.cpp (paged causal prefill
 attention over such a cache: tiles of query tokens per block), csrc/cpu_w8a8.cpp (the panel GEMV with int8
-weights and per-token int8 activations, VNNI), csrc/cpu_quant.cpp (the panel GEMV with int8 weights) and
+weights and int8 activations per token and group of 64, VNNI), csrc/cpu_quant.cpp (the panel GEMV with int8 weights) and
 csrc/decode_layers.cpp (a pure decode step's decoder layers composed of those kernels in one call).
 worker/engine/backends/cpu.py is their user.
 

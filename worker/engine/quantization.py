@@ -9,11 +9,12 @@ model's linears are quantized, and the on-disk cache of the result.
 
     w8a8   CPU, float32. int8's weights (the same cache), and each linear's input rounded to int8 at each
            call, dynamically, per row (token) and group of 64 features: sx = max|x_group| / 127,
-           qx = round(x / sx). At a decode step's rows the kernel multiplies int8 by int8 with VNNI
-           (kernels/csrc/cpu_w8a8.cpp: 4 products per 32-bit lane, int32 sums per group, scaled into fp32)
-           where int8's kernel runs one fp32 FMA per weight; prefill-sized batches run oneDNN on the rounded
-           activations and the dequantized weight: the same model, y ≈ (qx · sx)(q · s)ᵀ. On a CPU without
-           VNNI the kernel's plain C++ sums are slower than int8's (a warning at load).
+           qx = round(x / sx). The kernel multiplies int8 by int8 with VNNI (kernels/csrc/cpu_w8a8.cpp: 4
+           products per 32-bit lane, int32 sums per group, scaled into fp32) where int8's kernel runs one
+           fp32 FMA per weight, at every batch size, prefill included; without VNNI, prefill-sized batches
+           run oneDNN on the rounded activations and the dequantized weight: the same model,
+           y ≈ (qx · sx)(q · s)ᵀ. On a CPU without VNNI the kernel's plain C++ sums are slower than int8's
+           (a warning at load).
 
     fp8    FP8 (e4m3) weights with per-output-channel scales through torch._scaled_mm, activations quantized
            per token (worker/engine/fp8.py, kernels/fp8_linear.py). CUDA sm_89+ (Ada, Hopper); the CPU runs

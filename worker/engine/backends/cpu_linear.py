@@ -76,39 +76,41 @@ class CpuLinear(nn.Module):
         int8 = getattr(linear, "int8", None)
         # W8A8 (quantization.py): x is rounded to int8 per row and group before the product, on every path
         self.w8a8 = int8 is not None and getattr(linear, "w8a8", False)
-        # the widest batch the panels serve: W8A8 on VNNI takes every batch, since at prefill sizes it beat oneDNN
-        # on the rounded activations (the rounding alone cost a third of oneDNN's time) by 1.5-2x, and then
-        # no fp32 copy of the weight is kept at all
-        self.max_panel_rows = PANEL_MAX_ROWS
         if self.ext is not None and self.w8a8:
             self.panels, self.scales = pack_panels_w8a8(int8.qweight, int8.scale)
-            if self.ext.w8a8_native_cpu():
-                self.max_panel_rows = None
         elif self.ext is not None and int8 is not None:
             self.panels = pack_panels(int8.qweight)
             self.scales = torch.ones(self.panels.shape[0] * 16)
             self.scales[: self.out_features] = int8.scale
         elif self.ext is not None:
             self.panels = pack_panels(weight)
-        # plain attributes, not parameters: packed weights are opaque to state_dict
-        self.packed_weight = (None if self.panels is not None and self.max_panel_rows is None
-                              else torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS))
+        # W8A8 on VNNI serves every batch from its panels (packed_weight None): at prefill sizes it beat oneDNN on
+        # the rounded activations by 1.5-2x (the rounding alone cost a third of oneDNN's time), and then no fp32
+        # copy of the weight is kept at all. Plain attributes, not parameters: packed weights are opaque to
+        # state_dict.
+        panels_only = self.panels is not None and self.w8a8 and self.ext.w8a8_native_cpu()
+        self.packed_weight = None if panels_only else torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 3 and x.shape[0] == 1:  # transformers' modules (the fallback) keep a batch dim of 1
             return self.forward(x[0]).unsqueeze(0)
-        rows_fit = self.max_panel_rows is None or x.shape[0] <= self.max_panel_rows
-        if self.panels is not None and x.dim() == 2 and rows_fit and x.stride(-1) == 1:
-            if self.w8a8:
-                return self.ext.panel_linear_w8a8_cpu(x, self.panels, self.scales, self.out_features, self.bias)
-            if self.scales is not None:
-                return self.ext.panel_linear_int8_cpu(x, self.panels, self.scales, self.out_features, self.bias)
-            return self.ext.panel_linear_cpu(x, self.panels, self.out_features, self.bias)
-        if self.w8a8 and self.packed_weight is None:  # the kernel, for shapes it does not take as they are
-            return self.forward(x.reshape(-1, self.in_features).contiguous()).view(*x.shape[:-1], self.out_features)
+        if self.panels is not None and x.dim() == 2 and x.stride(-1) == 1 and (
+                self.packed_weight is None or x.shape[0] <= PANEL_MAX_ROWS):
+            return self.panel_linear(x)
+        if self.packed_weight is None:  # panels only: any other shape as the rows the kernel takes
+            rows = x.reshape(-1, self.in_features).contiguous()
+            return self.panel_linear(rows).view(*x.shape[:-1], self.out_features)
         if self.w8a8:  # the same model in fp32: the rounded activations times the dequantized weight
             x = round_activations_int8(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def panel_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] (last dim contiguous) through the C++ panel kernel of this linear's weight type."""
+        if self.w8a8:
+            return self.ext.panel_linear_w8a8_cpu(x, self.panels, self.scales, self.out_features, self.bias)
+        if self.scales is not None:
+            return self.ext.panel_linear_int8_cpu(x, self.panels, self.scales, self.out_features, self.bias)
+        return self.ext.panel_linear_cpu(x, self.panels, self.out_features, self.bias)
 
 
 def use_cpu_linears(model: nn.Module, ext: ModuleType | None) -> int:
