@@ -88,7 +88,7 @@ def main() -> None:
                     help="an engine setting for this tree only (repeatable); VALUE is JSON, else a string")
     a = ap.parse_args()
     engine_kw = dict(_setting(item) for item in a.this_engine)
-    from tests.support.local_redis import RedisServer
+    from testbed.redis_server import RedisServer
     from worker.engine import loader
 
     tokenizer = loader.load_tokenizer(loader.resolve("smollm2-135m"))

@@ -126,7 +126,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from tests.support.local_redis import RedisServer
+    from testbed.redis_server import RedisServer
     from worker.engine import loader
 
     source = loader.resolve("smollm2-135m")

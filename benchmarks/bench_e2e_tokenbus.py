@@ -102,7 +102,7 @@ def run_e2e(redis_url: str, prompt_ids: list[list[int]], max_tokens: list[int], 
     overhead, measured inside one run (a ratio to the offline engine's separate run also carries the drift).
     """
     from producer import Client
-    from tests.support.local_redis import free_port
+    from testbed.redis_server import free_port
 
     metrics_port = free_port()
     worker = _start_worker(redis_url, threads, log_path, max_num_seqs, max_num_batched_tokens, metrics_port,

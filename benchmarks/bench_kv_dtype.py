@@ -146,7 +146,7 @@ def main() -> None:
         ])
         publish(body, "quantization.md", "kv-kernel", not args.no_write)
         return
-    from tests.support.local_redis import RedisServer
+    from testbed.redis_server import RedisServer
     from worker.engine import loader
 
     tokenizer = loader.load_tokenizer(loader.resolve("smollm2-135m"))

@@ -28,7 +28,7 @@ from benchmarks.bench_million_gateway import gateway_route
 from benchmarks.bench_million_probe import finish_all, redis_bytes, redis_cpu, step
 from producer.submit_pipe import CALL_JOBS, DEPTH
 from protocol.keys import Keys
-from tests.support.local_redis import RedisServer
+from testbed.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD_SAMPLE = 50_000  # jobs whose records are given their request back to measure the old layout

@@ -16,7 +16,7 @@ import redis
 
 from benchmarks.bench_million_probe import cpu_s, finish_all, hwm_mb, redis_bytes, redis_cpu, step
 from protocol.keys import Keys
-from tests.support.local_redis import RedisServer, free_port
+from testbed.redis_server import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-bench-" + "m" * 24

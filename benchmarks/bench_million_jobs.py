@@ -4,7 +4,7 @@
     .venv/bin/python -m benchmarks.bench_million_jobs                 # 1,000,000 jobs, writes docs/scaling.md
     .venv/bin/python -m benchmarks.bench_million_jobs --quick         # 2,000 jobs: a smoke run, no doc
 
-The model is a tiny random-weight Llama (tests/support/tiny_models.py) and every job asks for one token
+The model is a tiny random-weight Llama (testbed/tiny_models.py) and every job asks for one token
 (max_tokens 1, a 4-token prompt), so what is measured is the system around the engine: validation, the
 SUBMIT_JOB script, intake (READ + START_JOB), the result write (FINISH_JOB), the event and the read-back.
 The producer submits in chunks with max_queue_len as backpressure (a chunk that does not fit waits and
@@ -122,7 +122,7 @@ def run_system(args, model_dir: str, log_dir: str) -> Run:
     from producer import Client
     from protocol import scripts
     from protocol.connection import redis_from_url
-    from tests.support.local_redis import RedisServer, free_port
+    from testbed.redis_server import RedisServer, free_port
 
     def client_of(url: str) -> Client:  # a long socket timeout: the machine is shared, a reply can take seconds
         r = redis_from_url(url, decode_responses=True, encoding_errors="replace", socket_timeout=300)
@@ -233,7 +233,7 @@ def main() -> None:
     if args.quick:
         args.jobs, args.engine_jobs, args.chunk, args.no_doc = 2_000, 500, 500, True
 
-    from tests.support.tiny_models import make_tiny_model
+    from testbed.tiny_models import make_tiny_model
 
     work = tempfile.mkdtemp(prefix="bench-million-")
     log_dir = args.log_dir or work

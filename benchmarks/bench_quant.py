@@ -94,7 +94,7 @@ def main() -> None:
     add_vllm_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from tests.support.local_redis import RedisServer
+    from testbed.redis_server import RedisServer
     from worker.engine import loader
 
     tokenizer = loader.load_tokenizer(loader.resolve("smollm2-135m"))

@@ -108,7 +108,7 @@ def main() -> None:
     a = p.parse_args()
     base, this = Path(a.base).resolve(), ROOT
 
-    from tests.support.local_redis import RedisServer
+    from testbed.redis_server import RedisServer
 
     rows = [  # (label, what, jobs, trees)
         ("submit_many, default max_queue_len (jobs/s)", "submit", a.jobs, (base, this)),

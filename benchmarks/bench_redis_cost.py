@@ -101,8 +101,8 @@ def whole_life_cpu(phases: list[tuple[str, dict]]) -> float:
 
 def compare(rounds: int, n: int, prompt_bytes: int, read_count: int, output_tokens: int) -> list[str]:
     """Whole-life Redis CPU per job on a single Redis and on a cluster shard, alternating in one process."""
-    from tests.support.local_redis import RedisServer
-    from tests.support.redis_cluster import RedisCluster
+    from testbed.redis_cluster import RedisCluster
+    from testbed.redis_server import RedisServer
 
     single, cluster = RedisServer().start(), RedisCluster(3).start()
     rows = []
@@ -146,12 +146,12 @@ def main() -> None:
     server = None
     url = a.url
     if a.cluster:
-        from tests.support.redis_cluster import RedisCluster
+        from testbed.redis_cluster import RedisCluster
 
         server = RedisCluster(3).start()
         url = server.url
     elif url is None:
-        from tests.support.local_redis import RedisServer
+        from testbed.redis_server import RedisServer
 
         server = RedisServer().start()
         url = server.url

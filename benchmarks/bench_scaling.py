@@ -199,7 +199,7 @@ def main() -> None:
 
     from producer import Client
     from protocol.connection import redis_from_url
-    from tests.support.local_redis import RedisServer
+    from testbed.redis_server import RedisServer
 
     results: dict[tuple[int, int], dict[str, float]] = {}
     with RedisServer() as server:

@@ -9,7 +9,7 @@ small wrapper that times Engine.step and, between two signals the client sends a
 the engine steps taken and their wall time, the main thread's CPU outside the steps (the serve loop), the CPU of
 the intake, writer and housekeeper threads, Redis's CPU (INFO) and the client's. A serve-path regression shows
 as more CPU per job outside the steps; equal step counts with slower steps point at the engine or the machine.
---tiny serves a tiny random-weight Llama (tests/support/tiny_models.py) on random 24-token prompts, 8 tokens
+--tiny serves a tiny random-weight Llama (testbed/tiny_models.py) on random 24-token prompts, 8 tokens
 each, so the serve path's share is far larger than with a real model. Writes the section "serve_split" of
 docs/benchmarks.md unless --no-write.
 """
@@ -132,12 +132,12 @@ def main() -> None:
     ap.add_argument("base", help="git revision to compare this tree against")
     ap.add_argument("--tiny", action="store_true", help="a tiny random-weight Llama (the serve path's share grows)")
     a = ap.parse_args()
-    from tests.support.local_redis import RedisServer
+    from testbed.redis_server import RedisServer
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-split-"))
     (tmp / "split_worker.py").write_text(WORKER)  # not worker.py: it would shadow the package
     if a.tiny:
-        from tests.support.tiny_models import make_tiny_model
+        from testbed.tiny_models import make_tiny_model
 
         model = make_tiny_model(str(tmp / "tiny-llama"))
         rng = random.Random(0)

@@ -56,7 +56,7 @@ def main() -> None:
     server = None
     url = a.url
     if url is None:
-        from tests.support.local_redis import RedisServer
+        from testbed.redis_server import RedisServer
         server = RedisServer().start()
         url = server.url
     try:

@@ -80,7 +80,7 @@ def main() -> None:
 
     from gateway.app import create_app
     from gateway.settings import GatewaySettings
-    from tests.support.local_redis import RedisServer
+    from testbed.redis_server import RedisServer
 
     with RedisServer() as srv, tempfile.TemporaryDirectory() as files:
         r = srv.client(decode_responses=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from gateway.capacity import BODY_FACTOR, JOB_OVERHEAD_BYTES, estimate
 from producer import Client, batches
-from tests.support.local_redis import RedisServer
+from testbed.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = [40, 200, 800, 3000]  # prompt characters: lines of roughly 200 B to 3 KB

@@ -14,7 +14,7 @@ Scenarios (each on a fresh redis-server on a free loopback port; every process i
 
 Per scenario: good jobs, finished, lost (never ended), ended twice (two events), dead-lettered, worker
 restarts (kills, plus any exit the harness did not cause), RSS growth of the workers that lived through the
-whole run. The default model is a tiny random-weight Llama (tests/support/tiny_models.py) so a run takes minutes.
+whole run. The default model is a tiny random-weight Llama (testbed/tiny_models.py) so a run takes minutes.
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logdir = Path(tempfile.mkdtemp(prefix="tokenbus-reliability-"))
     if not args.model:
-        from tests.support.tiny_models import make_tiny_model
+        from testbed.tiny_models import make_tiny_model
 
         cache = Path(os.environ.get("TOKENBUS_CACHE_DIR") or Path.home() / ".cache" / "tokenbus")
         args.model = make_tiny_model(str(cache / "reliability-tiny-llama"), "llama", rope_scaling=None)

@@ -16,7 +16,7 @@ from pathlib import Path
 from producer import Client
 from protocol import scripts
 from protocol.models import TERMINAL_STATUSES, Keys
-from tests.support.local_redis import RedisServer
+from testbed.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 

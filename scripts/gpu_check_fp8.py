@@ -88,8 +88,8 @@ def _agreement(got: list[list[int]], want: list[list[int]]) -> tuple[int, float]
 def checkpoint_rows(ctx: Ctx) -> None:
     from safetensors.torch import load_file
 
-    from tests.support import tiny_models
-    from tests.support.fp8_checkpoints import write_fp8
+    from testbed import tiny_models
+    from testbed.fp8_checkpoints import write_fp8
     from worker import Engine
     from worker.engine.fp8 import Fp8Linear
 

@@ -249,7 +249,7 @@ def stage_throughput(ctx: Ctx) -> None:
 def stage_parity(ctx: Ctx) -> None:
     from transformers import AutoModelForCausalLM
 
-    from tests.support import tiny_models
+    from testbed import tiny_models
     from worker import Engine, SamplingParams
 
     gen = torch.Generator().manual_seed(0)
@@ -285,11 +285,11 @@ STAGE_IMPORTS = {
     "c": ("worker", "worker.engine.model_runner", "worker.engine.cuda_graphs", "torch.profiler",
           "benchmarks.bench_overlap"),
     "d": ("benchmarks.bench_gpu", "worker", "transformers"),
-    "e": ("tests.support.tiny_models", "worker", "transformers", "gpu_check_graphs", "worker.engine.guided",
+    "e": ("testbed.tiny_models", "worker", "transformers", "gpu_check_graphs", "worker.engine.guided",
           "protocol.constraints"),
     "m": ("kernels.moe", "kernels.moe_reference", "triton.testing"),
     "k": ("gpu_check_kv", "kernels.kv_quant", "kernels.decode_attention", "worker", "benchmarks.bench_gpu"),
-    "q": ("gpu_check_fp8", "kernels.fp8_linear", "worker.engine.fp8", "tests.support.fp8_checkpoints", "worker",
+    "q": ("gpu_check_fp8", "kernels.fp8_linear", "worker.engine.fp8", "testbed.fp8_checkpoints", "worker",
           "triton.testing"),
 }
 
@@ -383,7 +383,7 @@ def tokenizer_setup() -> None:
     import gpu_env
     from transformers import AutoTokenizer
 
-    from tests.support import tiny_models
+    from testbed import tiny_models
 
     directory = gpu_env.tokenizer_dir()
     tiny_models._tokenizer = lambda: AutoTokenizer.from_pretrained(directory)

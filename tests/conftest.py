@@ -16,7 +16,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
 
-from tests.support.local_redis import RedisServer
+from testbed.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("protocol", "client", "gateway", "engine", "kernels", "serve", "deploy")
@@ -49,7 +49,7 @@ import redis  # noqa: E402
 @pytest.fixture(scope="session")
 def serve_model_dir(tmp_path_factory):
     """A tiny random-weight Llama checkpoint (SmolLM2 tokenizer) for fast serve-loop tests."""
-    from tests.support.tiny_models import make_tiny_model
+    from testbed.tiny_models import make_tiny_model
 
     # plain RoPE: the serve tests exercise the loop, not the rope variants (test_engine_families does)
     return make_tiny_model(str(tmp_path_factory.mktemp("serve-tiny")), "llama", rope_scaling=None)

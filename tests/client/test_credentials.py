@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from protocol.redaction import redact_url, scrub
-from tests.support.local_redis import RedisServer, free_port
+from testbed.redis_server import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PASSWORD = "s3cret-Pa55word"

@@ -21,7 +21,7 @@ import redis
 import yaml
 
 from protocol.records import Heartbeat
-from tests.support.local_redis import free_port
+from testbed.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_TEXT = (ROOT / "compose.yaml").read_text()

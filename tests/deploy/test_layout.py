@@ -7,15 +7,17 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("protocol", "producer", "gateway", "worker", "kernels", "benchmarks")
+PACKAGES = ("protocol", "producer", "gateway", "worker", "kernels", "testbed", "benchmarks")
 # who may import whom: the contract is at the bottom; the client, the gateway and the worker sit on it side by
-# side; kernels know nothing of the rest; benchmarks may use anything (and the tests' support code)
+# side; kernels know nothing of the rest; testbed (throwaway Redis servers, tiny models) sits on the worker;
+# benchmarks may use anything (and the tests' support code)
 ALLOWED = {
     "protocol": {"protocol"},
     "producer": {"protocol", "producer"},
     "gateway": {"protocol", "producer", "gateway"},
     "worker": {"protocol", "worker", "kernels"},
     "kernels": {"kernels"},
+    "testbed": {"testbed", "protocol", "worker"},
     "benchmarks": {*PACKAGES, "tests"},
 }
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from testbed.tiny_models import make_tiny_model
 from tests.support.hf_reference import hf_greedy, load_hf
-from tests.support.tiny_models import make_tiny_model
 from worker import Engine, SamplingParams
 
 PROMPTS = ["Hello there", "The capital of France is", "1, 2, 3,", "def f(x):\n    return", "a b c d e f g h"]

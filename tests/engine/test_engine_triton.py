@@ -91,8 +91,8 @@ def run_engine_with_triton(directory: str, static_decode: bool = False) -> dict:
 
 @pytest.mark.parametrize("static_decode", [False, True], ids=["eager", "static-decode"])
 def test_engine_with_triton_kernels_equals_hf(tmp_path, static_decode):
+    from testbed.tiny_models import make_tiny_model
     from tests.support.hf_reference import hf_greedy, load_hf
-    from tests.support.tiny_models import make_tiny_model
 
     directory = make_tiny_model(str(tmp_path / "llama"), "llama")  # 4 q / 2 kv heads, head_dim 32
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -122,7 +122,7 @@ def test_engine_with_triton_kernels_equals_hf(tmp_path, static_decode):
 def test_head_dim_the_kernels_cannot_serve_fails_at_start(tmp_path):
     """head_dim 12 (below the 16 a tensor-core dot needs): Engine.__init__ refuses it on the Triton path,
     naming model and limit."""
-    from tests.support.tiny_models import make_tiny_model
+    from testbed.tiny_models import make_tiny_model
 
     directory = make_tiny_model(str(tmp_path / "odd"), "llama", hidden_size=48, head_dim=12)
     env = {**os.environ, "TRITON_INTERPRET": "1"}

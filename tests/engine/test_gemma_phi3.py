@@ -118,7 +118,7 @@ def check_against_hf(directory: str, result: dict, family: str, workload=WORKLOA
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory):
-    from tests.support.tiny_models import make_tiny_model
+    from testbed.tiny_models import make_tiny_model
 
     return {f: make_tiny_model(str(tmp_path_factory.mktemp(f)), f) for f in FAMILIES}
 

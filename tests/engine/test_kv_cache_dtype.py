@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from testbed.tiny_models import make_tiny_model
 from tests.support.hf_reference import hf_greedy, load_hf
-from tests.support.tiny_models import make_tiny_model
 from worker import Engine, SamplingParams
 from worker.engine.config import EngineConfig
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from testbed.tiny_models import make_tiny_model
 from tests.engine.staggered_batch import ENGINE_KWARGS, TINY, check, hf_tokens, run_in_engine, run_staggered
-from tests.support.tiny_models import make_tiny_model
 from worker import Engine
 
 ARCHS = {

@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
+from testbed.tiny_models import make_tiny_model
 from tests.support.hf_reference import hf_greedy, load_hf
-from tests.support.tiny_models import make_tiny_model
 from worker import Engine, SamplingParams
 from worker.engine.config import EngineConfig
 from worker.engine.quantization import quantize_int8, round_activations_int8

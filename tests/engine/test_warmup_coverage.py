@@ -93,7 +93,7 @@ def child(directory: str) -> dict:
 
 @pytest.mark.slow
 def test_every_served_kernel_variant_was_warmed_up(tmp_path):
-    from tests.support.tiny_models import make_tiny_model
+    from testbed.tiny_models import make_tiny_model
 
     # max_position 256: 16 blocks a row, two width buckets (the warm-up runs each)
     directory = make_tiny_model(str(tmp_path / "tiny"), "llama", max_position_embeddings=256)

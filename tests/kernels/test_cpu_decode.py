@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kernels import cpu
-from tests.support.tiny_models import make_tiny_model
+from testbed.tiny_models import make_tiny_model
 from worker import Engine, SamplingParams
 from worker.engine.backends.cpu_decode import FusedDecodeLayers
 

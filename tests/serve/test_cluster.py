@@ -16,7 +16,7 @@ from producer.client import Client
 from protocol import scripts
 from protocol.connection import is_cluster, on_shard, redis_from_url
 from protocol.keys import Keys
-from tests.support.redis_cluster import RedisCluster
+from testbed.redis_cluster import RedisCluster
 
 # Their hash tags fall in different thirds of the 16384 slots, which `redis-cli --cluster create` gives to
 # different masters: CLUSTER KEYSLOT {alpha} = 865 (0-5460), {beta} = 15419 (10923-16383).

@@ -17,6 +17,7 @@ from redis.exceptions import RedisClusterException
 
 from producer.client import Client
 from protocol.models import Keys
+from testbed.redis_cluster import RedisCluster
 from tests.support.failover import (
     FIRST_WAVE,
     acknowledged,
@@ -25,7 +26,6 @@ from tests.support.failover import (
     start_worker_pair,
     until,
 )
-from tests.support.redis_cluster import RedisCluster
 
 K = Keys("tokenbus")
 

@@ -11,9 +11,9 @@ import pytest
 
 from producer.client import Client
 from protocol.models import Keys
+from testbed.polling import until as _until
+from testbed.sentinel import Primary, Replica, SentinelGroup, replica_online
 from tests.support.failover import FIRST_WAVE, check_nothing_lost, finished, first_wave, start_worker_pair
-from tests.support.polling import until as _until
-from tests.support.sentinel import Primary, Replica, SentinelGroup, replica_online
 from worker.serve.queue import Ending, JobQueue
 
 K = Keys("tokenbus")

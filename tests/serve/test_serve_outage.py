@@ -7,7 +7,7 @@ from collections import Counter
 
 from protocol import scripts
 from protocol.models import Keys
-from tests.support.local_redis import RedisServer
+from testbed.redis_server import RedisServer
 
 K = Keys("tokenbus")
 

@@ -60,7 +60,7 @@ def test_sigkill_mid_batch_then_another_worker_finishes_everything(
 
 
 def test_sigterm_drains_then_exits_zero(redis_server, worker_process, make_client, tmp_path):
-    from tests.support.tiny_models import make_tiny_model
+    from testbed.tiny_models import make_tiny_model
 
     # a long context, so the "long" jobs really outlast the grace period even on a fast CPU
     serve_model_dir = make_tiny_model(str(tmp_path / "long-context"), "llama", rope_scaling=None,

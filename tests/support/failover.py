@@ -11,8 +11,8 @@ import redis
 from producer.client import Client
 from protocol import scripts
 from protocol.models import Job, Keys
+from testbed.polling import until
 from tests.serve.test_serve_process import worker_args
-from tests.support.polling import until
 
 FIRST_WAVE = [2] * 4 + [24] * 8  # max_tokens: four short jobs end before the kill, eight long ones are in flight
 

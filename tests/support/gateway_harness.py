@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.local_redis import RedisServer, free_port
+from testbed.redis_server import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m"

@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
+from testbed.redis_server import RedisServer, free_port
 from tests.support.gateway_harness import (
     KEYS,
     WEBHOOK_SECRET,
@@ -26,7 +27,6 @@ from tests.support.gateway_harness import (
     wait_until,
     write_jsonl,
 )
-from tests.support.local_redis import RedisServer, free_port
 
 __all__ = ["KEYS", "WEBHOOK_SECRET", "chat_line", "write_jsonl", "wait_until", "LightStack", "TrickleReceiver"]
 

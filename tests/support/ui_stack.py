@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from testbed.redis_server import RedisServer, free_port
 from tests.support.gateway_harness import KEYS, Deployment, Proc, healthy, wait_until
-from tests.support.local_redis import RedisServer, free_port
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -26,7 +26,7 @@ class UiStack(Deployment):
 
 
 def start_ui_stack(tmp: Path) -> UiStack:
-    from tests.support.tiny_models import make_tiny_model
+    from testbed.tiny_models import make_tiny_model
 
     srv = RedisServer().start()
     port = free_port()

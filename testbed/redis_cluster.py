@@ -17,8 +17,8 @@ import subprocess
 
 import redis
 
-from tests.support.local_redis import RedisServer
-from tests.support.polling import until
+from testbed.polling import until
+from testbed.redis_server import RedisServer
 
 
 class ClusterNode(RedisServer):

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import redis
 
-from tests.support.local_redis import RedisServer, free_port
-from tests.support.polling import until
+from testbed.polling import until
+from testbed.redis_server import RedisServer, free_port
 
 SERVICE = "tbprimary"
 
