@@ -21,7 +21,7 @@ import torch
 from benchmarks.bench_common import bench_parser, cpu_name, publish
 from kernels import cpu
 from worker.engine.backends.cpu_linear import pack_panels, pack_panels_w8a8
-from worker.engine.quantization import quantize_int8
+from worker.engine.quant.schemes import quantize_int8
 
 SHAPES = {"qkv/up 576→1536": (576, 1536), "down 1536→576": (1536, 576), "lm_head 576→49152": (576, 49152)}
 ROWS = (1, 4, 16, 32, 64)

@@ -35,7 +35,7 @@ import json, sys, time, uuid
 sys.path.insert(0, sys.argv[1])
 from producer import Client
 from protocol.models import Keys
-from worker.serve.queue import JobQueue
+from worker.serve.job_queue import JobQueue
 
 url, what, n, seats, batches = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 ns = f"bench-{uuid.uuid4().hex[:8]}"

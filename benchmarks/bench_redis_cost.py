@@ -27,7 +27,7 @@ import redis
 from producer import Client
 from protocol.connection import is_cluster, on_shard, redis_from_url
 from protocol.models import JobResult, Keys
-from worker.serve.queue import Ending, JobQueue
+from worker.serve.job_queue import Ending, JobQueue
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -289,7 +289,7 @@ STAGE_IMPORTS = {
           "protocol.constraints"),
     "m": ("kernels.moe", "kernels.moe_reference", "triton.testing"),
     "k": ("gpu_check_kv", "kernels.kv_quant", "kernels.decode_attention", "worker", "benchmarks.bench_gpu"),
-    "q": ("gpu_check_fp8", "kernels.fp8_linear", "worker.engine.fp8", "testbed.fp8_checkpoints", "worker",
+    "q": ("gpu_check_fp8", "kernels.fp8_linear", "worker.engine.quant.fp8", "testbed.fp8_checkpoints", "worker",
           "triton.testing"),
 }
 

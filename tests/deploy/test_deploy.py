@@ -270,7 +270,7 @@ def test_compose_redis_auth_acl_healthcheck_and_aof(compose, compose_redis):
 
 def test_the_tokenbus_acl_user_runs_the_real_producer_and_worker_operations(compose_redis):
     from producer.client import Client
-    from worker.serve.queue import Ending, JobQueue
+    from worker.serve.job_queue import Ending, JobQueue
 
     srv, _ = compose_redis
     url = app_url(srv.port)

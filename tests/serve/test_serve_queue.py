@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from protocol import scripts
 from protocol.models import GROUP, Keys
 from worker.serve.intake import IntakeBudget
-from worker.serve.queue import JobQueue
+from worker.serve.job_queue import JobQueue
 from worker.settings import WorkerSettings, build_parser, load_settings
 
 NS = "tokenbus"

@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 import torch
 
-from worker.engine import fp8, kv_cache, loader, quantization, warmup
+from worker.engine import kv_cache, loader, warmup
 from worker.engine.backends import select_backend
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig, bulk_min_seats
@@ -26,6 +26,7 @@ from worker.engine.model_runner import ModelRunner, kv_bytes_per_block
 from worker.engine.models import registry
 from worker.engine.outputs import Choice, EngineStats, RequestOutput, StepDeltas
 from worker.engine.overlap import Overlap
+from worker.engine.quant import fp8, schemes
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import ScheduledBatch, Scheduler
@@ -62,7 +63,7 @@ class Engine:
         self.tokenizer = loader.load_tokenizer(source)
         self.eos_token_ids = loader.load_generation_eos(source, hf_config, self.tokenizer)
         self.max_model_len = min(cfg.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
-        quantization.check_scheme(cfg.quantization, self.device, self.dtype)
+        schemes.check_scheme(cfg.quantization, self.device, self.dtype)
         fp8_loading = fp8.plan(hf_config, source.directory, cfg, self.device, self.model_path)
         self.backend = select_backend(self.device, self.dtype, cfg.cpu_kernels, cfg.cache_dir)
         self.backend.check_model(arch, cfg.model)
@@ -84,7 +85,7 @@ class Engine:
         fp8_loading.finish(self.model, self.device)
         self.quantized_cache = None  # the int8 cache file this engine read or wrote
         if cfg.quantization in ("int8", "w8a8"):
-            self.quantized_cache = quantization.apply_int8(self.model, source.directory, cfg.cache_dir,
+            self.quantized_cache = schemes.apply_int8(self.model, source.directory, cfg.cache_dir,
                                                            w8a8=cfg.quantization == "w8a8")
             self.model.eval().requires_grad_(False)
         self.backend.prepare(self.model)

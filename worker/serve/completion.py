@@ -16,9 +16,9 @@ from typing import Any
 import structlog
 
 from worker.serve.backoff import REDIS_DOWN, Backoff
+from worker.serve.job_queue import Ending, JobQueue
 from worker.serve.leases import Leases
 from worker.serve.messages import DeadLetter, HandBack, Partial
-from worker.serve.queue import Ending, JobQueue
 
 log = structlog.get_logger("tokenbus.worker")
 

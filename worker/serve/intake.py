@@ -17,9 +17,9 @@ from protocol.models import ErrorCode, JobRequest, Priority, is_valid_id, parse_
 from worker.engine.sampling_params import SamplingParams
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter
+from worker.serve.job_queue import Ending, Entry, JobQueue
 from worker.serve.leases import Leases
 from worker.serve.messages import DeadLetter, StartedJob
-from worker.serve.queue import Ending, Entry, JobQueue
 
 log = structlog.get_logger("tokenbus.worker")
 

@@ -25,9 +25,9 @@ from worker.engine.sampling_params import SamplingParams
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter, FirstToken
 from worker.serve.intake import BLOCK_MS, Intake, IntakeBudget
+from worker.serve.job_queue import Ending, JobQueue
 from worker.serve.leases import Housekeeper, Leases
 from worker.serve.messages import HandBack, Partial, Revoke, StartedJob, Wake
-from worker.serve.queue import Ending, JobQueue
 from worker.serve.results import job_result
 from worker.serve.status import EngineStatus
 from worker.settings import WorkerSettings
