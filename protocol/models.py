@@ -1,5 +1,6 @@
-"""The wire protocol between producers and workers: a job's request, its limits and checks (key names and
-priorities in protocol/keys.py, a job's record and result in protocol/jobs.py; both re-exported here).
+"""The wire protocol between producers and workers: a job's request, its limits and checks (key names in
+protocol/keys.py, priorities in protocol/priority.py; a job's record and result in protocol/jobs.py, re-exported
+here).
 
 This module is the source of truth for docs/protocol.md. It imports no torch: clients in other processes
 (and other languages, via the doc) only need Redis and these shapes.
@@ -19,7 +20,7 @@ from pydantic_core import PydanticSerializationError
 from protocol.constraints import check_choice, check_regex, check_response_format, grammar_error, grammar_for
 from protocol.errors import ErrorCode, InvalidJob  # noqa: F401  (ErrorCode: part of the protocol)
 from protocol.jobs import TERMINAL_STATUSES, Job, JobResult, JobStatus, ResultChoice, TokenText, Usage  # noqa: F401
-from protocol.keys import DEFAULT_NAMESPACE, PRIORITIES, Keys, Priority  # noqa: F401  (part of the protocol)
+from protocol.priority import Priority
 
 GROUP = "workers"  # the one consumer group, on every job queue
 # 127.0.0.1, not localhost: localhost may resolve to ::1 first, where a default Redis does not listen

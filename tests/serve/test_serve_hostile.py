@@ -10,7 +10,8 @@ from collections import Counter, deque
 
 from producer import Client
 from protocol import scripts
-from protocol.models import GROUP, Keys
+from protocol.keys import Keys
+from protocol.models import GROUP
 
 K = Keys("tokenbus")
 

@@ -58,5 +58,11 @@ class SamplingParams(GenerationParams):
         except ValidationError as err:
             raise InvalidRequest(f"invalid sampling parameters: {describe_validation_error(err)}") from None
 
+    @classmethod
+    def of(cls, request: GenerationParams) -> SamplingParams:
+        """The generation fields of a request that was validated already (a job's JobRequest): taken as they
+        are, not checked a second time."""
+        return cls.model_construct(**request.sampling_fields())
+
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()

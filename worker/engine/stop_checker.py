@@ -1,5 +1,5 @@
 """Decides after each new token whether a sequence is done: EOS, stop token ids, stop strings (in the
-detokenizer's text), max_tokens / min_tokens and the model's context."""
+detokenizer's text), min_tokens, and the length rule (Sequence.max_num_tokens)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ from worker.engine.sequence import Sequence
 
 
 class StopChecker:
-    def __init__(self, eos_token_ids: list[int], max_model_len: int) -> None:
+    def __init__(self, eos_token_ids: list[int]) -> None:
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.max_model_len = max_model_len
 
     def check(self, seq: Sequence, new_text_from: int) -> str | None:
         """The finish reason ("stop" | "length") once seq's newest token ends it, else None. new_text_from is
@@ -25,7 +24,7 @@ class StopChecker:
                 return "stop"
             if params.stop_strings and self._cut_at_stop_string(seq, new_text_from):
                 return "stop"
-        if num_output >= params.max_tokens or len(token_ids) >= self.max_model_len:
+        if len(token_ids) >= seq.max_num_tokens:
             return "length"
         return None
 
