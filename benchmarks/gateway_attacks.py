@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gateway.webhooks import DeliveryFailed, deliver, parse_networks
+from gateway.webhooks.delivery import DeliveryFailed, deliver, parse_networks
 from tests.support import light_gateway as lg
 from tests.support.light_gateway import TrickleReceiver, chat_line, start_light_stack, stop_light_stack
 

@@ -11,14 +11,15 @@ import anyio.to_thread
 import structlog
 from fastapi import Depends, FastAPI, Request
 
-from gateway import completions, errors, jobs, routes
+from gateway import errors
+from gateway.api import batches, completions, files, jobs
 from gateway.auth import owner
 from gateway.context import GatewayContext
 from gateway.errors import APIError
 from gateway.limits import BodyLimit
-from gateway.secrets import check_master, key_secret
 from gateway.settings import GatewaySettings
-from gateway.webhooks import parse_networks
+from gateway.webhooks.delivery import parse_networks
+from gateway.webhooks.secrets import check_master, key_secret
 from protocol.connection import async_redis_from_url
 
 log = structlog.get_logger("tokenbus.gateway")
@@ -38,7 +39,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        # Short blocking calls (Redis reads, file writes) run in threads; streams wait in none (streams.py).
+        # Short blocking calls (Redis reads, file writes) run in threads; streams wait in none (live/streams.py).
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.stream_threads
         ctx.files.root.mkdir(parents=True, exist_ok=True)
         ctx.waiter.start()
@@ -56,7 +57,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                   openapi_url=None)
     app.state.ctx = ctx
     errors.install(app)
-    app.include_router(routes.router)
+    app.include_router(files.router)
+    app.include_router(batches.router)
     app.include_router(completions.router)
     app.include_router(jobs.router)
     if settings.ui_enabled:

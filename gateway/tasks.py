@@ -17,14 +17,14 @@ import time
 import redis
 import structlog
 
-from gateway import capacity, error_lines, ingest
-from gateway.batch_records import GatewayBatch, batch_object, load_core
+from gateway.batches import capacity, error_lines, ingest
+from gateway.batches.records import GatewayBatch, batch_object, load_core
 from gateway.context import GatewayContext
 from gateway.enqueue import enqueue_finalize, enqueue_submit, enqueue_webhook  # noqa: F401 (callers use tasks.*)
-from gateway.files import FileMeta
-from gateway.secrets import signing_secrets
+from gateway.files.store import FileMeta
 from gateway.settings import GatewaySettings
-from gateway.webhooks import deliver, parse_networks
+from gateway.webhooks.delivery import deliver, parse_networks
+from gateway.webhooks.secrets import signing_secrets
 from producer import batches
 from protocol.errors import InvalidBatch, QueueFull
 from protocol.models import BatchStatus
@@ -52,7 +52,7 @@ def set_context(ctx: GatewayContext | None) -> None:
 def submit_batch(batch_id: str) -> str:
     """Write the batch's jobs from its input file with producer.batches.submit_batch (the CLI's machinery).
 
-    Holds the batch's submit lease throughout (ingest.py). QueueFull or Redis out of memory fail the batch
+    Holds the batch's submit lease throughout (batches/ingest.py). QueueFull or Redis out of memory fail the batch
     at once, its written jobs removed; other errors (a lost connection) raise, so RQ retries; when RQ gives
     up, the watcher's sweep fails the batch."""
     ctx = context()
@@ -78,7 +78,7 @@ def _submit(ctx: GatewayContext, batch_id: str) -> str:
     if time.time() > gw.expires_at and load_core(ctx.redis, ctx.keys, batch_id) is None:
         ingest.end_without_jobs(ctx, gw, "expired", [])
         return "expired before submission"
-    if gw.errors:  # the input file's lines were invalid (files.py): OpenAI fails such a batch in validating
+    if gw.errors:  # the input file's lines were invalid (files/store.py): OpenAI fails such a batch in validating
         ingest.end_without_jobs(ctx, gw, "failed", gw.errors)
         return "invalid"
     path = ctx.files.path(gw.input_file_id)
@@ -90,7 +90,7 @@ def _submit(ctx: GatewayContext, batch_id: str) -> str:
     # Open before the jobs exist: a batch that ends at once is still seen by the watcher.
     ctx.redis.sadd(ctx.gkeys.open_batches, batch_id)
     try:
-        # One pass, no spool: the upload validated every line (files.py), so each is sent as it is read again
+        # One pass, no spool: the upload validated every line (files/store.py), so each is sent as it is read again
         checked = (gw.endpoint, gw.total) if gw.total else None
         batches.submit_batch(ctx.client, path, batch_id=batch_id, validated=checked, spool_dir=ctx.files.root)
     except InvalidBatch as err:  # the upload validated it, so only a changed file gets here

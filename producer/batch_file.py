@@ -1,5 +1,5 @@
 """An OpenAI Batch input file read line by line as it streams in, in constant memory per line: the one set of
-batch-file rules, for `tokenbus batch submit` (producer.batches) and the gateway's upload (gateway/files.py).
+batch-file rules, for `tokenbus batch submit` (producer.batches) and the gateway's upload (gateway/files/store.py).
 
 The rules: lines are numbered as str.splitlines numbers them (blank lines count and are skipped); each line is
 UTF-8 and, when max_line_bytes is given, at most that long; each non-blank line is JSON and an OpenAI Batch

@@ -121,7 +121,7 @@ class Validated:
     pass, each line's request handed on as soon as it is validated again, with no spool. Should the file have
     changed since (a line now invalid, another count or endpoint), requests() raises InvalidBatch at the end,
     after the lines before the first bad one were handed on: the caller removes what it wrote
-    (gateway/ingest.py)."""
+    (gateway/batches/ingest.py)."""
 
     endpoint: str
     total: int

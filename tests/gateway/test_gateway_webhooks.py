@@ -84,7 +84,7 @@ def test_a_webhook_that_never_succeeds_ends_in_rq_failed_registry(redis_server, 
     from rq.registry import FailedJobRegistry
 
     from gateway import tasks
-    from gateway.batch_records import GatewayBatch
+    from gateway.batches.records import GatewayBatch
     from gateway.context import GatewayContext
     from gateway.settings import GatewaySettings
 

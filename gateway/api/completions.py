@@ -26,9 +26,9 @@ from gateway.context import GatewayContext
 from gateway.errors import APIError, invalid
 from gateway.http import get_ctx, json_body
 from gateway.jobs import job_error, record_ownership
-from gateway.quotas import Lease
-from gateway.streams import END
-from gateway.waiter import ClientGone
+from gateway.live.quotas import Lease
+from gateway.live.streams import END
+from gateway.live.waiter import ClientGone
 from producer.batch_file import request_tokens
 from producer.openai_batch import CHAT, COMPLETIONS, body_request, response_body
 from protocol.errors import InvalidJob
@@ -86,7 +86,7 @@ async def _complete(request: Request, who: str, endpoint: str) -> Any:
                       f"{ctx.settings.max_tokens_limit}", param="max_tokens", code="max_tokens_too_large")
     job_request = job_request.model_copy(update={"stream": stream})
     timeout = ctx.settings.completion_timeout_s
-    # 429 before anything is queued when this key has too much in flight (quotas.py)
+    # 429 before anything is queued when this key has too much in flight (live/quotas.py)
     lease = ctx.quotas.acquire(who, stream, request_tokens(job_request.model_dump()), hold_s=timeout + 60)
     try:
         job_id = await run_in_threadpool(submit, ctx, who, endpoint, job_request)

@@ -1,0 +1,2 @@
+"""Interactive calls while they wait: one thread each for token streams, job ends and cancels (Background),
+and the per-key leases that bound what one key has in flight (quotas)."""
