@@ -24,7 +24,7 @@ from gateway.http import get_ctx, json_body
 from gateway.jobs import job_error, record_ownership
 from gateway.live.sse import abandon, job_events
 from gateway.live.waiter import ClientGone
-from producer.batch_file import request_tokens
+from producer.batch_file import max_tokens_problem, request_tokens
 from producer.openai_batch import CHAT, COMPLETIONS, body_request, response_body
 from protocol.errors import InvalidJob
 from protocol.models import JobRequest, JobStatus
@@ -76,13 +76,12 @@ async def _complete(request: Request, who: str, endpoint: str) -> Any:
         message = str(err).removeprefix("body: ").removeprefix("body.")
         param = message.split(":", 1)[0] if ":" in message.split(" ", 1)[0] else None
         raise invalid(message, param=param) from None
-    if "max_tokens" in job_request.model_fields_set and job_request.max_tokens > ctx.settings.max_tokens_limit:
-        raise invalid(f"max_tokens {job_request.max_tokens} is above this gateway's limit of "
-                      f"{ctx.settings.max_tokens_limit}", param="max_tokens", code="max_tokens_too_large")
+    if problem := max_tokens_problem(job_request, ctx.settings.max_tokens_limit):
+        raise invalid(problem, param="max_tokens", code="max_tokens_too_large")
     job_request = job_request.model_copy(update={"stream": stream})
     timeout = ctx.settings.completion_timeout_s
     # 429 before anything is queued when this key has too much in flight (live/quotas.py)
-    lease = ctx.quotas.acquire(who, stream, request_tokens(job_request.model_dump()), hold_s=timeout + 60)
+    lease = ctx.quotas.acquire(who, stream, request_tokens(job_request), hold_s=timeout + 60)
     try:
         job_id = await run_in_threadpool(submit, ctx, who, endpoint, job_request)
     except BaseException:

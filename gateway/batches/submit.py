@@ -1,9 +1,11 @@
-"""The submit task's work: a validating batch's jobs written from its input file (producer.batches.submit_batch,
-the CLI's machinery), under the batch's submit lease (ingest.py); what goes wrong ends the batch `failed`."""
+"""The submit task's work: a validating batch's jobs written from the requests its upload validated
+(producer.batches.submit_batch, the CLI's machinery), under the batch's submit lease (ingest.py); what goes
+wrong ends the batch `failed`."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import redis
 import structlog
@@ -11,7 +13,9 @@ import structlog
 from gateway.batches import ingest
 from gateway.batches.records import GatewayBatch, load_core
 from gateway.context import GatewayContext
+from gateway.files.store import BATCH_PRIORITY
 from producer import batches
+from producer.batch_spool import Spooled, open_spool
 from protocol.errors import InvalidBatch, QueueFull
 
 log = structlog.get_logger("tokenbus.gateway")
@@ -57,9 +61,8 @@ def _submit(ctx: GatewayContext, batch_id: str) -> str:
     # Open before the jobs exist: a batch that ends at once is still seen by the watcher.
     ctx.redis.sadd(ctx.gkeys.open_batches, batch_id)
     try:
-        # One pass, no spool: the upload validated every line (files/store.py), so each is sent as it is read again
-        checked = (gw.endpoint, gw.total) if gw.total else None
-        batches.submit_batch(ctx.client, path, batch_id=batch_id, validated=checked, spool_dir=ctx.files.root)
+        batches.submit_batch(ctx.client, _requests(ctx, gw, path), batch_id=batch_id, priority=BATCH_PRIORITY,
+                             spool_dir=ctx.files.root)
     except InvalidBatch as err:  # the upload validated it, so only a changed file gets here
         if load_core(ctx.redis, ctx.keys, batch_id) is not None:  # found part-way: remove what was written
             ingest.fail_ingest(ctx, gw, "invalid_file", f"the input file changed since its upload: {err}")
@@ -86,3 +89,13 @@ def _submit(ctx: GatewayContext, batch_id: str) -> str:
         batches.cancel_batch(ctx.client, batch_id)
     log.info("gateway_batch_submitted", batch_id=batch_id, owner=gw.owner)
     return "submitted"
+
+
+def _requests(ctx: GatewayContext, gw: GatewayBatch, path: Path) -> Spooled | Path:
+    """What the submit sends: the requests the upload validated, kept beside the file (files/store.py), as they
+    are, with nothing parsed or validated again. A file uploaded before the gateway kept them is validated
+    here, once, into a temporary spool."""
+    kept = ctx.files.requests_path(gw.input_file_id)
+    if gw.total and kept.is_file():
+        return open_spool(kept, gw.endpoint, gw.total, BATCH_PRIORITY, input_file=str(path))
+    return path
