@@ -163,7 +163,7 @@ def stage_bandwidth(ctx: Ctx) -> None:
 # ---------------------------------------------------------------- (c) decode step time against the floor
 
 def stage_decode(ctx: Ctx) -> None:
-    from benchmarks.engine.overlap import HostTimer
+    from bench.host_timer import HostTimer
     from worker import Engine, SamplingParams
     from worker.engine.model_runner import kv_bytes_per_block
 
@@ -284,7 +284,7 @@ STAGE_IMPORTS = {
     "a": ("gpu_check.kernel_bench", "pytest", "triton.testing", "kernels.decode_attention"),
     "b": ("gpu_check.kernel_bench", "triton.testing", "kernels.decode_attention", "kernels.prefill_attention"),
     "c": ("worker", "worker.engine.model_runner", "worker.engine.cuda_graphs", "torch.profiler",
-          "benchmarks.engine.overlap"),
+          "bench.host_timer"),
     "d": ("gpu_check.engine_bench", "worker", "transformers"),
     "e": ("testbed.tiny_models", "worker", "transformers", "gpu_check.graphs", "worker.engine.guided",
           "protocol.constraints"),

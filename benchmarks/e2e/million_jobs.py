@@ -20,14 +20,14 @@ import argparse
 import os
 import platform
 import queue
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 
-from benchmarks.harness.common import stop_process, write_section
+from bench.worker_process import start_worker, step_seconds, stop_process
+from benchmarks.harness.docs import write_section
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NAMESPACE = "bench-million"
@@ -68,24 +68,17 @@ def engine_alone(model_dir: str, n: int, max_num_seqs: int, cpu_kernels: bool) -
     return seconds
 
 
-def start_worker(url: str, model_dir: str, i: int, max_num_seqs: int, metrics_port: int, log_dir: str,
-                 cpu_kernels: bool):
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    args = [sys.executable, "-m", "worker", "--redis-url", url, "--namespace", NAMESPACE, "--model", model_dir,
-            "--device", "cpu", "--dtype", "float32", "--max-num-seqs", str(max_num_seqs),
-            "--max-num-batched-tokens", str(max(256, 4 * max_num_seqs)), "--kv-cache-gb", "0.2",
-            "--intake-lookahead", str(max_num_seqs), "--heartbeat-s", "1", "--worker-name", f"million-{i}",
-            "--metrics-port", str(metrics_port), "--log-json", "true", "--log-level", "warning",
-            "--cpu-kernels", str(cpu_kernels).lower()]
-    log = open(os.path.join(log_dir, f"worker-{i}.log"), "w")
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+def start_one(url: str, model_dir: str, i: int, max_num_seqs: int, metrics_port: int, log_dir: str,
+              cpu_kernels: bool):
+    return start_worker(url, model_dir, os.path.join(log_dir, f"worker-{i}.log"), "--namespace", NAMESPACE,
+                        "--max-num-seqs", str(max_num_seqs),
+                        "--max-num-batched-tokens", str(max(256, 4 * max_num_seqs)), "--kv-cache-gb", "0.2", "--intake-lookahead", str(max_num_seqs), "--heartbeat-s", "1",
+                        "--worker-name", f"million-{i}", "--metrics-port", str(metrics_port), "--log-json", "true",
+                        "--log-level", "warning", "--cpu-kernels", str(cpu_kernels).lower(), threads=1)
 
 
 def step_totals(ports: list[int]) -> tuple[int, float]:
-    from bench.e2e import _step_seconds
-
-    pairs = [_step_seconds(p) for p in ports]
+    pairs = [step_seconds(p) for p in ports]
     return sum(n for n, _ in pairs), sum(s for _, s in pairs)
 
 
@@ -135,8 +128,8 @@ def run_system(args, model_dir: str, log_dir: str) -> Run:
     try:
         for i in range(args.workers):
             ports.append(free_port())
-            workers.append(start_worker(server.url, model_dir, i, args.max_num_seqs, ports[-1], log_dir,
-                                        args.cpu_kernels))
+            workers.append(start_one(server.url, model_dir, i, args.max_num_seqs, ports[-1], log_dir,
+                                     args.cpu_kernels))
         client = client_of(server.url)
         deadline = time.monotonic() + 600
         while sum(w.alive for w in client.info().workers) < args.workers:

@@ -1,54 +1,11 @@
-"""bench_e2e.py's output: the markdown tables and the three PNGs (matplotlib, Agg)."""
+"""e2e/compare.py's output: the markdown tables and the three PNGs (matplotlib, Agg)."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 
-from bench.e2e import Timed
-from benchmarks.harness.common import DOCS, agreement
-
-
-@dataclass
-class Row:
-    key: str  # "1".."6"
-    name: str
-    runs: list[Timed] = field(default_factory=list)  # one per round; empty: skipped
-    note: str = ""  # why it was skipped, or how it was run
-
-    @property
-    def run(self) -> Timed | None:
-        """The median round by wall time (the only one when the system ran once); None when skipped."""
-        return sorted(self.runs, key=lambda t: t.seconds)[(len(self.runs) - 1) // 2] if self.runs else None
-
-    def rates(self) -> list[float]:
-        """tok/s of every round, in the order they ran."""
-        return [sum(map(len, t.outputs)) / t.seconds for t in self.runs]
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(o) for o in self.run.outputs) if self.run else 0
-
-    @property
-    def tok_s(self) -> float:
-        return self.tokens / self.run.seconds if self.run else 0.0
-
-    @property
-    def req_s(self) -> float:
-        return len(self.run.outputs) / self.run.seconds if self.run else 0.0
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]): with 64 requests p99 is the slowest one, never interpolated."""
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * q // 100))  # ceil
-    return ordered[int(rank) - 1]
-
-
-def _p50_p99(values: list[float] | None) -> str:
-    if not values:
-        return "–"
-    return f"{percentile(values, 50):.2f} / {percentile(values, 99):.2f}"
+from bench.harness import Row, Timed, agreement, p50_p99
+from benchmarks.harness.docs import DOCS
 
 
 def results_table(rows: list[Row]) -> str:
@@ -66,7 +23,7 @@ def results_table(rows: list[Row]) -> str:
         share, identical = agreement(r.run.outputs, base.run.outputs)
         lines.append(
             f"| ({r.key}) | {r.name} | {r.tok_s:.1f} | {r.req_s:.2f} | {r.tok_s / base.tok_s:.2f}× | "
-            f"{_p50_p99(r.run.ttfts)} | {_p50_p99(r.run.latencies)} | {share:.1%} | "
+            f"{p50_p99(r.run.ttfts)} | {p50_p99(r.run.latencies)} | {share:.1%} | "
             f"{identical}/{len(r.run.outputs)} |")
     return "\n".join(lines)
 
@@ -90,7 +47,7 @@ def sweep_table(sweep: list[tuple[int, Timed]]) -> str:
         tokens = sum(map(len, t.outputs))
         steps = int(t.extra.get("steps", "0")) or 1
         lines.append(f"| {seqs} | {tokens / t.seconds:.1f} | {tokens / t.seconds / first_rate:.2f}× | {steps} | "
-                     f"{tokens / steps:.1f} | {_p50_p99(t.latencies)} |")
+                     f"{tokens / steps:.1f} | {p50_p99(t.latencies)} |")
     return "\n".join(lines)
 
 

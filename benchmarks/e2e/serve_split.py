@@ -25,8 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.harness import cpu_name, parser
 from bench.workload import chat_ids, workload
-from benchmarks.harness.common import bench_parser, cpu_name, publish
+from benchmarks.harness.docs import publish
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -128,7 +129,7 @@ def run_child(tree: Path, tmp: Path, wl: Path, url: str, model: str, tag: str) -
 
 
 def main() -> None:
-    ap = bench_parser(__doc__, rounds=2, num_prompts=32)
+    ap = parser(__doc__, docs=True, rounds=2, prompts=32)
     ap.add_argument("base", help="git revision to compare this tree against")
     ap.add_argument("--tiny", action="store_true", help="a tiny random-weight Llama (the serve path's share grows)")
     a = ap.parse_args()

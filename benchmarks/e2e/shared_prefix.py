@@ -1,13 +1,13 @@
-"""bench_e2e.py --workload shared: the shared-prefix benchmark, end to end through Redis.
+"""e2e/compare.py --workload shared: the shared-prefix benchmark, end to end through Redis.
 
-Workload (bench_workload.shared_prefix_workload): every request is one ~1,000-token system instruction plus
+Workload (bench/workload.py: shared_prefix_workload): every request is one ~1,000-token system instruction plus
 a distinct short question, output lengths long-tailed, greedy, EOS ignored. Systems, taking turns round
 after round (the order rotates) so the machine's drift falls on each of them alike:
 
   (P1) tokenbus end to end, prefix caching on (the default)
   (P2) tokenbus end to end, prefix caching off
   (P3) vLLM's CPU build, prefix caching on (skipped with a note when .venv-vllm is missing)
-  (U1) / (U2) tokenbus end to end on the unshared chat workload (bench_workload.workload), caching on / off:
+  (U1) / (U2) tokenbus end to end on the unshared chat workload (workload), caching on / off:
        the cost of caching where nothing much is shared
 
 The load average is read before every run and printed next to its numbers: the machine is shared.
@@ -20,11 +20,12 @@ import os
 import statistics
 import time
 
-from bench.e2e import Timed, run_e2e
+from bench.e2e import run_e2e
+from bench.harness import Timed, cpu_name, rotated
 from bench.workload import chat_ids, shared_prefix_workload, workload
-from benchmarks.harness.common import cpu_name, write_section
+from benchmarks.harness.docs import DOCS, write_section
+from benchmarks.harness.vllm import run_vllm
 
-DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs")
 NAMES = {
     "P1": "tokenbus e2e, prefix caching on",
     "P2": "tokenbus e2e, prefix caching off",
@@ -34,7 +35,7 @@ NAMES = {
 }
 
 
-def run_shared(args, tokenizer, source, redis_url: str, work: str, run_vllm, rotated) -> None:
+def run_shared(args, tokenizer, source, redis_url: str, work: str) -> None:
     shared = shared_prefix_workload(args.num_prompts, max_tokens=args.max_tokens)
     s_ids, s_max = chat_ids(tokenizer, shared), [m for _, m in shared]
     plain = workload(args.unshared_prompts, max_tokens=args.max_tokens)

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from benchmarks.harness.common import bench_parser
+from bench.harness import parser
 
 TOPICS = ["tides", "volcanoes", "bread", "bridges", "bees", "glaciers", "chess", "compilers", "rainbows", "maps",
           "ink", "lighthouses", "coral", "clocks", "paper", "salt"]
@@ -39,7 +39,7 @@ def run(model_impl: str, prompts: list[str], max_tokens: int, max_num_seqs: int)
 
 
 def main() -> None:
-    args = bench_parser(__doc__, num_prompts=32, max_tokens=64, rounds=2).parse_args()
+    args = parser(__doc__, docs=True, prompts=32, max_tokens=64, rounds=2).parse_args()
     prompts = [f"Explain how {TOPICS[i % len(TOPICS)]} work, in three short paragraphs for a child."
                for i in range(args.num_prompts)]
     rows, ratios, agree = [], [], []

@@ -22,21 +22,18 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-
-from benchmarks.harness.common import write_section  # noqa: E402
-from worker import Engine, SamplingParams  # noqa: E402
-from worker.engine.block_manager import BlockManager  # noqa: E402
-from worker.engine.sampler import SampledStep  # noqa: E402
+from bench.host_timer import HostTimer
+from benchmarks.harness.docs import DOCS, write_section
+from worker import Engine, SamplingParams
+from worker.engine.block_manager import BlockManager
+from worker.engine.sampler import SampledStep
 
 BATCH = 256
-RESULTS = os.path.join(ROOT, "docs", "overlap.md")
+RESULTS = os.path.join(DOCS, "overlap.md")
 
 
 class DeviceStep(SampledStep):
@@ -83,36 +80,6 @@ def make_engine(overlap: bool) -> Engine:
     bm = BlockManager(BATCH * 80, engine.config.block_size, engine.config.enable_prefix_caching)
     engine.block_manager = engine.scheduler.block_manager = bm
     return engine
-
-
-class HostTimer:
-    """CPU seconds of the main thread in the engine's host phases, by wrapping them (nothing in worker/
-    changes): schedule, prepare (StepInputs), postprocess (Engine.finish_step: tokens, stops, text, outputs)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.totals = {"schedule": 0.0, "prepare": 0.0, "postprocess": 0.0}
-        self._wrap(engine.scheduler, "schedule", "schedule")
-        self._wrap(engine.runner.inputs, "prepare", "prepare")  # both paths (with and without overlap)
-        self._wrap(engine, "finish_step", "postprocess")
-        if engine.overlap is not None:
-            engine.overlap.finish_step = engine.finish_step  # it holds the method it was built with
-
-    def _wrap(self, obj, name: str, key: str) -> None:
-        fn = getattr(obj, name)
-
-        def timed(*args, **kwargs):
-            t = time.thread_time()  # CPU time of this thread: the machine's other load does not count
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.totals[key] += time.thread_time() - t
-
-        setattr(obj, name, timed)
-
-    def take(self) -> dict[str, float]:
-        out = dict(self.totals)
-        self.totals = dict.fromkeys(self.totals, 0.0)
-        return out
 
 
 class Bench:

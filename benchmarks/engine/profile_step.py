@@ -22,7 +22,7 @@ from collections import defaultdict
 import torch
 
 from bench.workload import workload
-from benchmarks.harness.common import write_section
+from benchmarks.harness.docs import write_section
 
 CATEGORIES = [
     ("linear", "linear layers (qkv, o, gate_up, down)"),

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from benchmarks.harness.common import write_section
+from benchmarks.harness.docs import write_section
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import ScheduledBatch
 from worker.engine.sequence import Sequence, SequenceStatus

@@ -15,7 +15,7 @@ import os
 import statistics
 import time
 
-from benchmarks.harness.common import bench_parser
+from bench.harness import parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,7 +52,7 @@ def jobs(n: int, max_tokens: int):
 
 
 def main() -> None:
-    ap = bench_parser(__doc__, num_prompts=32, max_tokens=96, rounds=4, device="cpu", dtype="float32")
+    ap = parser(__doc__, docs=True, prompts=32, max_tokens=96, rounds=4, device="cpu", dtype="float32")
     args = ap.parse_args()
 
     from worker.engine.engine import Engine
@@ -131,7 +131,7 @@ def main() -> None:
     body = "\n".join(lines)
     print(body)
     if not args.no_write:
-        from benchmarks.harness.common import write_section
+        from benchmarks.harness.docs import write_section
 
         marker = "structured" if args.device == "cpu" else f"structured-{engine.device.type}"
         print("wrote", write_section("benchmarks.md", marker, body))

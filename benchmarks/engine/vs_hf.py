@@ -13,17 +13,11 @@ import time
 
 import torch
 
-from bench.e2e import engine_offline
+from bench.engine import engine_offline
+from bench.harness import agreement, cpu_name
 from bench.workload import chat_ids, workload
-from benchmarks.harness.common import (
-    SystemResult,
-    agreement,
-    cpu_name,
-    hf_continuous_batching,
-    hf_one_at_a_time,
-    hf_static_batches,
-    write_section,
-)
+from benchmarks.harness.docs import write_section
+from benchmarks.harness.hf import SystemResult, hf_continuous_batching, hf_one_at_a_time, hf_static_batches
 
 
 def run_engine(prompt_ids, max_tokens, max_num_seqs: int) -> SystemResult:

@@ -22,8 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.harness import cpu_name, parser
 from bench.workload import chat_ids, workload
-from benchmarks.harness.common import bench_parser, cpu_name, write_section
+from benchmarks.harness.docs import write_section
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,7 +82,7 @@ def _setting(item: str) -> tuple[str, object]:
 
 
 def main() -> None:
-    ap = bench_parser(__doc__, rounds=3, num_prompts=48)
+    ap = parser(__doc__, docs=True, rounds=3, prompts=48)
     ap.add_argument("base", help="git revision to compare this tree against")
     ap.add_argument("--e2e", action="store_true", help="also end to end through Redis (a worker per tree)")
     ap.add_argument("--this-engine", action="append", default=[], metavar="KEY=VALUE",

@@ -12,18 +12,15 @@ the engine captures at max_num_seqs 256.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from kernels.decode_attention import plan_decode  # noqa: E402
-from kernels.partitions import cdiv  # noqa: E402
-from worker.engine.cuda_graphs import DecodeWidths, decode_buckets  # noqa: E402
+from benchmarks.harness.docs import DOCS
+from kernels.decode_attention import plan_decode
+from kernels.partitions import cdiv
+from worker.engine.cuda_graphs import DecodeWidths, decode_buckets
 
 H200_SMS = 132
 BLOCK = 16
@@ -69,14 +66,14 @@ def main() -> None:
     note = ("CUDA graphs captured at max_num_seqs 256 (15 row buckets x width buckets): "
             + ", ".join(f"{n} at max_model_len {m}" for m, n in graphs) + " (before: 15).")
     print("\n".join(lines) + "\n\n" + note)
-    out = ROOT / "docs" / "gpu" / "decode_partitions.md"
+    out = Path(DOCS) / "gpu" / "decode_partitions.md"
     out.write_text(
         "# Split-KV decode: idle programs from the launch plan\n\n"
         f"`python -m benchmarks.kernels.decode_partitions`, {time.strftime('%Y-%m-%d')}: SmolLM2-135M heads "
         "(9 q, 3 kv, head_dim 64), bf16, block 16, a GPU of 132 SMs (H200), every sequence at `context` tokens. "
         "Computed from `plan_decode` on the CPU; never launched on a GPU.\n\n"
         + "\n".join(lines) + "\n\n" + note + "\n")
-    print(f"wrote {out.relative_to(ROOT)}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

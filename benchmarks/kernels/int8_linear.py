@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from benchmarks.harness.common import bench_parser, cpu_name, publish
+from bench.harness import cpu_name, parser
+from benchmarks.harness.docs import publish
 from kernels import cpu
 from worker.engine.backends.cpu_linear import pack_panels, pack_panels_w8a8
 from worker.engine.quantization import quantize_int8
@@ -51,7 +52,7 @@ def cpu_us(f, x, calls: int) -> float:
 
 
 def main() -> None:
-    args = bench_parser(__doc__, rounds=9, min_cpu_ms=20.0).parse_args()  # min-cpu-ms: per kernel per round
+    args = parser(__doc__, docs=True, rounds=9, min_cpu_ms=20.0).parse_args()  # min-cpu-ms: per kernel per round
     torch.set_num_threads(1)
     ext = cpu.extension()
     assert ext is not None, "the C++ CPU kernels did not build"

@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from benchmarks.harness.common import cpu_name
+from bench.harness import cpu_name
 from benchmarks.quant.kv_dtype import kernel_inputs
 
 

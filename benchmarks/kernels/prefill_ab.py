@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from benchmarks.harness.common import cpu_name
+from bench.harness import cpu_name
 from kernels import cpu
 from kernels.kv_quant import quantize
 

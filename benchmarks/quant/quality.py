@@ -37,7 +37,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.workload import chat_ids, workload  # noqa: E402
-from benchmarks.harness.common import write_section  # noqa: E402
+from benchmarks.harness.docs import write_section  # noqa: E402
 from kernels.fp8_linear import fp8_linear_reference, quantize_weight  # noqa: E402
 from worker.engine.quantization import quantize_int8, round_activations_int8  # noqa: E402
 

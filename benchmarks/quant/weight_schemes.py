@@ -15,19 +15,17 @@ rotation (vllm.py: its LLM.generate call, no Redis).
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
-import tempfile
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.e2e import run_e2e  # noqa: E402
-from bench.workload import chat_ids, workload  # noqa: E402
-from benchmarks.harness.common import cpu_name, publish, rotating_rounds, table  # noqa: E402
-from benchmarks.harness.vllm_row import add_vllm_arguments, vllm_row, vllm_turn  # noqa: E402
+from bench.e2e import run_e2e
+from bench.harness import cpu_name, markdown_table, parser
+from bench.workload import chat_ids, workload
+from benchmarks.harness.docs import publish
+from benchmarks.harness.rotation import rotate
+from benchmarks.harness.vllm import add_vllm_arguments
 
 SYSTEMS = ("offline fp32", "offline int8", "offline w8a8", "e2e fp32", "e2e int8", "e2e w8a8")
 
@@ -69,60 +67,36 @@ def timed_generate(engine, prompt_ids, max_tokens) -> dict:
 
 
 def end_to_end(quantization: str | None, redis_url: str, prompt_ids, max_tokens, log_dir: str) -> dict[str, float]:
-    # the worker subprocess inherits the environment: TOKENBUS_QUANTIZATION selects the scheme
-    os.environ.pop("TOKENBUS_QUANTIZATION", None)
-    if quantization:
-        os.environ["TOKENBUS_QUANTIZATION"] = quantization
-    try:
-        timed = run_e2e(redis_url, prompt_ids, max_tokens, torch.get_num_threads(),
-                        os.path.join(log_dir, f"worker-{quantization or 'fp32'}.log"))
-    finally:
-        os.environ.pop("TOKENBUS_QUANTIZATION", None)
-    tokens = sum(len(t) for t in timed.outputs)
-    return {"tok/s": tokens / timed.seconds, "seconds": timed.seconds}
+    timed = run_e2e(redis_url, prompt_ids, max_tokens, torch.get_num_threads(),
+                    os.path.join(log_dir, f"worker-{quantization or 'fp32'}.log"),
+                    settings={"quantization": quantization} if quantization else None)
+    return {"tok/s": timed.tok_s, "seconds": timed.seconds}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--no-write", action="store_true")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="a comma-separated subset of the tokenbus "
-                        "rows (each needs its path's fp32 row)")
-    add_vllm_arguments(parser)
-    args = parser.parse_args()
+    ap = parser(__doc__, prompts=64, max_tokens=256, rounds=2, redis=True, docs=True, threads=2,
+                systems=",".join(SYSTEMS))
+    add_vllm_arguments(ap)
+    args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from testbed.redis_server import RedisServer
     from worker.engine import loader
 
     tokenizer = loader.load_tokenizer(loader.resolve("smollm2-135m"))
     items = workload(args.num_prompts, max_tokens=args.max_tokens)
     prompt_ids = chat_ids(tokenizer, items)
     max_tokens = [m for _, m in items]
-    vllm = vllm_turn(args, prompt_ids, max_tokens)
-    tokenbus_systems = tuple(s for s in args.systems.split(",") if s)
-    systems = tokenbus_systems + (("vllm",) if vllm else ())
+    tokenbus_systems = tuple(s for s in args.systems.split(",") if s)  # each needs its path's fp32 row
     started = time.strftime("%Y-%m-%d %H:%M")
-    with tempfile.TemporaryDirectory() as log_dir, RedisServer() as redis_server:
 
-        def run_one(name: str) -> dict | None:
-            if name == "vllm":
-                return vllm(log_dir)
-            kind, scheme = name.split()
-            quant = None if scheme == "fp32" else scheme
-            if kind == "offline":
-                res = offline(quant, prompt_ids, max_tokens)
-            else:
-                res = end_to_end(quant, redis_server.url, prompt_ids, max_tokens, log_dir)
-            res["load"] = os.getloadavg()[0]
-            return res
+    def run_one(name: str, url: str, log_dir: str) -> dict:
+        kind, scheme = name.split()
+        quant = None if scheme == "fp32" else scheme
+        if kind == "offline":
+            return offline(quant, prompt_ids, max_tokens)
+        return end_to_end(quant, url, prompt_ids, max_tokens, log_dir)
 
-        results = rotating_rounds(systems, args.rounds, run_one)
-
-    def median(name: str, key: str) -> float:
-        return statistics.median(res[key] for res in results[name])
+    rotation = rotate(args, tokenbus_systems, prompt_ids, max_tokens, run_one)
+    median, results = rotation.median, rotation.results
 
     rows = []
     for name in tokenbus_systems:
@@ -132,9 +106,8 @@ def main() -> None:
         if "decode tok/s" in results[name][0]:
             d = median(name, "decode tok/s")
             decode = f"{d:.1f} (×{d / median(fp32, 'decode tok/s'):.2f})"
-        rounds = ", ".join(f"{res['tok/s']:.1f}" for res in results[name])
-        loads = ", ".join(f"{res['load']:.1f}" for res in results[name])
-        rows.append(f"| {name} | {median(name, 'tok/s'):.1f} | ×{ratio:.2f} | {decode or '—'} | {rounds} | {loads} |")
+        rows.append(f"| {name} | {median(name, 'tok/s'):.1f} | ×{ratio:.2f} | {decode or '—'} | "
+                    f"{rotation.per_round(name, 'tok/s')} | {rotation.per_round(name, 'load')} |")
     tokens = sum(max_tokens)
     body = "\n".join([
         f"Workload: {len(prompt_ids)} chat prompts, outputs long-tailed 8–{args.max_tokens} tokens ({tokens} in all), "
@@ -142,11 +115,10 @@ def main() -> None:
         f"rounds in rotating order, medians; run {started} with `python -m benchmarks.quant.weight_schemes`. "
         "× is against the same path in fp32.",
         "",
-        *table(["system", "tok/s", "× fp32", "decode tok/s (× fp32)", "rounds tok/s", "1-min load avg per round"],
-               rows),
+        *markdown_table(["system", "tok/s", "× fp32", "decode tok/s (× fp32)", "rounds tok/s",
+                         "1-min load avg per round"], rows),
         "",
-        vllm_row(args, results.get("vllm"), {name: median(name, "tok/s")
-                                             for name in ("e2e w8a8", "e2e int8", "e2e fp32") if results.get(name)}),
+        rotation.vllm_line(args, ("e2e w8a8", "e2e int8", "e2e fp32")),
     ])
     publish(body, "quantization.md", "speed", not args.no_write)
 

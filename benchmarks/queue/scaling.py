@@ -29,7 +29,7 @@ import statistics
 import time
 import uuid
 
-from benchmarks.harness.common import DOCS, write_section
+from benchmarks.harness.docs import DOCS, write_section
 
 NS = "scale"
 REQUEST = json.dumps({"prompt": "x", "max_tokens": 1})

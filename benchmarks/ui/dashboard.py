@@ -17,7 +17,8 @@ import tempfile
 import time
 import uuid
 
-from benchmarks.harness.common import bench_parser, cpu_name, write_section
+from bench.harness import cpu_name, parser
+from benchmarks.harness.docs import write_section
 
 KEY = "sk-bench-" + "k" * 24
 
@@ -74,7 +75,7 @@ def populate(r, n_batches: int, big: int) -> str:
 
 
 def main() -> None:
-    args = bench_parser(__doc__, batches=1000, big_batch=1_000_000, runs=30).parse_args()
+    args = parser(__doc__, docs=True, batches=1000, big_batch=1_000_000, runs=30).parse_args()
 
     from fastapi.testclient import TestClient
 

@@ -1,16 +1,55 @@
-"""vLLM's CPU build as one more system of a benchmark's rotation (bench_quant, bench_kv_dtype): the same
-requests through its LLM.generate (bench_e2e.run_vllm, inside .venv-vllm; no Redis), and the table line that
-sets tokenbus's end-to-end rows against it. Skipped, with the reason in the table, where .venv-vllm is missing
-(scripts/setup_vllm_cpu) or vLLM fails."""
+"""vLLM's CPU build as one more system of a benchmark: the same requests through its LLM.generate in a child
+process inside .venv-vllm (run_vllm; vllm_cpu.py is that child's side; no Redis), its turn in a rotation
+(e2e/compare.py, e2e/shared_prefix.py, quant/), and the table line that sets tokenbus's end-to-end rows against
+it. Skipped, with the reason in the table, where .venv-vllm is missing (scripts/setup_vllm_cpu) or vLLM fails."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 from collections.abc import Callable
 
+from bench.harness import Timed
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VLLM_SIDE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_cpu.py")
+
+
+def run_vllm(python: str, model_dir: str, prompt_ids, max_tokens, threads: int, work: str,
+             eager: bool, prefix_caching: bool = False, dtype: str = "float32") -> Timed | str:
+    """Timed, or the reason it was skipped (a one-line string)."""
+    if not os.path.exists(python):
+        return f"{python} not found (create it with scripts/setup_vllm_cpu)"
+    spec = {"model_dir": model_dir, "prompt_ids": prompt_ids, "max_tokens": max_tokens, "threads": threads,
+            "max_num_seqs": 64, "max_num_batched_tokens": 512, "dtype": dtype, "kv_cache_gb": 1,
+            "enforce_eager": eager, "enable_prefix_caching": prefix_caching}
+    in_path, out_path, log_path = (os.path.join(work, n) for n in ("vllm_in.json", "vllm_out.json", "vllm.log"))
+    with open(in_path, "w") as f:
+        json.dump(spec, f)
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.pop("PYTHONPATH", None)
+    # vLLM's CPU guide: preload Intel OpenMP (installed with vllm-cpu) and tcmalloc when they are there
+    venv = os.path.dirname(os.path.dirname(python))
+    preload = [p for p in (os.path.join(venv, "lib", "libiomp5.so"),
+                           "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4") if os.path.exists(p)]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload + [env.get("LD_PRELOAD", "")]).rstrip(":")
+    with open(log_path, "w") as log:
+        try:
+            rc = subprocess.run([python, VLLM_SIDE, in_path, out_path],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, timeout=1800).returncode
+        except subprocess.TimeoutExpired:
+            return "vLLM ran past 30 minutes"
+    if rc != 0 or not os.path.exists(out_path):
+        lines = [ln for ln in open(log_path, errors="replace").read().splitlines() if ln.strip()]
+        return f"vLLM exited with code {rc}: {lines[-1][:300] if lines else 'no output'} (log {log_path})"
+    out = json.load(open(out_path))
+    return Timed(out["seconds"], out["outputs"], out.get("ttfts"), out.get("latencies"),
+                 {"load s": f"{out['load_seconds']:.0f}", "vllm": out["vllm_version"], "dtype": dtype,
+                  "LD_PRELOAD": ",".join(os.path.basename(p) for p in preload) or "none"})
 
 
 def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +69,6 @@ def vllm_turn(args: argparse.Namespace, prompt_ids: list[list[int]], max_tokens:
     if not os.path.exists(args.vllm_python):
         args.vllm_skipped = f"not installed ({args.vllm_python} is missing: scripts/setup_vllm_cpu)"
         return None
-    from benchmarks.e2e.compare import run_vllm
     from worker.engine import loader
 
     model_dir = loader.resolve("smollm2-135m").directory
