@@ -15,25 +15,31 @@ from dataclasses import asdict, dataclass, field
 DEFAULT_MODEL = "smollm2-135m"
 
 
-def parser(doc: str, *, model: str | None = None, prompts: int | None = None, max_tokens: int | None = None,
-           rounds: int | None = None, redis: bool = False, docs: bool = False,
-           **extra: int | float | str) -> argparse.ArgumentParser:
-    """A benchmark's parser, its docstring as the help. Each keyword given adds its flag, spelled the same in
-    every benchmark: --model; the workload's --num-prompts and --max-tokens (its longest output); --rounds;
-    --redis-url (unset: a throwaway redis-server); --no-write (docs=True: the benchmark rewrites a docs/ section
-    unless told not to). --json PATH (the raw figures) is always there. Every other keyword becomes
-    `--name-with-dashes`, typed as its default (a bool default: a switch)."""
+def parser(doc: str, **flags: object) -> argparse.ArgumentParser:
+    """A benchmark's parser, its docstring as the help, with add_flags(**flags)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_flags(ap, **flags)
+    return ap
+
+
+def add_flags(ap: argparse.ArgumentParser, *, model: str | None = None, prompts: int | None = None,
+              max_tokens: int | None = None, rounds: int | None = None, redis: bool = False, docs: bool = False,
+              **extra: int | float | str | bool) -> argparse.ArgumentParser:
+    """Each keyword given adds its flag, spelled the same in every benchmark: --model; the workload's
+    --num-prompts and --max-tokens (its longest output); --rounds; --redis-url (unset: a throwaway
+    redis-server); --no-write (docs=True: the benchmark rewrites a docs/ section unless told not to). --json PATH
+    (the raw figures) is always there. Every other keyword becomes `--name-with-dashes`, typed as its default
+    (a bool default: a switch)."""
     if model is not None:
-        ap.add_argument("--model", default=model, help=f"a built-in name or a checkpoint directory (default {model})")
+        ap.add_argument("--model", default=model, help=f"a built-in name or a checkpoint directory ({model})")
     if prompts is not None:
         ap.add_argument("--num-prompts", type=int, default=prompts, help=f"requests in the workload ({prompts})")
     if max_tokens is not None:
         ap.add_argument("--max-tokens", type=int, default=max_tokens,
                         help=f"the workload's longest output, in tokens ({max_tokens})")
     if rounds is not None:
-        ap.add_argument("--rounds", type=int, default=rounds, help=f"runs of each system; its median is shown "
-                        f"({rounds})")
+        ap.add_argument("--rounds", type=int, default=rounds,
+                        help=f"runs of each system, in turns; its median round is shown ({rounds})")
     if redis:
         ap.add_argument("--redis-url", default=None, help="an existing, otherwise idle Redis (default: start a "
                         "throwaway redis-server on a free port)")

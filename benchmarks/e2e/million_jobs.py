@@ -72,7 +72,8 @@ def start_one(url: str, model_dir: str, i: int, max_num_seqs: int, metrics_port:
               cpu_kernels: bool):
     return start_worker(url, model_dir, os.path.join(log_dir, f"worker-{i}.log"), "--namespace", NAMESPACE,
                         "--max-num-seqs", str(max_num_seqs),
-                        "--max-num-batched-tokens", str(max(256, 4 * max_num_seqs)), "--kv-cache-gb", "0.2", "--intake-lookahead", str(max_num_seqs), "--heartbeat-s", "1",
+                        "--max-num-batched-tokens", str(max(256, 4 * max_num_seqs)), "--kv-cache-gb", "0.2",
+                        "--intake-lookahead", str(max_num_seqs), "--heartbeat-s", "1",
                         "--worker-name", f"million-{i}", "--metrics-port", str(metrics_port), "--log-json", "true",
                         "--log-level", "warning", "--cpu-kernels", str(cpu_kernels).lower(), threads=1)
 
