@@ -7,7 +7,7 @@ import argparse
 import statistics
 import time
 
-from bench.harness import Row, Timed, machine, markdown_table, p50_p99, redis_url, write_json
+from bench.harness import Row, Timed, machine, markdown_table, p50_p99, percentile, redis_url, write_json
 
 SYSTEM_COLUMNS = ["round", "tok/s", "requests/s", "TTFT p50 / p99 (s)", "latency p50 / p99 (s)", "steps"]
 
@@ -44,6 +44,15 @@ def system_line(label: str, t: Timed) -> str:
             f"{p50_p99(t.latencies)} | {t.extra.get('steps', '–')} |")
 
 
+def figures(row: Row) -> dict[str, object]:
+    """--json: the median round's figures at the top level (what benchmarks/harness/ab.py pairs), every round
+    below them."""
+    t = row.run
+    return {"tok/s": t.tok_s, "requests/s": len(t.outputs) / t.seconds, "ttft_p50_s": percentile(t.ttfts, 50),
+            "latency_p50_s": percentile(t.latencies, 50), "latency_p99_s": percentile(t.latencies, 99),
+            "runs": row.runs}
+
+
 def rounds_table(row: Row, args: argparse.Namespace, prompt_ids: list[list[int]], column: str = "",
                  cells: list[str] | None = None) -> str:
     """Every round and the median one (with `column`: one more cell per round), under a line naming the
@@ -68,7 +77,7 @@ def run_engine(args: argparse.Namespace) -> str:
         row.runs.append(engine_offline(prompt_ids, max_tokens, args.max_num_seqs, args.max_num_batched_tokens,
                                        args.model, **settings))
         print(f"round {i + 1}: {row.runs[-1].tok_s:.1f} tok/s", flush=True)
-    write_json(args.json, {"tok/s": row.tok_s, "runs": row.runs})
+    write_json(args.json, figures(row))
     return rounds_table(row, args, prompt_ids)
 
 
@@ -88,7 +97,7 @@ def run_e2e(args: argparse.Namespace) -> str:
                                      args.max_num_seqs, args.max_num_batched_tokens, model=args.model,
                                      settings=settings))
             print(f"round {i + 1}: {row.runs[-1].tok_s:.1f} tok/s (worker logs in {logs})", flush=True)
-    write_json(args.json, {"tok/s": row.tok_s, "runs": row.runs})
+    write_json(args.json, figures(row))
     outside = [t.extra["time outside engine steps"] for t in row.runs]
     return rounds_table(row, args, prompt_ids, "time outside engine steps", outside)
 
@@ -111,13 +120,14 @@ def run_queue(args: argparse.Namespace) -> str:
                   "whole life", flush=True)
     phases = {name: [dict(ph) for n, ph in (r for rnd in rounds for r in rnd) if n == name] for name, _ in rounds[0]}
     median = {name: {k: statistics.median(ph[k] for ph in runs) for k in runs[0]} for name, runs in phases.items()}
-    write_json(args.json, median)
+    cpu = sum(ph["cpu"] for ph in median.values())
+    write_json(args.json, {"redis_cpu_us_per_job": cpu * 1e6, "jobs_per_redis_core_s": 1 / cpu,
+                           "commands_per_job": sum(ph["all"] for ph in median.values()), "phases": median})
     lines, mem = [], 0.0
     for name, ph in median.items():
         mem += ph["mem"]
         lines.append(f"| {name} | {ph['cpu'] * 1e6:.1f} | {ph['all']:.2f} | {ph['scripts']:.2f} | {mem:,.0f} | "
                      f"{1e6 / ph['wall_us']:,.0f} |")
-    cpu = sum(ph["cpu"] for ph in median.values())
     head = (f"{args.jobs:,} jobs ({args.prompt_bytes}-byte prompts, {args.output_tokens}-token results), no model; "
             f"medians of {args.rounds} rounds; {machine()}.")
     return "\n".join([head, "", *markdown_table(

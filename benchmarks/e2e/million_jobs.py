@@ -26,10 +26,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from bench.harness import parser
 from bench.worker_process import start_worker, step_seconds, stop_process
 from benchmarks.harness.docs import write_section
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NAMESPACE = "bench-million"
 PROMPT = [1, 450, 4996, 17354]  # 4 tokens; max_tokens 1: one prefill step per job
 
@@ -206,26 +206,25 @@ def report(args, run: Run) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--jobs", type=int, default=1_000_000, help="jobs to submit and wait for")
-    parser.add_argument("--workers", type=int, default=2, help="worker processes (one consumer group)")
-    parser.add_argument("--max-num-seqs", type=int, default=128, help="each worker's seats")
-    parser.add_argument("--backlog", type=int, default=200_000, help="max_queue_len: queued jobs at most")
-    parser.add_argument("--chunk", type=int, default=5_000, help="jobs per submit_many call")
-    parser.add_argument("--result-ttl", type=int, default=120, help="seconds a finished record is kept")
-    parser.add_argument("--engine-jobs", type=int, default=5_000, help="jobs for the engine-alone row")
-    parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
-                        help="the C++ CPU kernels, in the workers and the engine-alone row (the PyTorch "
+    ap = parser(__doc__, docs=True)
+    ap.add_argument("--jobs", type=int, default=1_000_000, help="jobs to submit and wait for")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes (one consumer group)")
+    ap.add_argument("--max-num-seqs", type=int, default=128, help="each worker's seats")
+    ap.add_argument("--backlog", type=int, default=200_000, help="max_queue_len: queued jobs at most")
+    ap.add_argument("--chunk", type=int, default=5_000, help="jobs per submit_many call")
+    ap.add_argument("--result-ttl", type=int, default=120, help="seconds a finished record is kept")
+    ap.add_argument("--engine-jobs", type=int, default=5_000, help="jobs for the engine-alone row")
+    ap.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
+                    help="the C++ CPU kernels, in the workers and the engine-alone row (the PyTorch "
                              "references' prefill attention grows with the batch squared: slow)")
-    parser.add_argument("--max-seconds", type=float, default=0,
+    ap.add_argument("--max-seconds", type=float, default=0,
                         help="stop submitting after this long and finish the jobs submitted (0 = no limit): "
                              "the table then reports the jobs that were submitted")
-    parser.add_argument("--quick", action="store_true", help="2,000 jobs, 500 engine jobs, no doc (smoke)")
-    parser.add_argument("--no-doc", action="store_true", help="print only; leave docs/scaling.md alone")
-    parser.add_argument("--log-dir", default="", help="where the workers' logs go (default: a temp dir)")
-    args = parser.parse_args()
+    ap.add_argument("--quick", action="store_true", help="2,000 jobs, 500 engine jobs, no doc (smoke)")
+    ap.add_argument("--log-dir", default="", help="where the workers' logs go (default: a temp dir)")
+    args = ap.parse_args()
     if args.quick:
-        args.jobs, args.engine_jobs, args.chunk, args.no_doc = 2_000, 500, 500, True
+        args.jobs, args.engine_jobs, args.chunk, args.no_write = 2_000, 500, 500, True
 
     from testbed.tiny_models import make_tiny_model
 
@@ -240,7 +239,7 @@ def main() -> None:
     run.engine_jobs, run.engine_seconds = args.engine_jobs, engine_seconds
     body = report(args, run)
     print(body)
-    if not args.no_doc:
+    if not args.no_write:
         section = "### A million jobs end to end (`benchmarks/e2e/million_jobs.py`)\n\n" + body
         print("wrote", write_section("scaling.md", "bench_million_jobs", section))
     if run.failed or run.finished != run.jobs or not run.counter_ok:

@@ -19,13 +19,13 @@ alternated in one run: tokens/s of each, and whether their tokens agree.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
 
 import torch
 
+from bench.harness import parser
 from bench.host_timer import HostTimer
 from benchmarks.harness.docs import DOCS, write_section
 from worker import Engine, SamplingParams
@@ -177,14 +177,7 @@ def run_real(rounds: int, num_prompts: int) -> list[tuple[str, float, int, list]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--device-ms", default="1,3,10")
-    ap.add_argument("--rounds", type=int, default=3, help="runs of each setting (stand-in: median; real engine: "
-                    "each round runs off and on)")
-    ap.add_argument("--real-prompts", type=int, default=64)
-    ap.add_argument("--skip-real", action="store_true")
-    ap.add_argument("--no-write", action="store_true")
+    ap = parser(__doc__, rounds=3, docs=True, steps=60, device_ms="1,3,10", real_prompts=64, skip_real=False)
     args = ap.parse_args()
     load = os.getloadavg()[0]
     lines = [f"CPU: {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, load average {load:.1f} at "

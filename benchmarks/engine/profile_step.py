@@ -14,13 +14,13 @@ torch.profiler window over decode steps lists the top aten ops.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections import defaultdict
 
 import torch
 
+from bench.harness import parser
 from bench.workload import workload
 from benchmarks.harness.docs import write_section
 
@@ -106,15 +106,11 @@ def instrument(engine, timer: ExclusiveTimer) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=256)
+    ap = parser(__doc__, prompts=64, max_tokens=256, docs=True, max_num_seqs=64)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--torch-ops", type=int, default=15, help="top aten ops over a decode window (0 = off)")
     ap.add_argument("--linear-batches", default="1,8,16,32,64",
                     help="batch sizes for the linear-layer comparison ('' = off)")
-    ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 

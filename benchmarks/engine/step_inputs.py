@@ -9,11 +9,11 @@ in serving. Prints a table and writes it to docs/gpu.md (section "step-inputs").
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
+from bench.harness import parser
 from benchmarks.harness.docs import write_section
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import ScheduledBatch
@@ -80,12 +80,9 @@ def timed(fn, batch, num_blocks, steps: int, device: torch.device) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, docs=True, steps=50, device="cpu")
     ap.add_argument("--seqs", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--blocks", type=int, nargs="+", default=[128, 2048])
-    ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     device = torch.device(args.device)
     rows = ["| sequences | blocks each | rebuilt from lists (ms) | StepInputs (ms) | × |", "|---:|---:|---:|---:|---:|"]

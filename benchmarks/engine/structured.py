@@ -17,8 +17,6 @@ import time
 
 from bench.harness import parser
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 OBJ = {"type": "object", "additionalProperties": False}
 SCHEMAS = [
     OBJ | {"properties": {"name": {"type": "string", "maxLength": 24},

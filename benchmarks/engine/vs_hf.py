@@ -8,13 +8,12 @@ every system. Prints a table and writes it to docs/benchmarks.md (section "engin
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
 from bench.engine import engine_offline
-from bench.harness import agreement, cpu_name
+from bench.harness import agreement, cpu_name, parser
 from bench.workload import chat_ids, workload
 from benchmarks.harness.docs import write_section
 from benchmarks.harness.hf import SystemResult, hf_continuous_batching, hf_one_at_a_time, hf_static_batches
@@ -26,12 +25,9 @@ def run_engine(prompt_ids, max_tokens, max_num_seqs: int) -> SystemResult:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-prompts", type=int, default=64)
+    ap = parser(__doc__, prompts=64, docs=True, max_num_seqs=64)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--skip-one-at-a-time", action="store_true", help="no baseline run (agreement vs the engine)")
-    ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 

@@ -16,7 +16,6 @@ commits it compares; writes nothing under docs/ (paste the table and name the co
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -67,9 +66,9 @@ def main() -> None:
     ap.add_argument("base", help="the git revision of side A (B is this checkout)")
     ap.add_argument("--a-args", default="", help="arguments for side A only")
     ap.add_argument("--b-args", default="", help="arguments for side B only")
-    ap.add_argument("command", nargs=argparse.REMAINDER, help="after --: what `python` runs, e.g. -m bench e2e")
-    a = ap.parse_args()
-    command = a.command[1:] if a.command[:1] == ["--"] else a.command
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)  # after --: what `python` runs, e.g. -m bench e2e
+    a, command = ap.parse_args(argv[:cut]), argv[cut + 1:]
     if not command:
         ap.error("give the command after --, e.g. -- -m bench engine --num-prompts 16")
     tmp = Path(tempfile.mkdtemp(prefix="bench-ab-"))

@@ -11,12 +11,12 @@ the engine captures at max_num_seqs 256.
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
 import torch
 
+from bench.harness import parser
 from benchmarks.harness.docs import DOCS
 from kernels.decode_attention import plan_decode
 from kernels.partitions import cdiv
@@ -52,7 +52,7 @@ def graph_count(max_num_seqs: int, max_model_len: int, hk: int = SMOLLM2[1]) -> 
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    parser(__doc__, docs=True).parse_args()
     rows = []
     for max_len in (32768, 131072):
         for batch, context in ((256, 1024), (256, 1090), (64, 1024), (1, 1024), (256, 5000), (1, 20000)):

@@ -66,8 +66,8 @@ def end_to_end(kv: str, redis_url: str, prompt_ids, max_tokens, log_dir: str,
 
 
 def kernel_inputs():
-    """(layout, q, {dtype: (k_cache, v_cache)}, block_tables, seq_lens) for the two layouts --kernel-only times
-    (bench_kv_kernel_ab.py too): the same random K/V in each dtype."""
+    """(layout, q, {dtype: (k_cache, v_cache)}, block_tables, seq_lens) for the two layouts --kernel-only times:
+    the same random K/V in each dtype."""
     from kernels.kv_quant import quantize
 
     gen = torch.Generator().manual_seed(0)

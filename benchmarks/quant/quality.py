@@ -27,7 +27,6 @@ slow on the CPU for 64 prompts). The GPU's bf16 activations and outputs are not 
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import time
@@ -35,11 +34,11 @@ from functools import partial
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.workload import chat_ids, workload  # noqa: E402
-from benchmarks.harness.docs import write_section  # noqa: E402
-from kernels.fp8_linear import fp8_linear_reference, quantize_weight  # noqa: E402
-from worker.engine.quantization import quantize_int8, round_activations_int8  # noqa: E402
+from bench.harness import parser
+from bench.workload import chat_ids, workload
+from benchmarks.harness.docs import write_section
+from kernels.fp8_linear import fp8_linear_reference, quantize_weight
+from worker.engine.quantization import quantize_int8, round_activations_int8
 
 HELDOUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heldout.txt")
 WINDOW = 512
@@ -130,16 +129,13 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--no-write", action="store_true")
-    parser.add_argument("--no-perplexity", action="store_true", help="greedy agreement only (a loaded machine)")
-    parser.add_argument("--no-greedy", action="store_true", help="perplexity only (no engine runs)")
-    parser.add_argument("--schemes", default=",".join(SCHEMES), help=f"a comma-separated subset of {SCHEMES}")
-    parser.add_argument("--section", default="quality", help="the docs/quantization.md section to write")
-    parser.add_argument("--heldout-tokens", type=int, default=0, help="score only the first N tokens (0 = all)")
-    args = parser.parse_args()
+    ap = parser(__doc__, prompts=64, max_tokens=64, docs=True)
+    ap.add_argument("--no-perplexity", action="store_true", help="greedy agreement only (a loaded machine)")
+    ap.add_argument("--no-greedy", action="store_true", help="perplexity only (no engine runs)")
+    ap.add_argument("--schemes", default=",".join(SCHEMES), help=f"a comma-separated subset of {SCHEMES}")
+    ap.add_argument("--section", default="quality", help="the docs/quantization.md section to write")
+    ap.add_argument("--heldout-tokens", type=int, default=0, help="score only the first N tokens (0 = all)")
+    args = ap.parse_args()
     schemes_run = tuple(s for s in args.schemes.split(",") if s)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     from worker.engine import loader

@@ -11,7 +11,6 @@ script a worker ends a job with), pipelined from this process with a fixed one-t
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import redis
 
+from bench.harness import parser
 from benchmarks.queue.million_gateway import gateway_route
 from benchmarks.queue.million_probe import finish_all, redis_bytes, redis_cpu, step
 from producer.submit_pipe import CALL_JOBS, DEPTH
@@ -224,7 +224,7 @@ The machine is shared (load average during the run: {res["load"]}): lines/s are 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--lines", type=int, default=1_000_000, help="lines of the batch file (default 1,000,000)")
     p.add_argument("--quick", action="store_true", help="20,000 lines, results to a temporary folder (not docs/)")
     p.add_argument("--routes", default="cli,gateway", help="comma-separated: cli, gateway")

@@ -9,11 +9,11 @@ fits bytes/job = a + b x line bytes, and writes docs/gateway-redis-bytes.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
 
+from bench.harness import parser
 from gateway.capacity import BODY_FACTOR, JOB_OVERHEAD_BYTES, estimate
 from producer import Client, batches
 from testbed.redis_server import RedisServer
@@ -54,7 +54,7 @@ def fit(rows: list[dict[str, float]]) -> tuple[float, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--lines", type=int, default=5000)
     a = p.parse_args()
     rows = measure(a.lines)

@@ -16,14 +16,29 @@ Prints a table and writes docs/bench_redis_cost.md.
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+from bench.commands import queue_flags
+from bench.harness import parser, redis_url
 from bench.queue import run
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def cluster_url() -> Iterator[str]:
+    """The URL of a throwaway local 3-shard Redis Cluster."""
+    from testbed.redis_cluster import RedisCluster
+
+    cluster = RedisCluster(3).start()
+    try:
+        yield cluster.url
+    finally:
+        cluster.cleanup()
 
 
 def whole_life_cpu(phases: list[tuple[str, dict]]) -> float:
@@ -59,38 +74,19 @@ def compare(rounds: int, n: int, prompt_bytes: int, read_count: int, output_toke
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", help="an existing, otherwise idle Redis (default: start a temporary redis-server)")
-    p.add_argument("--jobs", type=int, default=20_000)
-    p.add_argument("--prompt-bytes", type=int, default=200, help="bytes of each job's prompt")
-    p.add_argument("--output-tokens", type=int, default=64, help="tokens (and 4x bytes of text) in each result")
-    p.add_argument("--read-count", type=int, default=64, help="entries per READ and endings per result pipeline")
+    p = parser(__doc__, redis=True)
+    queue_flags(p)
     p.add_argument("--cluster", action="store_true", help="start a local 3-shard Redis Cluster instead "
                                                           "(figures from the namespace's shard)")
     p.add_argument("--compare", type=int, default=0, metavar="ROUNDS",
-                   help="then ROUNDS rounds of a single Redis against a cluster shard, in turns (needs no --url)")
+                   help="then ROUNDS rounds of a single Redis against a cluster shard, in turns (needs no --redis-url)")
     p.add_argument("--out", default=None, help="default docs/bench_redis_cost.md (--cluster: a file in /tmp)")
     a = p.parse_args()
     # --cluster alone is a check; the cluster figures in docs come from --compare, side by side
     out = a.out or ("/tmp/bench_redis_cost_cluster.md" if a.cluster else str(ROOT / "docs" / "bench_redis_cost.md"))
 
-    server = None
-    url = a.url
-    if a.cluster:
-        from testbed.redis_cluster import RedisCluster
-
-        server = RedisCluster(3).start()
-        url = server.url
-    elif url is None:
-        from testbed.redis_server import RedisServer
-
-        server = RedisServer().start()
-        url = server.url
-    try:
+    with cluster_url() if a.cluster else redis_url(a.redis_url) as url:
         phases = run(url, a.jobs, a.prompt_bytes, a.read_count, a.output_tokens)
-    finally:
-        if server is not None:
-            server.cleanup()
 
     total = {k: sum(ph[k] for _, ph in phases) for k in ("cpu", "scripts", "all")}
     table = ["| phase | Redis CPU µs / job | commands / job (inside scripts too) | of which script calls "

@@ -21,7 +21,6 @@ jobs, timed per job (the fastest round is kept: the machine is shared):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -29,6 +28,7 @@ import statistics
 import time
 import uuid
 
+from bench.harness import parser
 from benchmarks.harness.docs import DOCS, write_section
 
 NS = "scale"
@@ -183,17 +183,16 @@ def report(results, batch_counts, queued_counts, ops: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", default="1,100,1000", help="live batch counts, comma-separated")
-    parser.add_argument("--queued", default="1000,1000000", help="queued job counts, comma-separated")
-    parser.add_argument("--ops", type=int, default=1000, help="jobs per measured operation")
-    parser.add_argument("--reps", type=int, default=3, help="rounds per state; the table keeps each one's fastest")
-    parser.add_argument("--quick", action="store_true", help="1 and 100 batches, 1,000 and 20,000 jobs, 200 ops; "
+    ap = parser(__doc__, docs=True)
+    ap.add_argument("--batches", default="1,100,1000", help="live batch counts, comma-separated")
+    ap.add_argument("--queued", default="1000,1000000", help="queued job counts, comma-separated")
+    ap.add_argument("--ops", type=int, default=1000, help="jobs per measured operation")
+    ap.add_argument("--reps", type=int, default=3, help="rounds per state; the table keeps each one's fastest")
+    ap.add_argument("--quick", action="store_true", help="1 and 100 batches, 1,000 and 20,000 jobs, 200 ops; "
                                                               "no doc (a smoke run)")
-    parser.add_argument("--no-doc", action="store_true", help="print only; leave docs/ alone")
-    args = parser.parse_args()
+    args = ap.parse_args()
     if args.quick:
-        args.batches, args.queued, args.ops, args.no_doc = "1,100", "1000,20000", 200, True
+        args.batches, args.queued, args.ops, args.no_write = "1,100", "1000,20000", 200, True
     batch_counts = [int(x) for x in args.batches.split(",")]
     queued_counts = [int(x) for x in args.queued.split(",")]
 
@@ -224,7 +223,7 @@ def main() -> None:
     print(body)
     flat = max(statistics.mean(results[(b, q)][op] for op in OPS) for b in batch_counts for q in queued_counts)
     print(f"largest mean of the per-job operations: {flat:,.0f} µs")
-    if not args.no_doc:
+    if not args.no_write:
         png = os.path.join(DOCS, "scaling.png")
         plot(results, batch_counts, queued_counts, png)
         section = ("### Cost per job vs live batches and queued jobs (`benchmarks/queue/scaling.py`)\n\n"

@@ -1,7 +1,7 @@
 """Producer throughput: jobs/s for submit() in a loop and submit_many() at several pipeline chunk sizes.
 
     .venv/bin/python -m benchmarks.queue.submit                 # starts its own redis-server on a free port
-    .venv/bin/python -m benchmarks.queue.submit --url redis://host:port/0 --jobs 50000
+    .venv/bin/python -m benchmarks.queue.submit --redis-url redis://host:port/0 --jobs 50000
 
 Prints a table and writes docs/bench_submit.md. Each run uses a fresh namespace (deleted afterwards).
 Validation is included in the time: it is part of what a client pays per job.
@@ -9,13 +9,13 @@ Validation is included in the time: it is part of what a client pays per job.
 
 from __future__ import annotations
 
-import argparse
 import platform
 import subprocess
 import time
 import uuid
 from pathlib import Path
 
+from bench.harness import parser, redis_url
 from producer import Client
 from protocol import scripts
 
@@ -46,26 +46,16 @@ def measure(url: str, n: int, chunk: int | None) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", help="an existing Redis (default: start a temporary redis-server)")
+    p = parser(__doc__, redis=True)
     p.add_argument("--jobs", type=int, default=20_000)
     p.add_argument("--single", type=int, default=2_000, help="jobs for the one-at-a-time submit() row")
     p.add_argument("--out", default=str(ROOT / "docs" / "bench_submit.md"))
     a = p.parse_args()
 
-    server = None
-    url = a.url
-    if url is None:
-        from testbed.redis_server import RedisServer
-        server = RedisServer().start()
-        url = server.url
-    try:
+    with redis_url(a.redis_url) as url:
         rows = [("submit() one at a time", a.single, measure(url, a.single, None))]
         for chunk in (100, 1000, 5000):
             rows.append((f"submit_many(chunk_size={chunk})", a.jobs, measure(url, a.jobs, chunk)))
-    finally:
-        if server is not None:
-            server.cleanup()
 
     version = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.split()
     redis_v = next((v.split("=")[1] for v in version if v.startswith("v=")), "?")
@@ -75,7 +65,7 @@ def main() -> None:
         "# Producer submit throughput",
         "",
         f"`benchmarks/queue/submit.py`, one Python client, redis-server {redis_v} on localhost "
-        f"({'temporary server' if server else url}), {platform.processor() or platform.machine()}, "
+        f"({'temporary server' if a.redis_url is None else 'the --redis-url server'}), {platform.processor() or platform.machine()}, "
         f"Python {platform.python_version()}. Each job: validate (pydantic), then the SUBMIT_JOB Lua script "
         "(idempotency check, queue-length check over every queue, record HSET, stream XADD to its priority's "
         "queue) via EVALSHA; submit_many pipelines "

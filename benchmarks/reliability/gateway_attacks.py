@@ -8,7 +8,6 @@ Prints the figures and writes docs/gateway-attacks.md; docs/reliability.md's gat
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -17,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.harness import parser
 from gateway.webhooks import DeliveryFailed, deliver, parse_networks
 from testbed import light_gateway as lg
 from testbed.light_gateway import TrickleReceiver, chat_line, start_light_stack, stop_light_stack
@@ -127,7 +127,7 @@ def slowloris(stack) -> float:
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    parser(__doc__, docs=True).parse_args()
     figures: dict[str, object] = {"webhook_attempt_s": webhook_attempt()}
     lg.ENV["TOKENBUS_GATEWAY_WEBHOOK_TIMEOUT_S"] = str(WEBHOOK_TIMEOUT_S)
     lg.ENV["TOKENBUS_GATEWAY_HEADER_TIMEOUT_S"] = "10"

@@ -11,12 +11,12 @@ the attack fails alone, grammar_too_costly); attack with the budget off (what th
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import time
 from pathlib import Path
 
+from bench.harness import parser
 from protocol.constraints import LIMITS
 from worker import Engine, SamplingParams
 from worker.engine.guided import GrammarTooCostly
@@ -57,7 +57,7 @@ def victim_seconds(engine: Engine, attack: bool, tag: str) -> tuple[tuple[float,
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    parser(__doc__, docs=True).parse_args()
     engine = Engine("smollm2-135m", device="cpu", dtype="float32", max_num_seqs=8, kv_cache_gb=0.25)
     engine.generate([PROMPT], SamplingParams(max_tokens=2))  # warm-up
     rows = {"alone": [], "attack, mask budget on (now)": [], "attack, mask budget off (before)": []}

@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from bench.harness import parser
 from benchmarks.reliability.harness import ROOT, SCENARIO_TIMEOUT_S, Harness, K, LoadWatch, Row, table
 from producer import Client
 from protocol import scripts
@@ -255,12 +256,10 @@ Reproduce: `.venv/bin/python -m benchmarks.reliability.worker_faults` (`--quick`
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, model="", docs=True)  # --model "": a tiny random-weight Llama, built once
     p.add_argument("--quick", action="store_true", help="smaller numbers; prints the table, writes no doc")
-    p.add_argument("--model", default="", help="worker model (default: a tiny random-weight Llama, built once)")
     p.add_argument("--only", default="storm,redis,bad,cancel", help="comma-separated scenarios")
     p.add_argument("--seed", type=int, default=13)
-    p.add_argument("--no-doc", action="store_true", help="do not write docs/reliability.md")
     args = p.parse_args(argv)
     logdir = Path(tempfile.mkdtemp(prefix="tokenbus-reliability-"))
     if not args.model:
@@ -290,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         harness.cleanup()
     total = time.monotonic() - started
     print("\n" + table(rows))
-    if not args.quick and not args.no_doc:
+    if not args.quick and not args.no_write:
         print(f"wrote {write_doc(rows, args, total, load.stop())}")
     bad = any(r.lost or r.twice for r in rows)
     return 1 if bad else 0
