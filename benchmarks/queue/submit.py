@@ -65,7 +65,8 @@ def main() -> None:
         "# Producer submit throughput",
         "",
         f"`benchmarks/queue/submit.py`, one Python client, redis-server {redis_v} on localhost "
-        f"({'temporary server' if a.redis_url is None else 'the --redis-url server'}), {platform.processor() or platform.machine()}, "
+        f"({'temporary server' if a.redis_url is None else 'the --redis-url server'}), "
+        f"{platform.processor() or platform.machine()}, "
         f"Python {platform.python_version()}. Each job: validate (pydantic), then the SUBMIT_JOB Lua script "
         "(idempotency check, queue-length check over every queue, record HSET, stream XADD to its priority's "
         "queue) via EVALSHA; submit_many pipelines "
