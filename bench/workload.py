@@ -1,6 +1,7 @@
-"""The benchmark workload shared by bench_engine.py and bench_e2e.py: 64 chat prompts with long-tailed
-output lengths (8–256 tokens), greedy, EOS ignored, so every system generates exactly the same count; and
-chat_ids, the prompts as every benchmark tokenizes them."""
+"""The benchmark workloads shared by `tokenbus bench`, benchmarks/engine/ and benchmarks/e2e/: 64 chat prompts
+with long-tailed output lengths (8–256 tokens), greedy, EOS ignored, so every system generates exactly the same
+count; one long instruction shared by every request; and chat_ids, the prompts as every benchmark tokenizes
+them."""
 
 from __future__ import annotations
 

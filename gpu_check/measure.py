@@ -63,18 +63,18 @@ def copy_bandwidth(ctx: Ctx) -> float:
 
 
 def model_name(ctx: Ctx) -> str:
-    # the smoke run takes SmolLM2's shape (bench_gpu's SMOKE sizes): a 151,936-token vocabulary costs a
+    # the smoke run takes SmolLM2's shape (engine_bench's SMOKE sizes): a 151,936-token vocabulary costs a
     # minute of random init on a CPU
     return "SmolLM2-135M" if ctx.smoke else "Qwen2.5-0.5B"
 
 
 def checkpoint(ctx: Ctx, name: str) -> str:
     """A random-weight checkpoint in `name`'s shapes, made once per gpu_check run (stages c and d share it)."""
-    from gpu_check import engine_bench as bench_gpu
+    from gpu_check import engine_bench
     directory = Path(os.environ.get("GPU_CHECK_CACHE") or tempfile.mkdtemp(prefix="gpu-check-")) / name
     if not (directory / "config.json").is_file():
-        shape = bench_gpu.SHAPES[name] | (bench_gpu.SMOKE if ctx.smoke else {})
-        bench_gpu.make_checkpoint(str(directory), shape, ctx.device)
+        shape = engine_bench.SHAPES[name] | (engine_bench.SMOKE if ctx.smoke else {})
+        engine_bench.make_checkpoint(str(directory), shape, ctx.device)
     return str(directory)
 
 

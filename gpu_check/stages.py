@@ -52,12 +52,12 @@ STAGE_A_SELECT = ("not interpreter_suite and not sm90 and not bench_script and n
 
 
 def stage_kernels(ctx: Ctx) -> None:
-    from gpu_check import kernel_bench as bench_kernels
+    from gpu_check import kernel_bench
 
-    cases = bench_kernels.correctness_cases(torch, smoke=False)
+    cases = kernel_bench.correctness_cases(torch, smoke=False)
     if ctx.smoke:  # the interpreter runs every program in Python: one small case, still several partitions
         cases = [(torch.float32, (4, 2, 32), 16, [1, 17, 40], 16)]
-    results = bench_kernels.check_correctness(torch, ctx.device, cases)
+    results = kernel_bench.check_correctness(torch, ctx.device, cases)
     bad = [case for case, _, ok in results if not ok]
     worst = max(err for _, err, _ in results)
     ctx.emit(row("paged decode (multi-partition) / prefill / write_kv vs reference",
@@ -150,10 +150,10 @@ def stage_bandwidth(ctx: Ctx) -> None:
     if not ctx.smoke:
         from triton.testing import do_bench
 
-        from gpu_check import kernel_bench as bench_kernels
+        from gpu_check import kernel_bench
 
         for batch, ctx_len in ((16, 1024), (16, 4096)):
-            r = bench_kernels.bench_config(torch, do_bench, "0.5B", QWEN_HEADS, batch, ctx_len, bw)
+            r = kernel_bench.bench_config(torch, do_bench, "0.5B", QWEN_HEADS, batch, ctx_len, bw)
             ours, sdpa = r[7], r[9]
             ctx.emit(row(f"prefill batch {batch} ctx {ctx_len} (512-token chunk)", f"{ours:,.0f} us",
                          "SDPA " + ("n/a" if sdpa is None else f"{sdpa:,.0f} us"),
@@ -226,15 +226,15 @@ def stage_decode(ctx: Ctx) -> None:
 def stage_throughput(ctx: Ctx) -> None:
     import argparse
 
-    from gpu_check import engine_bench as bench_gpu
+    from gpu_check import engine_bench
     # on the CPU transformers' continuous batching sizes its cache from the host's memory (the OOM killer
     # ended the smoke run): the smoke run times the engine alone
     args = argparse.Namespace(smoke=ctx.smoke, requests=2 if ctx.smoke else 64, skip_transformers=ctx.smoke)
     bw = copy_bandwidth(ctx)
     name = model_name(ctx)
-    r = bench_gpu.bench_model(name, args, ctx.device, ctx.dtype, bw, checkpoint_dir=checkpoint(ctx, name))
+    r = engine_bench.bench_model(name, args, ctx.device, ctx.dtype, bw, checkpoint_dir=checkpoint(ctx, name))
     ours, theirs = r["ours"], r["theirs"]
-    ctx.emit(row(f"engine tok/s, bench_gpu workload ({args.requests} requests)", f"{ours.tok_s:,.0f}",
+    ctx.emit(row(f"engine tok/s, engine_bench workload ({args.requests} requests)", f"{ours.tok_s:,.0f}",
                  note=f"decode step {ours.extra['decode_step_ms']:.2f} ms, floor {ours.extra['decode_floor_ms']:.2f}"))
     if theirs.output_tokens:
         ratio = ours.tok_s / theirs.tok_s
@@ -380,7 +380,7 @@ HIDDEN_STAGES = {"z": ("self-test: overrun", stage_overrun_selftest, 8)}
 
 
 def tokenizer_setup() -> None:
-    """Point the tiny models' and bench_gpu's tokenizer at the carried copy where the GGUF package is absent."""
+    """Point the tiny models' and engine_bench's tokenizer at the carried copy where the GGUF package is absent."""
     from transformers import AutoTokenizer
 
     from gpu_check import env as gpu_env

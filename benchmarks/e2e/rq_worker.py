@@ -1,4 +1,4 @@
-"""System (1) of bench_e2e.py: the "polite queue" — an RQ worker running HF `generate` for one job at a time.
+"""System (1) of e2e/compare.py: the "polite queue" — an RQ worker running HF `generate` for one job at a time.
 
 The worker is rq's SimpleWorker (no fork per job, so the model loaded by the first job stays in the worker
 process: the usual way to serve a model from RQ). `generate_one` is the job function the worker imports from

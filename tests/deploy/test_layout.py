@@ -189,3 +189,11 @@ def test_every_benchmark_starts_from_its_place():
     ])
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    # `tokenbus bench SUB --help`: through the CLI, which hands off to `python -m bench` (a process of its own)
+    from bench.__main__ import COMMANDS
+
+    for sub in COMMANDS:
+        cli = subprocess.run([sys.executable, "-c", "from producer.cli import main; main()", "bench", sub, "--help"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert cli.returncode == 0 and f"tokenbus bench {sub}" in cli.stdout, (sub, cli.stderr[-2000:])
+        assert all(flag in cli.stdout for flag in ("--rounds", "--json")), (sub, cli.stdout)
