@@ -14,8 +14,9 @@ import redis
 
 from producer import Client
 from protocol.connection import is_cluster, on_shard, redis_from_url
-from protocol.models import JobResult, Keys
-from worker.serve.queue import Ending, JobQueue
+from protocol.keys import Keys
+from protocol.models import JobResult
+from worker.serve.job_queue import Ending, JobQueue
 
 
 def snapshot(r: redis.Redis) -> dict[str, float]:

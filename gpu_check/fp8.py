@@ -92,7 +92,7 @@ def checkpoint_rows(ctx: Ctx) -> None:
     from testbed import tiny_models
     from testbed.fp8_checkpoints import write_fp8
     from worker import Engine
-    from worker.engine.fp8 import Fp8Linear
+    from worker.engine.quant.fp8 import Fp8Linear
 
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 17, 40, 63)]

@@ -290,7 +290,7 @@ STAGE_IMPORTS = {
           "protocol.constraints"),
     "m": ("kernels.moe", "kernels.moe_reference", "triton.testing"),
     "k": ("gpu_check.kv", "kernels.kv_quant", "kernels.decode_attention", "worker", "gpu_check.engine_bench"),
-    "q": ("gpu_check.fp8", "kernels.fp8_linear", "worker.engine.fp8", "testbed.fp8_checkpoints", "worker",
+    "q": ("gpu_check.fp8", "kernels.fp8_linear", "worker.engine.quant.fp8", "testbed.fp8_checkpoints", "worker",
           "triton.testing"),
 }
 

@@ -6,7 +6,7 @@ stream/event/batch side effects. A client in another language can EVAL the same 
 
 Worker side:   start_job (queued -> running), mark_first_token, finish_job (-> finished | failed | cancelled)
 Producer side: SUBMIT (via Client), SUBMIT_JOBS (a batch's ingest), cancel_job, bump_batch (via batches)
-Worker only:   read, renew, hand_back, publish_tokens (worker/serve/queue.py)
+Worker only:   read, renew, hand_back, publish_tokens (worker/serve/job_queue.py)
 """
 
 from __future__ import annotations
@@ -23,16 +23,9 @@ from redis.cluster import ClusterPipeline
 from redis.commands.core import Script
 
 from protocol.cluster import ScriptPipeline
-from protocol.models import (
-    DEFAULT_RESULT_TTL,
-    EVENTS_MAXLEN,
-    GROUP,
-    PRIORITIES,
-    JobResult,
-    JobStatus,
-    Keys,
-    Priority,
-)
+from protocol.keys import Keys
+from protocol.models import DEFAULT_RESULT_TTL, EVENTS_MAXLEN, GROUP, JobResult, JobStatus
+from protocol.priority import PRIORITIES, Priority
 
 CHUNK = 1000  # jobs per pipeline round trip
 

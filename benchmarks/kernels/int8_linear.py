@@ -22,7 +22,7 @@ from bench.harness import cpu_name, parser
 from benchmarks.harness.docs import publish
 from kernels import cpu
 from worker.engine.backends.cpu_linear import pack_panels, pack_panels_w8a8
-from worker.engine.quantization import quantize_int8
+from worker.engine.quant.schemes import quantize_int8
 
 SHAPES = {"qkv/up 576→1536": (576, 1536), "down 1536→576": (1536, 576), "lm_head 576→49152": (576, 49152)}
 ROWS = (1, 4, 16, 32, 64)

@@ -38,7 +38,7 @@ from bench.harness import parser
 from bench.workload import chat_ids, workload
 from benchmarks.harness.docs import write_section
 from kernels.fp8_linear import fp8_linear_reference, quantize_weight
-from worker.engine.quantization import quantize_int8, round_activations_int8
+from worker.engine.quant.schemes import quantize_int8, round_activations_int8
 
 HELDOUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heldout.txt")
 WINDOW = 512
@@ -109,7 +109,7 @@ def greedy_outputs(scheme: str, prompts: list[list[int]], max_tokens: int) -> li
     engine = Engine("smollm2-135m", device="cpu", dtype="float32", max_num_seqs=64, kv_cache_dtype=kv,
                     quantization=scheme if scheme in ("int8", "w8a8", "fp8") else None)
     if scheme == "fp8":  # the engine's FP8 linears on their fp32 reference (the module docstring says why)
-        from worker.engine.fp8 import Fp8Linear
+        from worker.engine.quant.fp8 import Fp8Linear
 
         for m in engine.model.modules():
             if isinstance(m, Fp8Linear):

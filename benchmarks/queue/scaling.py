@@ -64,7 +64,7 @@ def fill(r, keys, first: int, batches: int, per: int) -> None:
 def measure(c, ops: int, rep: str) -> dict[str, float]:
     """µs per job of each operation (info and the old depth check: µs per call) in the current state."""
     from protocol import scripts
-    from worker.serve.queue import Ending, JobQueue
+    from worker.serve.job_queue import Ending, JobQueue
 
     out: dict[str, float] = {}
     worker = JobQueue(c.redis, NS, "bench-worker", 3600)

@@ -25,9 +25,9 @@ from worker.engine.sampling_params import SamplingParams
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter, FirstToken
 from worker.serve.intake import BLOCK_MS, Intake, IntakeBudget
+from worker.serve.job_queue import Ending, JobQueue
 from worker.serve.leases import Housekeeper, Leases
 from worker.serve.messages import HandBack, Partial, Revoke, StartedJob, Wake
-from worker.serve.queue import Ending, JobQueue
 from worker.serve.results import job_result
 from worker.serve.status import EngineStatus
 from worker.settings import WorkerSettings
@@ -210,7 +210,7 @@ class Server:
 
     def _seat(self, job: StartedJob) -> None:
         try:
-            self.engine.add_request(job.job_id, job.request.engine_prompt(), job.params, priority=job.priority.rank)
+            self.engine.add_request(job.job_id, job.request.engine_prompt(), job.params, priority=job.priority)
         except InvalidRequest as err:  # the client's to fix: prompt too long, can never fit the cache, ...
             self._end(job, "failed", error=f"invalid job: {err}", error_code=err.code)
             return

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from kernels.fp8_linear import FP8, dequantize_weight, fp8_linear, quantize_weight
-from worker.engine.fp8_checkpoint import Fp8Checkpoint, read_format, scan
-from worker.engine.quantization import fp8_gemm_available
+from worker.engine.quant.fp8_checkpoint import Fp8Checkpoint, read_format, scan
+from worker.engine.quant.schemes import fp8_gemm_available
 
 log = structlog.get_logger("tokenbus.quantization")
 UNQUANTIZED_LEAVES = ("lm_head", "gate")  # the logits and an MoE router: small, and the most sensitive

@@ -17,7 +17,7 @@ model's linears are quantized, and the on-disk cache of the result.
            (a warning at load).
 
     fp8    FP8 (e4m3) weights with per-output-channel scales through torch._scaled_mm, activations quantized
-           per token (worker/engine/fp8.py, kernels/fp8_linear.py). CUDA sm_89+ (Ada, Hopper); the CPU runs
+           per token (worker/engine/quant/fp8.py, kernels/fp8_linear.py). CUDA sm_89+ (Ada, Hopper); the CPU runs
            the same code on PyTorch's CPU _scaled_mm (slow: for checking). An unquantized checkpoint is
            quantized at load; an FP8 checkpoint (fp8_checkpoint.py) is served FP8 on CUDA even without it.
 
