@@ -145,7 +145,6 @@ class PythonDriver:
             return "taken" if "taken" in str(err) else {"error": str(err)}
         return "exists" if existed else "queued"
 
-
     def cancel(self, s: dict) -> Any:
         try:
             return self.client.cancel(s["job_id"])

@@ -172,7 +172,7 @@ def test_a_client_written_from_the_doc(doc_client, redis_server, serve_model_dir
     assert sorted(events) == sorted([*ids, "conf-cancel-queued"]), "exactly one event per ended job"
     # every ended job's entry is acknowledged and deleted: XLEN = queued + running = 0
     deadline = time.monotonic() + 10
-    while c.depth() or any(r.xpending(f"{P}:q:{p}", GROUP)["pending"] for p in PRIORITIES):
+    while c.depth()[0] or any(r.xpending(f"{P}:q:{p}", GROUP)["pending"] for p in PRIORITIES):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     ended_at = time.time()
