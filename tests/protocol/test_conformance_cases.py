@@ -36,20 +36,14 @@ def test_the_suite_covers_every_operation():
                                         "publish", "submit_batch", "validate", "map_line", "redis", "check"}
 
 
+@pytest.mark.parametrize("driver", [DocDriver, PythonDriver], ids=["lua-as-the-doc-says", "python"])
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
-def test_the_lua_as_the_doc_drives_it(case, r):
-    driver = DocDriver(r)
-    if not runs(case, driver):
-        pytest.skip("needs an operation of a client, not of the scripts")
-    run_case(case, driver, r)
-
-
-@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
-def test_the_python_client_and_worker(case, r):
-    driver = PythonDriver(r)
-    if not runs(case, driver):
-        pytest.skip("the plain-commands submit is not the Python client's (test_readme_recipe.py runs it)")
-    run_case(case, driver, r)
+def test_the_case(case, driver, r):
+    """DocDriver: the Lua as the doc drives it; PythonDriver: producer.Client and the worker's JobQueue."""
+    runner = driver(r)
+    if not runs(case, runner):
+        pytest.skip(f"an operation {driver.__name__} does not have ({sorted(runner.unsupported)})")
+    run_case(case, runner, r)
 
 
 @pytest.mark.parametrize(("script", "line", "fails"), [
