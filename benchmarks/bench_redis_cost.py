@@ -26,7 +26,8 @@ import redis
 
 from producer import Client
 from protocol.connection import is_cluster, on_shard, redis_from_url
-from protocol.models import JobResult, Keys
+from protocol.keys import Keys
+from protocol.models import JobResult
 from worker.serve.job_queue import Ending, JobQueue
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -26,7 +26,7 @@ def populate(r, n_batches: int, big: int) -> str:
     from gateway.batch_records import GatewayBatch
     from gateway.keys import GatewayKeys
     from gateway.settings import owner_id
-    from protocol.models import Keys
+    from protocol.keys import Keys
 
     keys, gkeys, who, now = Keys(), GatewayKeys("tokenbus"), owner_id(KEY), time.time()
     pipe = r.pipeline(transaction=False)

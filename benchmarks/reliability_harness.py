@@ -15,7 +15,8 @@ from pathlib import Path
 
 from producer import Client
 from protocol import scripts
-from protocol.models import TERMINAL_STATUSES, Keys
+from protocol.keys import Keys
+from protocol.models import TERMINAL_STATUSES
 from testbed.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,7 +24,8 @@ import structlog
 from gateway.background import Background
 from producer.client import TokenChunk
 from protocol.connection import redis_from_url
-from protocol.models import TERMINAL_STATUSES, Keys
+from protocol.keys import Keys
+from protocol.models import TERMINAL_STATUSES
 
 log = structlog.get_logger("tokenbus.gateway")
 BLOCK_MS = 100

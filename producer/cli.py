@@ -16,7 +16,9 @@ import structlog
 from producer import batches
 from producer.client import Client
 from protocol.errors import TokenbusError
-from protocol.models import DEFAULT_NAMESPACE, DEFAULT_REDIS_URL, PRIORITIES, GenerationParams, Job, JobStatus, Priority
+from protocol.keys import DEFAULT_NAMESPACE
+from protocol.models import DEFAULT_REDIS_URL, GenerationParams, Job, JobStatus
+from protocol.priority import PRIORITIES, Priority
 from protocol.records import QueueInfo
 from protocol.redaction import redact_url, scrub, secrets_of
 

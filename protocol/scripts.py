@@ -23,16 +23,9 @@ from redis.cluster import ClusterPipeline
 from redis.commands.core import Script
 
 from protocol.cluster import ScriptPipeline
-from protocol.models import (
-    DEFAULT_RESULT_TTL,
-    EVENTS_MAXLEN,
-    GROUP,
-    PRIORITIES,
-    JobResult,
-    JobStatus,
-    Keys,
-    Priority,
-)
+from protocol.keys import Keys
+from protocol.models import DEFAULT_RESULT_TTL, EVENTS_MAXLEN, GROUP, JobResult, JobStatus
+from protocol.priority import PRIORITIES, Priority
 
 CHUNK = 1000  # jobs per pipeline round trip
 

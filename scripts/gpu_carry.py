@@ -25,11 +25,11 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE_LIST = ROOT / "scripts" / "gpu_image_packages.txt"
 CARRIED = ("structlog", "pydantic", "pydantic_core", "annotated-types", "typing-inspection", "typing_extensions",
-           "redis", "llguidance")
+           "redis", "llguidance", "pyahocorasick")
 # manylinux_2_31 is the only tag llguidance ships (cp39-abi3); the image is glibc 2.39 (Ubuntu 24.04)
 PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 LIMIT = 64 << 20
-NEVER_ON_IMAGE = ("redis", "pydantic", "structlog", "gguf", "llguidance")
+NEVER_ON_IMAGE = ("redis", "pydantic", "structlog", "gguf", "llguidance", "pyahocorasick")
 
 
 def image_packages() -> set[str]:

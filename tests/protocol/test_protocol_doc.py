@@ -9,7 +9,8 @@ import re
 from pathlib import Path
 
 from protocol import scripts
-from protocol.keys import Keys, Priority
+from protocol.keys import Keys
+from protocol.priority import Priority
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "protocol.md"

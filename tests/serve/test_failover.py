@@ -10,7 +10,7 @@ import time
 import pytest
 
 from producer.client import Client
-from protocol.models import Keys
+from protocol.keys import Keys
 from testbed.polling import until as _until
 from testbed.sentinel import Primary, Replica, SentinelGroup, replica_online
 from tests.support.failover import FIRST_WAVE, check_nothing_lost, finished, first_wave, start_worker_pair

@@ -10,7 +10,8 @@ import pytest
 from pydantic import ValidationError
 
 from protocol import scripts
-from protocol.models import GROUP, Keys
+from protocol.keys import Keys
+from protocol.models import GROUP
 from worker.serve.intake import IntakeBudget
 from worker.serve.job_queue import JobQueue
 from worker.settings import WorkerSettings, build_parser, load_settings

@@ -81,7 +81,7 @@ class LightStack(Deployment):
     def end_job(self, job_id: str, *, error_code: str | None = None, text: str = "ok") -> None:
         """End a queued job as a worker would (start_job then finish_job: the worker's own Lua)."""
         from protocol import scripts
-        from protocol.models import Keys
+        from protocol.keys import Keys
 
         r, keys = self.r(), Keys("tokenbus")
         entry, queue = r.hmget(keys.job(job_id), "entry_id", "queue")

@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 import torch
 
+from protocol.priority import Priority, rank_of
 from worker.engine import kv_cache, loader, warmup
 from worker.engine.backends import select_backend
 from worker.engine.block_manager import BlockManager
@@ -93,7 +94,7 @@ class Engine:
         self.backend.reserve(arch, self.max_num_seqs, max_blocks_per_seq * cfg.block_size, self.device)
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
+        self.stop_checker = StopChecker(self.eos_token_ids)
         self.guided = GuidedDecoding(self.tokenizer, arch.vocab_size, self.eos_token_ids, self.device)
         self.scheduler = Scheduler(self.block_manager, self.stop_checker, self.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.guided,
@@ -196,10 +197,10 @@ class Engine:
 
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams | dict[str, Any] | None = None,
-        priority: int = 0,
+        priority: Priority | str | int = 0,
     ) -> None:
-        """Queue a request. priority: lower is seated sooner (the serve loop passes the job's priority rank);
-        requests of one priority are seated in arrival order."""
+        """Queue a request. priority: the job's Priority (or its name or rank, protocol.priority.rank_of); lower
+        ranks are seated sooner, and requests of one priority in arrival order."""
         if request_id in self.requests:
             raise EngineFault(f"request id {request_id!r} is already in the engine")  # the caller's bug
         if params is None:
@@ -228,6 +229,7 @@ class Engine:
                 f"prompt + max_tokens = {total} tokens can never fit the KV cache "
                 f"({self.block_manager.num_blocks * self.config.block_size} tokens); raise kv_cache_gb"
             )
+        rank = rank_of(priority)
         now = time.time()
         seqs = []
         for i in range(params.n):
@@ -237,7 +239,7 @@ class Engine:
                 generator.manual_seed(params.seed + i)
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             seqs.append(Sequence(request_id, prompt_ids, params, now, detokenizer, generator=generator,
-                                 choice_index=i, priority=priority))
+                                 choice_index=i, priority=rank))
         for seq in seqs:  # compiles response_format / regex / choice off this thread (GrammarError: failed before)
             self.guided.add(seq)
         self.requests[request_id] = seqs[0]

@@ -16,8 +16,10 @@ import structlog
 
 from protocol import scripts as shared
 from protocol.connection import on_shard
-from protocol.models import EVENTS_MAXLEN, GROUP, PRIORITIES, JobResult, Keys
-from protocol.records import Heartbeat
+from protocol.keys import Keys
+from protocol.models import EVENTS_MAXLEN, GROUP, JobResult
+from protocol.priority import PRIORITIES
+from protocol.records import DeadLetter, Heartbeat
 from worker.serve.backoff import REDIS_DOWN
 
 log = structlog.get_logger("tokenbus.worker")
@@ -140,16 +142,15 @@ class JobQueue:
         """Whether `{ns}:job:{job_id}` is a job record (a hash): an entry naming it must end it."""
         return _str(self.r.type(self.keys.job(job_id))) == "hash"
 
-    def dead_letter_now(self, job_id: str, reason: str, attempts: int, request: str) -> None:
-        self.dead_letter(self.r, job_id, reason, attempts, request)
+    def dead_letter_now(self, letter: DeadLetter) -> None:
+        self.dead_letter(self.r, letter)
 
-    def drop_entry(self, entry_id: str, queue: str, dead: tuple[str, str, str] | None = None) -> None:
-        """Acknowledge and delete an entry that names no job: there is no record to end. dead = (job id, reason,
-        request) dead-letters it in the same transaction."""
+    def drop_entry(self, entry_id: str, queue: str, dead: DeadLetter | None = None) -> None:
+        """Acknowledge and delete an entry that names no job: there is no record to end. `dead` dead-letters it in
+        the same transaction."""
         pipe = self.r.pipeline(transaction=True)
         if dead is not None:
-            job_id, reason, request = dead
-            self.dead_letter(pipe, job_id, reason, 0, request)
+            self.dead_letter(pipe, dead)
         shared.drop_entry(pipe, self.keys, queue, entry_id)
         pipe.execute()
 
@@ -188,15 +189,8 @@ class JobQueue:
     def first_token(self, pipe: redis.client.Pipeline, job_id: str, at: float) -> None:
         shared.mark_first_token(pipe, self.keys, job_id, at)
 
-    def dead_letter(self, pipe: redis.client.Pipeline | redis.Redis, job_id: str, reason: str, attempts: int,
-                    request: str) -> None:
-        pipe.xadd(
-            self.keys.dead,
-            {"job_id": job_id, "reason": reason, "attempts": attempts, "request": request,
-             "worker": self.consumer, "at": repr(time.time())},
-            maxlen=EVENTS_MAXLEN,
-            approximate=True,
-        )
+    def dead_letter(self, pipe: redis.client.Pipeline | redis.Redis, letter: DeadLetter) -> None:
+        pipe.xadd(self.keys.dead, letter.fields(self.consumer), maxlen=EVENTS_MAXLEN, approximate=True)
 
     def publish_tokens(self, pipe: redis.client.Pipeline, job_id: str, offset: int, token_ids: list[int],
                        text: str, done: bool) -> None:
@@ -245,8 +239,8 @@ class WriteBatch:
         self._endings += 1
         return self._queued(1)
 
-    def dead_letter(self, job_id: str, reason: str, attempts: int, request: str) -> None:
-        self.jobs.dead_letter(self.pipe, job_id, reason, attempts, request)
+    def dead_letter(self, letter: DeadLetter) -> None:
+        self.jobs.dead_letter(self.pipe, letter)
         self._queued(1)
 
     def hand_back(self, job_id: str, entry_id: str, queue: str, count_attempt: bool) -> None:

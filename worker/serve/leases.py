@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from protocol.models import Priority
+from protocol.priority import Priority
 from protocol.records import Heartbeat
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.job_queue import JobQueue

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from protocol.models import JobRequest, Priority
+from protocol.models import JobRequest
+from protocol.priority import Priority
 
 if TYPE_CHECKING:
     from worker.engine.sampling_params import SamplingParams
@@ -63,15 +64,6 @@ class Partial:
     offset: int
     text: str = ""
     done: bool = False
-
-
-@dataclass
-class DeadLetter:
-    """Goes to {ns}:dead together with the job's failed ending."""
-
-    reason: str
-    attempts: int
-    request: str
 
 
 @dataclass

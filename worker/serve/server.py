@@ -210,7 +210,7 @@ class Server:
 
     def _seat(self, job: StartedJob) -> None:
         try:
-            self.engine.add_request(job.job_id, job.request.engine_prompt(), job.params, priority=job.priority.rank)
+            self.engine.add_request(job.job_id, job.request.engine_prompt(), job.params, priority=job.priority)
         except InvalidRequest as err:  # the client's to fix: prompt too long, can never fit the cache, ...
             self._end(job, "failed", error=f"invalid job: {err}", error_code=err.code)
             return
