@@ -12,7 +12,7 @@ import time
 import pytest
 
 from protocol.errors import JobNotFound
-from protocol.models import Keys
+from protocol.keys import Keys
 from tests.serve.test_serve_loop import submit_raw
 
 K = Keys("tokenbus")
