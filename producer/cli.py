@@ -1,4 +1,4 @@
-"""The `tokenbus` command: submit, get, wait, cancel, info, and batch submit|status|wait|export|cancel."""
+"""The `tokenbus` command: submit, get, wait, cancel, info, exporter, and batch submit|status|wait|export|cancel."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import redis
 import structlog
 
-from producer import batches
+from producer import batches, exporter
 from producer.client import Client
 from protocol.errors import TokenbusError
 from protocol.keys import DEFAULT_NAMESPACE
@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="queue depth, pending, workers, dead letters")
     i.add_argument("--json", action="store_true")
+
+    e = sub.add_parser("exporter", help="serve the jobs waiting and pending per model as Prometheus metrics "
+                       "(for an autoscaler: it runs while no worker does)")
+    e.add_argument("--model", required=True, help="the namespace's model: the `model` label of every series")
+    e.add_argument("--port", type=int, default=exporter.DEFAULT_PORT)
 
     b = sub.add_parser("batch", help="OpenAI Batch API JSONL files").add_subparsers(dest="batch_command",
                                                                                      required=True)
@@ -278,6 +283,8 @@ def run(a: argparse.Namespace) -> int:
         elif a.command == "info":
             info = c.info()
             print(info.model_dump_json(indent=2) if a.json else format_info(info))
+        elif a.command == "exporter":
+            return exporter.serve(c.redis, c.keys, a.model, a.port)
         elif a.command == "batch":
             return _batch(c, a)
     return 0
