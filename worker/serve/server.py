@@ -55,7 +55,7 @@ class Server:
         seats = min(engine.max_num_seqs, settings.engine.max_num_seqs or engine.max_num_seqs)
         self.capacity = seats + settings.intake_lookahead
         # never more than `capacity` jobs leased here, however far behind the writer is
-        self.budget = IntakeBudget(self.capacity, leases=self.leases, limit=self.capacity)
+        self.budget = IntakeBudget(self._room(0, 0), leases=self.leases, limit=self.capacity)
         self.leases.on_release = self.budget.wake
 
         self.writer = CompletionWriter(self.jobs, self.leases, metrics=metrics)
