@@ -86,17 +86,24 @@ def _handler_for(read: Callable[[], str]) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def serve(r: redis.Redis, keys: Keys, model: str, port: int = DEFAULT_PORT, addr: str = "0.0.0.0") -> int:
-    """Serve /metrics and /healthz until SIGTERM or SIGINT."""
+def make_server(r: redis.Redis, keys: Keys, model: str, port: int = DEFAULT_PORT,
+                addr: str = "0.0.0.0") -> ThreadingHTTPServer:
+    """The HTTP server of /metrics and /healthz, bound and not yet serving."""
     server = ThreadingHTTPServer((addr, port), _handler_for(lambda: render(scripts.queue_counts(r, keys), model)))
     server.daemon_threads = True
+    return server
+
+
+def serve(r: redis.Redis, keys: Keys, model: str, port: int = DEFAULT_PORT, addr: str = "0.0.0.0") -> int:
+    """Serve /metrics and /healthz until SIGTERM or SIGINT."""
+    server = make_server(r, keys, model, port, addr)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     thread = threading.Thread(target=server.serve_forever, name="exporter-http", daemon=True)
     thread.start()
-    bound = server.server_address[1]
-    log.warning("exporter_ready", port=bound, namespace=keys.ns, model=model)  # the CLI logs warnings and up
+    # warning: the CLI logs warnings and up
+    log.warning("exporter_ready", port=server.server_address[1], namespace=keys.ns, model=model)
     stop.wait()
     server.shutdown()
     server.server_close()
