@@ -76,6 +76,7 @@ class BatchFileReader:
         self.requests = 0  # non-blank lines
         self.tokens = 0  # what the valid lines may cost: prompt + max_tokens x n each (request_tokens)
         self.endpoint: str | None = None
+        self.model: str | None = None  # the first request's model (the gateway's batch.model)
         self.parsed: list[tuple[str, JobRequest]] = []
         self.errors: list[tuple[int, str]] = []  # (line number, message), the first max_errors
         self.error_codes: list[str] = []  # beside self.errors
@@ -165,7 +166,7 @@ class BatchFileReader:
                     raise _LineError("not a batch line: its JSON is nested too deeply", "invalid_json_line") from None
             custom_id, url, request, request_json = batch_request(raw, self.overrides)
             if self.endpoint is None:
-                self.endpoint, self._first_line = url, number
+                self.endpoint, self._first_line, self.model = url, number, request.model
             elif url != self.endpoint:
                 raise _LineError(f"url {url} differs from the batch's endpoint {self.endpoint} (line "
                                  f"{self._first_line}); one batch has one endpoint", "mismatched_url")

@@ -1,8 +1,9 @@
-"""POST /v1/chat/completions and /v1/completions: enqueue one job, wait for it, answer as OpenAI does.
+"""POST /v1/chat/completions and /v1/completions (and, through api/responses.py, /v1/responses): enqueue one job,
+wait for it, answer as OpenAI does.
 
 The body is mapped to a job exactly as a batch line's body is (producer.openai_batch.body_request), so the
 same request gives the same job either way. `stream: true` answers with server-sent events made from the
-job's token stream ({ns}:job:{id}:tokens; live/sse.py). Every answer carries the job id
+job's token stream ({ns}:job:{id}:tokens; live/sse.py, live/responses_sse.py). Every answer carries the job id
 in the `x-tokenbus-job-id` header: after a timeout (504) the job goes on and GET /v1/jobs/{id} has it.
 """
 
@@ -22,10 +23,12 @@ from gateway.context import GatewayContext
 from gateway.errors import APIError, invalid
 from gateway.http import get_ctx, json_body
 from gateway.jobs import job_error, record_ownership
-from gateway.live.sse import abandon, job_events
+from gateway.live.responses_sse import ResponsesShape
+from gateway.live.sse import ChunkShape, StreamShape, abandon, job_events
 from gateway.live.waiter import ClientGone
 from producer.batch_file import max_tokens_problem, request_tokens
 from producer.openai_batch import CHAT, COMPLETIONS, body_request, response_body
+from producer.openai_responses import RESPONSES, UnsupportedParameter
 from protocol.errors import InvalidJob
 from protocol.models import JobRequest, JobStatus
 from protocol.priority import Priority
@@ -36,12 +39,12 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, who: str = Depends(owner)) -> Any:
-    return await _complete(request, who, CHAT)
+    return await complete(request, who, CHAT)
 
 
 @router.post("/v1/completions")
 async def completions(request: Request, who: str = Depends(owner)) -> Any:
-    return await _complete(request, who, COMPLETIONS)
+    return await complete(request, who, COMPLETIONS)
 
 
 def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -65,13 +68,16 @@ def submit(ctx: GatewayContext, who: str, endpoint: str, request: JobRequest) ->
     return job_id
 
 
-async def _complete(request: Request, who: str, endpoint: str) -> Any:
+async def complete(request: Request, who: str, endpoint: str) -> Any:
     ctx = get_ctx(request)
     body = await json_body(request)
     stream, include_usage = _stream_options(body)
     try:
         # off the event loop: a big constraint takes a while to check (a 60,000-entry choice took seconds)
         job_request = await run_in_threadpool(body_request, endpoint, body)
+    except UnsupportedParameter as err:
+        raise invalid(str(err).removeprefix("body."), param=err.param.removeprefix("body."),
+                      code="unsupported_parameter") from None
     except InvalidJob as err:
         message = str(err).removeprefix("body: ").removeprefix("body.")
         param = message.split(":", 1)[0] if ":" in message.split(" ", 1)[0] else None
@@ -90,7 +96,9 @@ async def _complete(request: Request, who: str, endpoint: str) -> Any:
     headers = {"x-tokenbus-job-id": job_id}
     if stream:
         handled: list[bool] = []  # the generator's finally ran
-        events = job_events(ctx, job_id, endpoint, job_request.model, include_usage, lease, handled)
+        shape: StreamShape = ResponsesShape(job_id, job_request.model, body) if endpoint == RESPONSES else \
+            ChunkShape(job_id, endpoint, job_request.model, include_usage)
+        events = job_events(ctx, job_id, shape, lease, handled)
         # A client gone before the first chunk: the generator may never start, so its finally never runs;
         # when it is dropped unstarted, the same clean-up runs from here.
         weakref.finalize(events, abandon, ctx, job_id, lease, handled)

@@ -19,6 +19,7 @@ from typing import Any
 import structlog
 
 from protocol.models import ErrorCode, JobResult
+from protocol.scripts import RetryBackoff
 from worker.engine.config import bulk_min_seats
 from worker.engine.errors import EngineError, InvalidRequest
 from worker.engine.sampling_params import SamplingParams
@@ -64,6 +65,8 @@ class Server:
             model_names={settings.engine.model, engine.model_name}, lease_ms=settings.lease_ms,
             max_attempts=settings.max_attempts, stream_tokens=settings.stream_tokens,
             bulk_min_seats=bulk_min_seats(settings.engine.bulk_min_fraction, seats),
+            retry_backoff=RetryBackoff(settings.retry_backoff_ms, settings.retry_backoff_max_ms)
+            if settings.retry_backoff_ms else None,
         )
         self.housekeeper = Housekeeper(
             self.jobs, self.leases, self.inbox, settings.lease_ms, settings.heartbeat_s, self._status, metrics
