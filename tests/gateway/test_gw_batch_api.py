@@ -6,6 +6,7 @@ webhook event per ended batch (client.webhooks.unwrap)."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -65,6 +66,11 @@ def test_a_responses_batch_sums_its_usage_and_names_its_model(light_stack, tmp_p
                                                "logprobs": []}
     assert body["instructions"] == "Answer briefly." and body["max_output_tokens"] == 8
     assert body["usage"]["input_tokens"] == 22 and body["usage"]["input_tokens_details"]["cached_tokens"] == 16
+    with httpx.Client(base_url=light_stack.base_url) as ui:  # the dashboard shows the same counts
+        token = re.search(r'name="login_token" value="([^"]+)"', ui.get("/ui/login").text).group(1)
+        ui.post("/ui/login", data={"api_key": client.api_key, "login_token": token})
+        page = ui.get(f"/ui/batches/{b.id}?fragment=1").text
+    assert re.search(r"63 in \(32\s+cached\), 12 out, 75 in all", page), page
 
 
 def test_unserved_endpoints_are_refused_with_the_served_list(light_stack, tmp_path):
