@@ -21,7 +21,6 @@ from gateway.keys import GatewayKeys
 HEADER = "idempotency-key"
 IDEMPOTENCY_TTL_S = 24 * 3600
 MAX_KEY_CHARS = 255
-_RELEASE = """if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"""
 
 
 def digest(data: bytes) -> str:
@@ -50,7 +49,17 @@ class Claim:
         self.r.set(self.key, f"{self.body_digest}:{object_id}", xx=True, keepttl=True)
 
     def release(self) -> None:
-        self.r.eval(_RELEASE, 1, self.key, f"{self.body_digest}:")
+        """Drop this request's pending claim (and only that: never a settled one), so the request may be sent
+        again after a failure that made nothing."""
+        with self.r.pipeline() as pipe:
+            try:
+                pipe.watch(self.key)
+                if pipe.get(self.key) == f"{self.body_digest}:":
+                    pipe.multi()
+                    pipe.delete(self.key)
+                    pipe.execute()
+            except redis.WatchError:  # changed meanwhile: not ours to drop
+                pass
 
 
 def claim(r: redis.Redis, gkeys: GatewayKeys, route: str, owner: str, client_key: str, body_digest: str,
