@@ -64,7 +64,8 @@ def main() -> None:
     q, caches, table, cu, lens = inputs()
     paths = {
         "as decodes": lambda kc, vc: as_decodes(ext, q, kc, vc, table, cu, lens),
-        "prefill kernel": lambda kc, vc: ext.paged_prefill_attention_cpu(q, kc, vc, table, cu, lens, 0.125, 0, 0.0),
+        "prefill kernel": lambda kc, vc: ext.paged_prefill_attention_cpu(q, kc, vc, table, cu, lens, 0.125, 0, 0.0,
+                                                                         True),
     }
     print(f"CPU ms per call (median of {args.rounds} turns of 5 calls; min in brackets), 1 thread, {cpu_name()}"
           f"{' (AVX2 build)' if args.avx2 else ''}, 1-min load average {os.getloadavg()[0]:.1f} at the start; "

@@ -45,15 +45,16 @@ class ReferenceBackend:
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
-    # window: the layer's sliding window (0 = none); softcap: attention-logit soft-capping (0 = none)
+    # window: the layer's sliding window (0 = none); softcap: attention-logit soft-capping (0 = none);
+    # causal False (prefill): every query sees all its sequence's keys (an encoder's bidirectional attention)
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int = 0,
                          softcap: float = 0.0) -> torch.Tensor:
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
 
     def prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                          scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                          scale: float, window: int = 0, softcap: float = 0.0, causal: bool = True) -> torch.Tensor:
         return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                           window, softcap)
+                                           window, softcap, causal)
 
     # ---- the elementwise parts of a decoder layer ---------------------------------------------------------
 
