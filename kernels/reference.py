@@ -226,3 +226,13 @@ def gelu_tanh_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [n, 2 * inter] -> gelu_tanh(gate) * up [n, inter]: Gemma's GeGLU, HF's gelu_pytorch_tanh."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [n, hidden] -> LayerNorm with weight and bias (an encoder's: BERT's nn.LayerNorm, to the bit)."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def gelu_ref(x: torch.Tensor) -> torch.Tensor:
+    """The exact (erf) GELU: an encoder's feed-forward activation (BERT's `gelu`)."""
+    return F.gelu(x)

@@ -1,8 +1,11 @@
 """The engine: requests in, one forward pass per step over every running sequence, results out as each ends.
 
-    add_request ──▶ Scheduler.schedule ──▶ ModelRunner.run (model + backend kernels, Sampler)
+    add_request ──▶ Scheduler.schedule ──▶ ModelRunner.run (model + backend kernels, Sampler, Pooler)
                          ▲                                │
-                         └──── Scheduler.postprocess ◀────┘  tokens, text, stops; finished ones leave
+                         └──── Scheduler.postprocess ◀────┘  tokens, text, stops, vectors; finished ones leave
+
+A request is a generation (SamplingParams) or an embedding (EmbedParams: embedding.py, pooling.py); one engine
+serves both when its model can: a decoder with an LM head does, an encoder (bert.py) only embeds.
 """
 
 from __future__ import annotations
@@ -15,17 +18,19 @@ from typing import Any
 import structlog
 import torch
 
-from worker.engine import fp8, kv_cache, loader, quantization, warmup
+from worker.engine import fp8, kv_cache, loader, pooling, quantization, warmup
 from worker.engine.backends import select_backend
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig, bulk_min_seats
 from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.embedding import Embeddings, refuse_kind
 from worker.engine.errors import EngineError, EngineFault, InvalidRequest, fault
 from worker.engine.guided import GuidedDecoding
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_block
 from worker.engine.models import registry
 from worker.engine.outputs import Choice, EngineStats, RequestOutput, StepDeltas
 from worker.engine.overlap import Overlap
+from worker.engine.pooling import EmbedParams
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import ScheduledBatch, Scheduler
@@ -58,6 +63,7 @@ class Engine:
         hf_config = loader.load_config(source)
         arch = registry.model_arch(hf_config, cfg.model, cfg.model_impl)
         self.model_path = registry.model_path(arch)  # "native" or "transformers"
+        self.causal = getattr(arch, "causal", True)  # False: an encoder (bidirectional attention, embeddings only)
         self.model_name = cfg.model
         self.tokenizer = loader.load_tokenizer(source)
         self.eos_token_ids = loader.load_generation_eos(source, hf_config, self.tokenizer)
@@ -76,7 +82,7 @@ class Engine:
         # graphs replay the padded decode path, so they need it; static_decode None follows the graphs
         self.cuda_graphs = self.device.type == "cuda" and cfg.cuda_graphs and cfg.static_decode is not False
         # transformers' own modeling code was never checked under graph capture: the fallback runs eagerly
-        self.cuda_graphs = self.cuda_graphs and self.model_path == "native"
+        self.cuda_graphs = self.cuda_graphs and self.model_path == "native" and self.causal  # an encoder never decodes
         static_decode = cfg.static_decode if cfg.static_decode is not None else self.cuda_graphs
         self.model = registry.build_model(arch, hf_config, source, self.backend, self.dtype, self.device,
                                           self.max_model_len, fp8_loading.weights(loader.iter_weights),
@@ -98,8 +104,12 @@ class Engine:
                                    cfg.max_num_batched_tokens, self.guided,
                                    bulk_min_seats=bulk_min_seats(cfg.bulk_min_fraction, self.max_num_seqs))
         self.sampler = Sampler(arch.vocab_size, self.device, self.eos_token_ids, self.backend)
+        self.can_generate = self.causal and getattr(self.model, "can_generate", True)
+        self.embeddings, self.embed_refusal = self._embeddings(source, arch, num_blocks * cfg.block_size)
+        pooler = pooling.Pooler(self.embeddings.pooling) if self.embeddings is not None else None
         self.runner = ModelRunner(self.model, self.sampler, num_blocks, cfg.block_size, self.device, self.kv_dtype,
-                                  self.max_num_seqs, self.max_model_len, static_decode, guided=self.guided)
+                                  self.max_num_seqs, self.max_model_len, static_decode, guided=self.guided,
+                                  pooler=pooler)
         if self.device.type == "cuda":
             self._warm_up()
         self.requests: dict[str, Sequence] = {}  # choice 0 of every request inside
@@ -121,7 +131,25 @@ class Engine:
             block_size=cfg.block_size, max_model_len=self.max_model_len, backend=self.backend.name,
             max_num_seqs=self.max_num_seqs, static_decode=static_decode, cuda_graphs=self.cuda_graphs,
             model_path=self.model_path, overlap=overlap, load_s=round(time.perf_counter() - started, 2),
+            kinds=self.kinds, pooling=self.embeddings.pooling.mode if self.embeddings else None,
         )
+
+    def _embeddings(self, source: loader.ModelSource, arch: Any, kv_tokens: int) -> tuple[Embeddings | None, str]:
+        """How this engine embeds (None and why not when it cannot; an encoder that cannot embeds nothing)."""
+        if self.model_path != "native":
+            return None, "embeddings are served by tokenbus's own model code, not the transformers fallback"
+        try:
+            rule = pooling.load_pooling(source.directory, arch.hidden_size, self.causal)
+        except ValueError as err:
+            if not self.causal:
+                raise
+            return None, str(err)
+        return Embeddings(rule, self.causal, self.max_model_len, self.tokenizer, arch.vocab_size, kv_tokens), ""
+
+    @property
+    def kinds(self) -> list[str]:
+        """The request kinds this engine serves: "generate", "embed" or both."""
+        return [kind for kind, ok in (("generate", self.can_generate), ("embed", self.embeddings is not None)) if ok]
 
     def _num_kv_blocks(self) -> int:
         """Blocks for the sequences (the runner adds one pad block): a fixed count, kv_cache_gb, or on CUDA
@@ -194,13 +222,20 @@ class Engine:
         raise InvalidRequest("a prompt is a non-empty string, a list of token ids, or a list of chat messages")
 
     def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams | dict[str, Any] | None = None,
+        self, request_id: str, prompt: Prompt, params: SamplingParams | EmbedParams | dict[str, Any] | None = None,
         priority: int = 0,
     ) -> None:
-        """Queue a request. priority: lower is seated sooner (the serve loop passes the job's priority rank);
-        requests of one priority are seated in arrival order."""
+        """Queue a request: a generation, or with EmbedParams an embedding of `prompt` (a string or token ids).
+        priority: lower is seated sooner (the serve loop passes the job's priority rank); requests of one
+        priority are seated in arrival order."""
         if request_id in self.requests:
             raise EngineFault(f"request id {request_id!r} is already in the engine")  # the caller's bug
+        if isinstance(params, EmbedParams):
+            self._add_embedding(request_id, prompt, params, priority)
+            return
+        if not self.can_generate:
+            why = "it is an encoder" if not self.causal else "its checkpoint has no LM head (lm_head.weight)"
+            raise refuse_kind(self.model_name, "generation", f"{why}; it serves embedding requests")
         if params is None:
             params = SamplingParams()
         elif isinstance(params, dict):
@@ -248,6 +283,19 @@ class Engine:
             else:
                 for seq in seqs[1:]:
                     self.scheduler.add(seq)
+
+    def _add_embedding(self, request_id: str, prompt: Prompt, params: EmbedParams, priority: int) -> None:
+        if self.embeddings is None:
+            raise refuse_kind(self.model_name, "embedding", self.embed_refusal)
+        try:
+            seq = self.embeddings.sequence(request_id, prompt, params, priority)
+        except EngineError:
+            raise
+        except Exception as err:  # the tokenizer's own failure is the engine's
+            raise fault(err, "tokenizing the input") from err
+        self.requests[request_id] = seq
+        self.choices[request_id] = [seq]
+        self.scheduler.add(seq)
 
     def _check_stop_token_ids(self, params: SamplingParams) -> None:
         # An id past the vocabulary would fail the sampler's min_tokens ban (an IndexError mid-step).
@@ -323,6 +371,9 @@ class Engine:
 
     def _output(self, seqs: list[Sequence]) -> RequestOutput:
         seq = seqs[0]
+        embedding = None
+        if seq.pool_state is not None and seq.finish_reason == "stop":
+            embedding = pooling.output_vector(self.embeddings.pooling, seq.pool_state)
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -337,6 +388,7 @@ class Engine:
             num_cached_tokens=seq.num_cached_tokens,
             choices=[Choice(s.choice_index, s.output_token_ids, s.output_text, s.finish_reason or "abort",
                             s.logprobs) for s in seqs],
+            embedding=embedding,
         )
 
     def stats(self) -> EngineStats:
@@ -362,9 +414,28 @@ class Engine:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt given bare
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = [f"generate-{self.steps}-{i}" for i in range(len(prompts))]
+        return self._run_offline("generate", prompts, params_list)
+
+    def embed(self, inputs: Seq[str | list[int]] | str,
+              params: EmbedParams | list[EmbedParams] | None = None) -> list[RequestOutput]:
+        """Offline: embed every input (strings or token-id lists) and return the outputs, each with its
+        `embedding`, in input order."""
+        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]  # one input given bare
+        params_list = params if isinstance(params, list) else [params or EmbedParams()] * len(inputs)
+        return self._run_offline("embed", inputs, params_list)
+
+    def _run_offline(self, kind: str, prompts: Seq[Any], params_list: list[Any]) -> list[RequestOutput]:
+        ids = [f"{kind}-{self.steps}-{i}" for i in range(len(prompts))]
+        added: list[str] = []
         for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
-            self.add_request(rid, prompt, p)
+            try:
+                self.add_request(rid, prompt, p)
+            except EngineError as err:  # nothing of this call stays behind in the engine
+                for other in added:
+                    self.abort(other)
+                raise type(err)(f"{kind} input {len(added)}: {err}", code=err.code) from err
+            added.append(rid)
         results: dict[str, RequestOutput] = {}
         rejected: dict[str, EngineError] = {}
         while len(results) + len(rejected) < len(ids):

@@ -1,4 +1,5 @@
-"""Turns a scheduled batch into flat tensors (StepInputs), runs the model once, and samples.
+"""Turns a scheduled batch into flat tensors (StepInputs), runs the model once, and samples (and pools the rows
+of embedding sequences: pooling.py).
 
 Owns the model weights and the paged KV cache (per layer a K and a V tensor of shape
 [num_blocks + 1, block_size, num_kv_heads, head_dim] (+ 4 per row for int8/fp8: kernels/kv_quant.py); the
@@ -13,6 +14,7 @@ from worker.engine import kv_cache
 from worker.engine.cuda_graphs import StaticDecode
 from worker.engine.guided import GuidedDecoding
 from worker.engine.models.llama import LlamaForCausalLM
+from worker.engine.pooling import Pooler
 from worker.engine.sampler import SampledStep, Sampler
 from worker.engine.scheduler import ScheduledBatch
 from worker.engine.sequence import Sequence
@@ -28,10 +30,11 @@ class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, sampler: Sampler, num_blocks: int, block_size: int,
         device: torch.device, kv_dtype: torch.dtype, max_num_seqs: int, max_model_len: int,
-        static_decode: bool = False, guided: GuidedDecoding | None = None,
+        static_decode: bool = False, guided: GuidedDecoding | None = None, pooler: Pooler | None = None,
     ) -> None:
         self.model = model
         self.guided = guided
+        self.pooler = pooler  # None: the engine serves no embedding requests
         self.sampler = sampler
         self.block_size = block_size
         self.device = device
@@ -80,6 +83,8 @@ class ModelRunner:
             hidden = self.static.execute(step)
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        if step.pooled:
+            self.pooler(hidden, step.pooled)
         return self._sample(hidden, step, resolve_on_device)
 
     def _sample(self, hidden: torch.Tensor, step: PreparedStep, resolve_on_device: bool) -> SampledStep | None:

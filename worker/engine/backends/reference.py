@@ -15,7 +15,9 @@ import torch
 
 from kernels.reference import (
     add_rms_norm_ref,
+    gelu_ref,
     gelu_tanh_and_mul_ref,
+    layer_norm_ref,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     rms_norm_ref,
@@ -74,6 +76,14 @@ class ReferenceBackend:
     def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[n, 2 * inter] -> gelu_tanh(gate) * up, [n, inter] (Gemma's GeGLU)."""
         return gelu_tanh_and_mul_ref(gate_up)
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+        """[n, hidden] -> LayerNorm(x) with weight and bias (an encoder's norm)."""
+        return layer_norm_ref(x, weight, bias, eps)
+
+    def gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """The exact (erf) GELU of an encoder's feed-forward."""
+        return gelu_ref(x)
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.engine.attention_metadata import AttentionMetadata
+from worker.engine.attention_metadata import AttentionMetadata, paged_attention
 from worker.engine.backends import Backend
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -207,24 +207,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         k_cache, v_cache = kv_cache
         q = self.backend.rotary_write_kv(q, k, v, *rotary, k_cache, v_cache, meta.slot_mapping)
-        p = meta.num_prefill_tokens
-        if p == 0:  # a pure decode step (most steps): the kernel's output is the attention output
-            out = self._decode(q, kv_cache, meta)
-        else:
-            out = torch.empty_like(q)
-            out[:p] = self.backend.prefill_attention(
-                q[:p], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-                meta.prefill_seq_lens, self.scale, self.window, self.softcap,
-            )
-            if p < num_tokens:
-                out[p:] = self._decode(q[p:], kv_cache, meta)
+        out = paged_attention(self.backend, q, kv_cache, meta, self.scale, self.window, self.softcap)
         return self.o_proj(out.view(num_tokens, self.q_size))
-
-    def _decode(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
-        return self.backend.decode_attention(
-            q, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_seq_lens, self.scale, self.window,
-            self.softcap,
-        )
 
 
 class MLP(nn.Module):
@@ -275,6 +259,10 @@ class LlamaForCausalLM(nn.Module):
     arch_type = LlamaArch
     layer_type = DecoderLayer
     cpu_fusable = True  # the CPU backend may run a decode step's layers as one C++ call (cpu_decode.py)
+    causal = True
+    # False once load_weights found no lm_head.weight (an embedding checkpoint saved from the base model, as
+    # Qwen3-Embedding's untied shapes are): embeddings only, generation refused
+    can_generate = True
 
     def __init__(self, arch: LlamaArch, backend: Backend) -> None:
         super().__init__()
@@ -335,6 +323,9 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded
         if self.arch.tie_word_embeddings:
             missing.discard("lm_head.weight")
+        if missing == {"lm_head.weight"}:
+            self.can_generate = False
+            missing = set()
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]} ...")
 

@@ -25,7 +25,7 @@ import structlog
 import torch
 from torch import nn
 
-from worker.engine.attention_metadata import AttentionMetadata
+from worker.engine.attention_metadata import AttentionMetadata, paged_attention
 from worker.engine.backends import Backend
 from worker.engine.models.fallback_norms import swap_rms_norms
 from worker.engine.models.llama import attention_shape
@@ -160,17 +160,7 @@ class TransformersCausalLM(nn.Module):
             return torch.zeros_like(q)
         k_cache, v_cache = _STEP.kv_caches[layer]
         self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        p = meta.num_prefill_tokens
-        if p == 0:
-            return self.backend.decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                                 meta.decode_seq_lens, scale)
-        out = torch.empty_like(q)
-        out[:p] = self.backend.prefill_attention(q[:p], k_cache, v_cache, meta.prefill_block_tables,
-                                                 meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale)
-        if p < q.shape[0]:
-            out[p:] = self.backend.decode_attention(q[p:], k_cache, v_cache, meta.decode_block_tables,
-                                                    meta.decode_seq_lens, scale)
-        return out
+        return paged_attention(self.backend, q, (k_cache, v_cache), meta, scale)
 
     @torch.inference_mode()
     def probe(self, model_name: str, device: torch.device) -> None:
