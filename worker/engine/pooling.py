@@ -183,7 +183,7 @@ class Pooler:
         index = torch.tensor(segments, device=device)
         out = torch.zeros(len(groups), hidden.shape[1], device=device)
         if mode == "max":
-            return out.index_reduce_(0, index, src, "amax", include_self=False)
+            return out.scatter_reduce_(0, index[:, None].expand_as(src), src, "amax", include_self=False)
         return out.index_add_(0, index, src)
 
 
