@@ -16,7 +16,8 @@ import time
 from typing import Any
 
 from worker.engine.errors import UNSUPPORTED_KIND, InvalidRequest
-from worker.engine.pooling import EmbedParams, Pooling, PoolState
+from worker.engine.pooling import EmbedParams, Pooling, PoolState, load_pooling
+from worker.engine.prompts import check_token_ids, is_token_ids
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import Sequence
 
@@ -57,13 +58,9 @@ class Embeddings:
             text = prompt.lower() if self.pooling.lowercase else prompt
             ids = self.tokenizer.encode(text, truncation=True, max_length=limit) if truncate else \
                 self.tokenizer.encode(text)
-        elif isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if not prompt:
-                raise InvalidRequest("the input is an empty list of token ids")
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequest(f"input token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-            ids = list(prompt[:limit] if truncate else prompt)
+        elif is_token_ids(prompt):
+            ids = check_token_ids(prompt, self.vocab_size, "input")
+            ids = ids[:limit] if truncate else ids
         else:
             raise InvalidRequest("an embedding input is a non-empty string or a non-empty list of token ids")
         if not ids:  # a tokenizer that made nothing of the text (and adds no special tokens)
@@ -72,6 +69,20 @@ class Embeddings:
             raise InvalidRequest(f"the input has {len(ids)} tokens; this model embeds at most {limit} (ask for "
                                  "truncate to cut it to that)")
         return ids
+
+
+def embeddings_for(model_path: str, directory: str, arch: Any, causal: bool, max_model_len: int, tokenizer: Any,
+                   kv_tokens: int) -> tuple[Embeddings | None, str]:
+    """How an engine embeds, or None and why it cannot (an encoder that cannot embeds nothing: ValueError)."""
+    if model_path != "native":
+        return None, "embeddings are served by tokenbus's own model code, not the transformers fallback"
+    try:
+        rule = load_pooling(directory, arch.hidden_size, causal)
+    except ValueError as err:
+        if not causal:
+            raise
+        return None, str(err)
+    return Embeddings(rule, causal, max_model_len, tokenizer, arch.vocab_size, kv_tokens), ""
 
 
 def refuse_kind(model: str, kind: str, reason: str) -> InvalidRequest:

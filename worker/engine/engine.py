@@ -18,12 +18,12 @@ from typing import Any
 import structlog
 import torch
 
-from worker.engine import fp8, kv_cache, loader, pooling, quantization, warmup
+from worker.engine import fp8, kv_cache, loader, pooling, prompts, quantization, warmup
 from worker.engine.backends import select_backend
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig, bulk_min_seats
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.embedding import Embeddings, refuse_kind
+from worker.engine.embedding import embeddings_for, refuse_kind
 from worker.engine.errors import EngineError, EngineFault, InvalidRequest, fault
 from worker.engine.guided import GuidedDecoding
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -105,7 +105,9 @@ class Engine:
                                    bulk_min_seats=bulk_min_seats(cfg.bulk_min_fraction, self.max_num_seqs))
         self.sampler = Sampler(arch.vocab_size, self.device, self.eos_token_ids, self.backend)
         self.can_generate = self.causal and getattr(self.model, "can_generate", True)
-        self.embeddings, self.embed_refusal = self._embeddings(source, arch, num_blocks * cfg.block_size)
+        self.embeddings, self.embed_refusal = embeddings_for(self.model_path, source.directory, arch, self.causal,
+                                                             self.max_model_len, self.tokenizer,
+                                                             num_blocks * cfg.block_size)
         pooler = pooling.Pooler(self.embeddings.pooling) if self.embeddings is not None else None
         self.runner = ModelRunner(self.model, self.sampler, num_blocks, cfg.block_size, self.device, self.kv_dtype,
                                   self.max_num_seqs, self.max_model_len, static_decode, guided=self.guided,
@@ -134,18 +136,6 @@ class Engine:
             kinds=self.kinds, pooling=self.embeddings.pooling.mode if self.embeddings else None,
         )
 
-    def _embeddings(self, source: loader.ModelSource, arch: Any, kv_tokens: int) -> tuple[Embeddings | None, str]:
-        """How this engine embeds (None and why not when it cannot; an encoder that cannot embeds nothing)."""
-        if self.model_path != "native":
-            return None, "embeddings are served by tokenbus's own model code, not the transformers fallback"
-        try:
-            rule = pooling.load_pooling(source.directory, arch.hidden_size, self.causal)
-        except ValueError as err:
-            if not self.causal:
-                raise
-            return None, str(err)
-        return Embeddings(rule, self.causal, self.max_model_len, self.tokenizer, arch.vocab_size, kv_tokens), ""
-
     @property
     def kinds(self) -> list[str]:
         """The request kinds this engine serves: "generate", "embed" or both."""
@@ -161,28 +151,14 @@ class Engine:
         if cfg.kv_cache_gb is not None:
             budget = cfg.kv_cache_gb * 1024**3
         elif self.device.type == "cuda":
-            budget = self._cuda_kv_budget()
+            budget = warmup.cuda_kv_budget(self.model, cfg, self.max_num_seqs, self.max_model_len, self.kv_dtype,
+                                           self.device, self.cuda_graphs)
         else:
             budget = 1024**3
         blocks = int(budget // per_block) - 1
         if blocks < 1:
             raise ValueError("no memory left for the KV cache: raise kv_cache_gb / gpu_memory_utilization")
         return blocks
-
-    def _cuda_kv_budget(self) -> float:
-        cfg = self.config
-        width = -(-self.max_model_len // cfg.block_size)
-        args = (cfg.block_size, self.kv_dtype, self.device)
-        peak = warmup.profile_peak(self.model, cfg.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
-                                   *args)
-        graphs = warmup.decode_peak(self.model, self.max_num_seqs, width, *args) if self.cuda_graphs else 0
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = total * cfg.gpu_memory_utilization - peak - graphs
-        # another process on the card shrinks what is really free
-        budget = min(budget, free - graphs - (peak - torch.cuda.memory_allocated(self.device)))
-        log.info("kv_cache_plan", total_gib=round(total / 1024**3, 2), peak_gib=round(peak / 1024**3, 3),
-                 graph_pool_gib=round(graphs / 1024**3, 3), kv_gib=round(max(budget, 0) / 1024**3, 2))
-        return max(budget, 0)
 
     def _warm_up(self) -> None:
         """Every kernel variant the serve loop hits, compiled before the first request; then the graphs."""
@@ -199,27 +175,8 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("the prompt is empty")
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            for m in prompt:
-                if "role" not in m or "content" not in m:
-                    raise InvalidRequest(f"each chat message needs 'role' and 'content', got {m!r}")
-            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return list(ids)
-        if isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if not prompt:
-                raise InvalidRequest("the prompt is empty")
-            vocab = self.model.arch.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequest(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
-            return list(prompt)
-        raise InvalidRequest("a prompt is a non-empty string, a list of token ids, or a list of chat messages")
+        """A generation prompt's token ids (prompts.py), or InvalidRequest."""
+        return prompts.tokenize(self.tokenizer, self.model.arch.vocab_size, prompt)
 
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams | EmbedParams | dict[str, Any] | None = None,
