@@ -24,15 +24,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from worker.engine.errors import InvalidRequest
-
-if TYPE_CHECKING:
-    from worker.engine.sequence import Sequence
 
 MODES = ("cls", "mean", "mean_sqrt_len_tokens", "max", "lasttoken")
 _LEGACY_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
@@ -127,9 +124,9 @@ class PoolState:
         self.acc, self.count, self.vector = None, 0, None
 
 
-# a pooled row group of one step: (sequence, first row of the step's hidden states, rows, position of the first
-# row, whether the group ends the sequence)
-PooledRows = tuple["Sequence", int, int, int, bool]
+# a pooled row group of one step: (the Sequence, whose pool_state it folds into; first row of the step's hidden
+# states, rows, position of the first row, whether the group ends the sequence). Any: sequence.py imports this
+PooledRows = tuple[Any, int, int, int, bool]
 
 
 class Pooler:

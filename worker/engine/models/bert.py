@@ -24,6 +24,7 @@ from torch import nn
 
 from worker.engine.attention_metadata import AttentionMetadata, paged_attention
 from worker.engine.backends import Backend
+from worker.engine.models.llama import AttentionShape, attention_shape
 
 ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
 _PREFIXES = ("bert.", "roberta.", "model.")  # a BertForMaskedLM & co checkpoint's encoder sits under one
@@ -31,15 +32,8 @@ _SKIPPED = ("pooler.", "cls.", "lm_head.", "classifier.", "embeddings.position_i
 
 
 @dataclass
-class BertArch:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
+class BertArch(AttentionShape):  # num_kv_heads = num_heads: the KV cache is sized by it
     intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int  # = num_heads: the KV cache is sized by it
-    head_dim: int
     layer_norm_eps: float
     max_position_embeddings: int  # usable positions: the table's rows past the position offset
     type_vocab_size: int
@@ -63,11 +57,9 @@ class BertArch:
         if kind != "absolute":
             raise ValueError(f"position_embedding_type {kind!r} is not supported; only 'absolute' is implemented")
         offset = config.pad_token_id + 1 if model_type != "bert" else 0
-        num_heads = config.num_attention_heads
         return cls(
-            model_type=model_type, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers, num_heads=num_heads,
-            num_kv_heads=num_heads, head_dim=config.hidden_size // num_heads, layer_norm_eps=config.layer_norm_eps,
+            **attention_shape(config, model_type, config.hidden_size // config.num_attention_heads),
+            intermediate_size=config.intermediate_size, layer_norm_eps=config.layer_norm_eps,
             max_position_embeddings=config.max_position_embeddings - offset,
             type_vocab_size=getattr(config, "type_vocab_size", 1) or 1, position_offset=offset,
         )

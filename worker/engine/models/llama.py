@@ -23,9 +23,23 @@ from worker.engine.backends import Backend
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+@dataclass
+class AttentionShape:
+    """The sizes and head counts attention_shape() reads: what the KV cache and the kernels are sized by (the
+    arch of the transformers fallback and of the encoders extend it)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
 def attention_shape(config: Any, model_type: str, head_dim: int) -> dict[str, Any]:
-    """The sizes and head counts any decoder-only model reads from a Hugging Face config the same way (the
-    native families and the transformers fallback's FallbackArch)."""
+    """The sizes and head counts any model reads from a Hugging Face config the same way (the native families,
+    the encoders and the transformers fallback's FallbackArch)."""
     num_heads = config.num_attention_heads
     return dict(
         model_type=model_type,

@@ -28,7 +28,7 @@ from torch import nn
 from worker.engine.attention_metadata import AttentionMetadata, paged_attention
 from worker.engine.backends import Backend
 from worker.engine.models.fallback_norms import swap_rms_norms
-from worker.engine.models.llama import attention_shape
+from worker.engine.models.llama import AttentionShape, attention_shape
 
 log = structlog.get_logger("tokenbus.engine")
 
@@ -37,16 +37,9 @@ _STEP = threading.local()  # .model (TransformersCausalLM), .kv_caches, .meta wh
 
 
 @dataclass
-class FallbackArch:
+class FallbackArch(AttentionShape):
     """What the engine needs to size the KV cache and the kernels; the model itself stays transformers'."""
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
     max_position_embeddings: int
     tie_word_embeddings: bool
     sliding_window: int | None = None
