@@ -18,7 +18,8 @@ import redis
 from pydantic import BaseModel
 
 from gateway.keys import GatewayKeys
-from protocol.models import BatchStatus, Keys
+from protocol.keys import Keys
+from protocol.models import BatchStatus
 from protocol.records import BatchRecord
 
 FINAL = ("completed", "failed", "cancelled", "expired")

@@ -16,7 +16,8 @@ import structlog
 from gateway.background import Background
 from protocol import scripts
 from protocol.connection import redis_from_url
-from protocol.models import DEFAULT_RESULT_TTL, Keys
+from protocol.keys import Keys
+from protocol.models import DEFAULT_RESULT_TTL
 
 log = structlog.get_logger("tokenbus.gateway")
 GIVE_UP_S = 600.0

@@ -32,7 +32,8 @@ from gateway.waiter import ClientGone
 from producer.batch_file import request_tokens
 from producer.openai_batch import CHAT, COMPLETIONS, body_request, response_body
 from protocol.errors import InvalidJob
-from protocol.models import JobRequest, JobStatus, Priority
+from protocol.models import JobRequest, JobStatus
+from protocol.priority import Priority
 
 log = structlog.get_logger("tokenbus.gateway")
 router = APIRouter()

@@ -16,7 +16,7 @@ from gateway.streams import StreamHub
 from gateway.waiter import JobWaiter
 from producer.client import Client
 from protocol.connection import is_cluster_url, is_sentinel_url, redis_from_url
-from protocol.models import Keys
+from protocol.keys import Keys
 
 
 class GatewayContext:

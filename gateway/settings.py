@@ -10,7 +10,9 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from protocol.connection import is_cluster_url
-from protocol.models import DEFAULT_NAMESPACE, DEFAULT_REDIS_URL, PRIORITIES, Priority
+from protocol.keys import DEFAULT_NAMESPACE
+from protocol.models import DEFAULT_REDIS_URL
+from protocol.priority import PRIORITIES, Priority
 
 MiB = 1024 * 1024
 

@@ -49,7 +49,7 @@ FUNCTIONS = [
     "add_rms_norm_cpu", "rms_norm_cpu", "silu_and_mul_cpu", "rotary_cpu",  # a decoder layer's elementwise ops
     "argmax_rows_cpu",  # greedy sampling
     "panel_linear_cpu",  # decode-sized linear layers (worker/engine/backends/cpu_linear.py)
-    "panel_linear_int8_cpu",  # the same with int8 weights (worker/engine/quantization.py)
+    "panel_linear_int8_cpu",  # the same with int8 weights (worker/engine/quant/schemes.py)
     "panel_linear_w8a8_cpu", "w8a8_native_cpu",  # int8 weights and activations (VNNI) and whether it runs here
     "decode_layers_cpu",  # a decode step's layers in one call (worker/engine/backends/cpu_decode.py)
 ]

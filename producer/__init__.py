@@ -10,7 +10,8 @@ from protocol.errors import (
     TokenbusError,
     WaitTimeout,
 )
-from protocol.models import BatchStatus, GenerationParams, Job, JobRequest, JobResult, JobStatus, Keys, Usage
+from protocol.keys import Keys
+from protocol.models import BatchStatus, GenerationParams, Job, JobRequest, JobResult, JobStatus, Usage
 from protocol.records import BatchRecord, QueueInfo
 
 __all__ = [

@@ -19,7 +19,8 @@ from typing import IO
 from producer import openai_batch
 from producer.batch_file import BatchFileReader
 from protocol.errors import InvalidBatch
-from protocol.models import JobRequest, Priority
+from protocol.models import JobRequest
+from protocol.priority import Priority
 
 READ_BYTES = 1 << 16
 MAX_LINE_ERRORS = 1000  # bad lines remembered for the error (all are counted)

@@ -8,29 +8,20 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Protocol
 
 import structlog
 
-from producer import openai_batch, waiting
+from producer import openai_batch
 from producer.batch_file import BatchFileReader
 from producer.batch_spool import Progress, Spooled, Validated, spool_batch
+from producer.client_api import ClientApi
 from producer.submit_pipe import SubmitPipe
 from protocol import scripts
 from protocol.errors import BatchNotFound, InvalidBatch, TokenbusError, WaitTimeout
-from protocol.models import BatchStatus, JobRequest, Priority, batch_job_id, check_batch_id, check_job_id
+from protocol.models import BatchStatus, JobRequest, batch_job_id, check_batch_id, check_job_id
+from protocol.priority import Priority
 from protocol.records import BatchRecord
-from protocol.scripts import CHUNK, PendingJob
-
-
-class Client(waiting.Client, Protocol):
-    """What the batch functions use of producer.Client (named here so this module does not import it back)."""
-
-    @property
-    def max_queue_len(self) -> int: ...
-
-    def enqueue(self, jobs: list[PendingJob], chunk_size: int = CHUNK) -> list[str]: ...
-    def check_capacity(self, n: int) -> None: ...
+from protocol.scripts import CHUNK
 
 log = structlog.get_logger("tokenbus.producer")
 
@@ -61,7 +52,7 @@ def read_batch(source: str | Path | Iterable[str]) -> tuple[str, list[tuple[str,
 
 
 def submit_batch(
-    client: Client,
+    client: ClientApi,
     source: str | Path | Iterable[str],
     *,
     batch_id: str | None = None,
@@ -102,7 +93,7 @@ def submit_batch(
         spooled.close()
 
 
-def _submit_spooled(client: Client, spooled: Spooled | Validated, batch_id: str | None, existing: dict[str, str],
+def _submit_spooled(client: ClientApi, spooled: Spooled | Validated, batch_id: str | None, existing: dict[str, str],
                     priority: str, on_progress: Progress | None, validate_s: float) -> BatchRecord:
     started = time.perf_counter()
     k, total, endpoint = client.keys, spooled.total, spooled.endpoint
@@ -115,6 +106,9 @@ def _submit_spooled(client: Client, spooled: Spooled | Validated, batch_id: str 
                                f"Use a new batch id")
         if record.status != BatchStatus.validating:
             return record
+        if client.redis.llen(k.batch_jobs(batch_id)) != total:  # the first submit stopped inside the list
+            client.redis.delete(k.batch_jobs(batch_id))
+            _write_job_list(client, batch_id, total)
     else:
         client.check_capacity(total)
         _check_ids_free(client, batch_id, total)
@@ -127,11 +121,7 @@ def _submit_spooled(client: Client, spooled: Spooled | Validated, batch_id: str 
         })
         pipe.delete(k.batch_jobs(batch_id))
         pipe.execute()
-        # the id list, in pieces (one transaction held it all) of CHUNK: the client holds no more ids than its
-        # pipe holds jobs in flight
-        for start in range(0, total, CHUNK):
-            client.redis.rpush(k.batch_jobs(batch_id),
-                               *(batch_job_id(batch_id, i) for i in range(start, min(total, start + CHUNK))))
+        _write_job_list(client, batch_id, total)
     progress = None if on_progress is None else (lambda n: on_progress("enqueue", n, total))
     with SubmitPipe(client.redis, k, client.max_queue_len, client.result_ttl, on_chunk=progress) as pipe:
         add = pipe.add_job
@@ -144,7 +134,16 @@ def _submit_spooled(client: Client, spooled: Spooled | Validated, batch_id: str 
     return get_batch(client, batch_id)
 
 
-def _check_ids_free(client: Client, batch_id: str, total: int) -> None:
+def _write_job_list(client: ClientApi, batch_id: str, total: int) -> None:
+    """RPUSH the batch's job ids `{batch_id}-{i}` in input order onto its (empty) job list, CHUNK a call: the
+    client holds no more ids than its pipe holds jobs in flight. A submit stopped half-way leaves a short list,
+    which the re-submit writes again (docs/protocol.md, "Submitting a batch")."""
+    for start in range(0, total, CHUNK):
+        client.redis.rpush(client.keys.batch_jobs(batch_id),
+                           *(batch_job_id(batch_id, i) for i in range(start, min(total, start + CHUNK))))
+
+
+def _check_ids_free(client: ClientApi, batch_id: str, total: int) -> None:
     """InvalidBatch if a job `{batch_id}-{i}` exists already (a plain job, or a batch that expired): the new
     batch would adopt that job's status and result instead of running its own request. One EXISTS per
     CHUNK ids; the taken ones are named only when some are."""
@@ -165,7 +164,7 @@ def _check_ids_free(client: Client, batch_id: str, total: int) -> None:
                            f"({shown}); nothing was submitted. Use another batch id")
 
 
-def get_batch(client: Client, batch_id: str) -> BatchRecord:
+def get_batch(client: ClientApi, batch_id: str) -> BatchRecord:
     rec = client.redis.hgetall(client.keys.batch(batch_id))
     if not rec:
         raise BatchNotFound(f"batch {batch_id!r} not found in namespace {client.keys.ns!r}: never "
@@ -173,7 +172,7 @@ def get_batch(client: Client, batch_id: str) -> BatchRecord:
     return BatchRecord.from_record(rec)
 
 
-def iter_batch_job_ids(client: Client, batch_id: str, chunk: int = CHUNK) -> Iterator[list[str]]:
+def iter_batch_job_ids(client: ClientApi, batch_id: str, chunk: int = CHUNK) -> Iterator[list[str]]:
     """The batch's job ids in input order, `chunk` at a time (a million ids never sit in memory at once)."""
     key, at = client.keys.batch_jobs(batch_id), 0
     while ids := client.redis.lrange(key, at, at + chunk - 1):
@@ -181,7 +180,7 @@ def iter_batch_job_ids(client: Client, batch_id: str, chunk: int = CHUNK) -> Ite
         at += len(ids)
 
 
-def cancel_batch(client: Client, batch_id: str) -> BatchRecord:
+def cancel_batch(client: ClientApi, batch_id: str) -> BatchRecord:
     """Mark the batch cancelling and cancel each job: queued ones end now, running ones are aborted."""
     k = client.keys
     now = time.time()
@@ -205,7 +204,7 @@ def cancel_batch(client: Client, batch_id: str) -> BatchRecord:
 
 
 def wait_batch(
-    client: Client,
+    client: ClientApi,
     batch_id: str,
     timeout: float | None = None,
     on_progress: Callable[[BatchRecord], None] | None = None,
@@ -232,7 +231,7 @@ def wait_batch(
             time.sleep(0.2)  # under a stream of events, refresh the record a few times a second at most
 
 
-def export_batch(client: Client, batch_id: str, out: str | Path, *, allow_partial: bool = False,
+def export_batch(client: ClientApi, batch_id: str, out: str | Path, *, allow_partial: bool = False,
                  on_progress: Progress | None = None) -> int:
     """Write OpenAI Batch output lines (input order) to `out`; returns how many lines were written.
 

@@ -17,19 +17,18 @@ from producer.waiting import TokenChunk
 from protocol import scripts
 from protocol.connection import redis_from_url, socket_timeout
 from protocol.errors import InvalidJob, JobNotFound, QueueFull, TokenbusError, listing
+from protocol.keys import DEFAULT_NAMESPACE, Keys
 from protocol.models import (
     DEFAULT_MAX_QUEUE_LEN,
-    DEFAULT_NAMESPACE,
     DEFAULT_REDIS_URL,
     DEFAULT_RESULT_TTL,
-    PRIORITIES,
     TERMINAL_STATUSES,
     Job,
     JobRequest,
-    Keys,
     check_job_id,
     validate_request,
 )
+from protocol.priority import PRIORITIES
 from protocol.records import BatchRecord, Heartbeat, QueueInfo, WorkerInfo
 
 log = structlog.get_logger("tokenbus.producer")

@@ -14,11 +14,11 @@ from protocol.models import (
     JobRequest,
     JobResult,
     JobStatus,
-    Priority,
     ResultChoice,
     describe_validation_error,
     validate_request,
 )
+from protocol.priority import Priority
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -23,7 +23,8 @@ from protocol import scripts
 from protocol.connection import shard_client
 from protocol.errors import InvalidJob, QueueFull
 from protocol.keys import Keys
-from protocol.models import GROUP, Priority
+from protocol.models import GROUP
+from protocol.priority import Priority
 from protocol.scripts import PendingJob
 
 try:  # optional accelerator of the packing (a dependency of the client core: pyproject.toml)

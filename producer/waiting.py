@@ -7,12 +7,9 @@ import json
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
 
-import redis
-
+from producer.client_api import ClientApi
 from protocol.errors import JobNotFound, WaitTimeout
-from protocol.keys import Keys
 from protocol.models import TERMINAL_STATUSES, Job
 
 
@@ -26,29 +23,12 @@ class TokenChunk:
     done: bool
 
 
-class Client(Protocol):
-    """What waiting (and producer.batches) uses of producer.Client (named here so this module does not import it
-    back)."""
-
-    redis: redis.Redis
-    keys: Keys
-
-    @property
-    def max_block_s(self) -> float: ...
-    @property
-    def result_ttl(self) -> int: ...
-
-    def get(self, job_id: str) -> Job: ...
-    def get_many(self, job_ids: Iterable[str], ended_requests_only: bool = False) -> list[Job | None]: ...
-    def events_last_id(self) -> str: ...
-
-
-def not_found(client: Client, job_id: str) -> str:
+def not_found(client: ClientApi, job_id: str) -> str:
     return (f"job {job_id!r} not found in namespace {client.keys.ns!r}: it was never submitted, "
             f"or it ended more than result_ttl seconds ago and its record expired")
 
 
-def as_completed(client: Client, job_ids: Iterable[str], timeout: float | None = None,
+def as_completed(client: ClientApi, job_ids: Iterable[str], timeout: float | None = None,
                  resync_every: float = 5.0) -> Iterator[Job]:
     """Yield each job once it has ended, in the order they end (already-ended ones first).
 
@@ -84,7 +64,7 @@ def as_completed(client: Client, job_ids: Iterable[str], timeout: float | None =
         yield from _collect_ended(client, remaining, list(dict.fromkeys(ended)))
 
 
-def _collect_ended(client: Client, remaining: dict[str, None], candidates: list[str],
+def _collect_ended(client: ClientApi, remaining: dict[str, None], candidates: list[str],
                    initial: bool = False) -> Iterator[Job]:
     # only ended jobs are yielded: the others' requests (one XRANGE each) would be read for nothing
     for jid, job in zip(candidates, client.get_many(candidates, ended_requests_only=True), strict=True):
@@ -98,7 +78,7 @@ def _collect_ended(client: Client, remaining: dict[str, None], candidates: list[
             yield job
 
 
-def _events_lost(client: Client, last_id: str) -> bool:
+def _events_lost(client: ClientApi, last_id: str) -> bool:
     """Whether events after `last_id` may be gone unread: the stream is missing (deleted, or nothing ended
     yet) or its oldest entry is newer than the next one this reader would read (MAXLEN trimmed past it)."""
     oldest = client.redis.xrange(client.keys.events, count=1)
@@ -112,12 +92,14 @@ def _stream_id(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-def stream(client: Client, job_id: str, timeout: float | None = None) -> Iterator[TokenChunk]:
+def stream(client: ClientApi, job_id: str, timeout: float | None = None) -> Iterator[TokenChunk]:
     """Yield a `stream=True` job's output as the worker publishes it; ends with the chunk marked done.
 
     Each chunk holds the new token ids and the text they complete. A chunk re-sent after a Redis outage
-    is skipped by its offset. A job that ends without streaming (failed, cancelled while queued) just
-    ends the iteration: read the record with `get` for why.
+    is skipped by its offset. A job that asked for a stream ends on a done chunk however it ends (an empty
+    one when it failed before it ran or was cancelled while queued: docs/protocol.md, "How a token stream
+    ends"); one that did not ask just ends the iteration once it has ended. Read the record with `get` for
+    its status. A record that is gone (expired, deleted) raises JobNotFound.
     """
     key = client.keys.tokens(job_id)
     last_id, next_offset = "0-0", 0

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from protocol.keys import Priority
+from protocol.priority import Priority
 
 
 class JobStatus(StrEnum):

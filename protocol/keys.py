@@ -1,6 +1,6 @@
-"""Every Redis key of one tokenbus namespace, and the job priorities that pick a job's queue.
+"""Every Redis key of one tokenbus namespace (a job's priority, protocol/priority.py, picks its queue).
 
-Part of the wire protocol (protocol/models.py re-exports these names; docs/protocol.md describes them).
+Part of the wire protocol (docs/protocol.md describes them).
 
 Every key starts with the namespace in braces, `{ns}:` (namespace `tokenbus`: `{tokenbus}:q:default`): a Redis
 Cluster hash tag, so all the keys of one namespace hash to one slot and live on one shard, where the Lua scripts
@@ -12,27 +12,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from enum import StrEnum
 from functools import cached_property
+
+from protocol.priority import PRIORITIES, Priority
 
 DEFAULT_NAMESPACE = "tokenbus"
 
 
-class Priority(StrEnum):
-    """A job's priority, ranked by the order of its members: every worker's intake reads interactive queues
-    first, then default, then bulk, and the engine seats lower ranks first."""
-
-    interactive = "interactive"
-    default = "default"
-    bulk = "bulk"
-
-    @property
-    def rank(self) -> int:
-        """0 for interactive, 1 default, 2 bulk."""
-        return PRIORITIES.index(self)
-
-
-PRIORITIES = tuple(Priority)  # the order intake serves them in
 
 
 def key_prefix(ns: str) -> str:

@@ -1,13 +1,45 @@
-"""Records of the queue's state as Redis holds them: a worker's heartbeat, a batch's record, and the summary
-`Client.info()` builds from them. Part of the wire protocol (docs/protocol.md)."""
+"""Records of the queue's state as Redis holds them: a worker's heartbeat, a batch's record, a dead letter, and
+the summary `Client.info()` builds from them. Part of the wire protocol (docs/protocol.md)."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from protocol.models import TERMINAL_BATCH_STATUSES, BatchStatus, Priority
+from protocol.models import TERMINAL_BATCH_STATUSES, BatchStatus
+from protocol.priority import Priority
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """An entry of `{ns}:dead`: a job no worker could run, kept with its request (the worker writes it with the
+    job's failed ending; the dashboard reads, re-runs or deletes it)."""
+
+    job_id: str
+    reason: str
+    attempts: int
+    request: str  # the entry's request text as it was read
+    worker: str = ""  # the consumer that gave up on it
+    at: float | None = None  # when (epoch seconds)
+
+    def fields(self, worker: str) -> dict[str, str | int]:
+        """The stream entry's fields, written by `worker` now."""
+        return {"job_id": self.job_id, "reason": self.reason, "attempts": self.attempts, "request": self.request,
+                "worker": worker, "at": repr(time.time())}
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, str]) -> DeadLetter:
+        """An entry read back; a field missing or unreadable reads as empty (entries of older releases)."""
+        try:
+            at: float | None = float(fields.get("at", ""))
+        except ValueError:
+            at = None
+        attempts = fields.get("attempts", "0")
+        return cls(fields.get("job_id", ""), fields.get("reason", ""), int(attempts) if attempts.isdigit() else 0,
+                   fields.get("request", ""), fields.get("worker", ""), at)
 
 
 class Heartbeat(BaseModel):

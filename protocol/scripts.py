@@ -6,7 +6,7 @@ stream/event/batch side effects. A client in another language can EVAL the same 
 
 Worker side:   start_job (queued -> running), mark_first_token, finish_job (-> finished | failed | cancelled)
 Producer side: SUBMIT (via Client), SUBMIT_JOBS (a batch's ingest), cancel_job, bump_batch (via batches)
-Worker only:   read, renew, hand_back, publish_tokens (worker/serve/queue.py)
+Worker only:   read, renew, hand_back, publish_tokens (worker/serve/job_queue.py)
 """
 
 from __future__ import annotations
@@ -23,16 +23,9 @@ from redis.cluster import ClusterPipeline
 from redis.commands.core import Script
 
 from protocol.cluster import ScriptPipeline
-from protocol.models import (
-    DEFAULT_RESULT_TTL,
-    EVENTS_MAXLEN,
-    GROUP,
-    PRIORITIES,
-    JobResult,
-    JobStatus,
-    Keys,
-    Priority,
-)
+from protocol.keys import Keys
+from protocol.models import DEFAULT_RESULT_TTL, EVENTS_MAXLEN, GROUP, JobResult, JobStatus
+from protocol.priority import PRIORITIES, Priority
 
 CHUNK = 1000  # jobs per pipeline round trip
 
@@ -159,7 +152,7 @@ def finish_job(
     elif isinstance(result, dict):
         result = JobResult.model_validate(result).model_dump_json()
     status = JobStatus(status)
-    out = _run(r, FINISH_JOB, [keys.job(job_id), queue or keys.queue(), keys.events, keys.cancel],
+    out = _run(r, FINISH_JOB, [keys.job(job_id), queue or keys.queue(), keys.events, keys.cancel, keys.tokens(job_id)],
                [group, entry_id, job_id, status.value, result or "", error or "", error_code or "",
                 now or time.time(), result_ttl, keys.layout, EVENTS_MAXLEN])
     return out if not isinstance(out, int | bytes | str) else int(out)
@@ -168,7 +161,7 @@ def finish_job(
 def cancel_job(r: redis.Redis, keys: Keys, job_id: str, now: float | None = None,
                result_ttl: int = DEFAULT_RESULT_TTL, group: str = GROUP) -> str:
     """'cancelled' | 'cancelling' | the job's terminal status | '' (no such job). `r` may be a pipeline."""
-    out = _run(r, CANCEL_JOB, [keys.job(job_id), keys.events, keys.cancel],
+    out = _run(r, CANCEL_JOB, [keys.job(job_id), keys.events, keys.cancel, keys.tokens(job_id)],
                [group, job_id, now or time.time(), result_ttl, keys.layout, EVENTS_MAXLEN])
     return _s(out)
 

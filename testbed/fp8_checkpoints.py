@@ -1,4 +1,4 @@
-"""Tiny FP8 checkpoints written the way the two formats lay them out (worker/engine/fp8_checkpoint.py), from
+"""Tiny FP8 checkpoints written the way the two formats lay them out (worker/engine/quant/fp8_checkpoint.py), from
 an unquantized tiny model: the decoder's linears as float8_e4m3fn with their scales, the rest unchanged, and
 beside it the same model dequantized (fp32 weights equal to weight · scale), which Hugging Face `generate`
 runs as the reference.

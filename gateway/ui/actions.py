@@ -128,7 +128,7 @@ def _retry(ctx, owner: str, entry_id: str) -> tuple[str, str]:
     if dead is None:
         raise ValueError(f"dead letter {entry_id} is gone (deleted or retried already)")
     try:
-        request = JobRequest.model_validate(json.loads(dead.fields.get("request", "")))
+        request = JobRequest.model_validate(json.loads(dead.letter.request))
     except (ValueError, TypeError) as err:
         raise ValueError(f"its request is not a valid job ({str(err)[:300]}); delete it instead") from None
     fields: dict[str, Any] = request.model_dump(exclude_none=True)
@@ -137,7 +137,7 @@ def _retry(ctx, owner: str, entry_id: str) -> tuple[str, str]:
     endpoint = "/v1/chat/completions" if request.messages else "/v1/completions"
     record_ownership(ctx, job_id, owner, endpoint)
     ctx.redis.xdel(ctx.keys.dead, entry_id)
-    return job_id, dead.job_id
+    return job_id, dead.letter.job_id
 
 
 @router.post("/dead/{entry_id}/retry")

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.batch_records import GatewayBatch, batch_object, load_core
 from gateway.context import GatewayContext
 from protocol.models import JOB_ID_RE, Job
-from protocol.records import BatchRecord, QueueInfo
+from protocol.records import BatchRecord, DeadLetter, QueueInfo
 
 PAGE = 25
 DEAD_PAYLOAD_CHARS = 8000  # a dead letter's request shown up to this (the rest is cut, with a note)
@@ -92,34 +92,25 @@ def file_lines(ctx: GatewayContext, owner: str, file_id: str | None, limit: int 
 
 
 @dataclass
-class DeadLetter:
+class DeadLetterCard:
+    """A dead letter as its page shows it: the entry (protocol.records.DeadLetter) and its request pretty-printed."""
+
     id: str  # the entry's id in {ns}:dead
-    job_id: str
-    reason: str
-    attempts: str
-    worker: str
-    at: float | None
+    letter: DeadLetter
     request: str  # pretty JSON when it parses, else the raw text (cut at DEAD_PAYLOAD_CHARS)
     cut: bool = False
-    fields: dict[str, str] = field(default_factory=dict)
 
 
-def _dead(entry_id: str, fields: dict[str, str]) -> DeadLetter:
-    raw = fields.get("request", "")
+def _dead(entry_id: str, fields: dict[str, str]) -> DeadLetterCard:
+    letter = DeadLetter.from_fields(fields)
     try:
-        text = json.dumps(json.loads(raw), indent=2, ensure_ascii=False)
+        text = json.dumps(json.loads(letter.request), indent=2, ensure_ascii=False)
     except (ValueError, RecursionError):
-        text = raw
-    try:
-        at = float(fields.get("at", ""))
-    except ValueError:
-        at = None
-    return DeadLetter(entry_id, fields.get("job_id", ""), fields.get("reason", ""), fields.get("attempts", "0"),
-                      fields.get("worker", ""), at, text[:DEAD_PAYLOAD_CHARS], len(text) > DEAD_PAYLOAD_CHARS,
-                      fields)
+        text = letter.request
+    return DeadLetterCard(entry_id, letter, text[:DEAD_PAYLOAD_CHARS], len(text) > DEAD_PAYLOAD_CHARS)
 
 
-def dead_letters(ctx: GatewayContext, before: str | None) -> tuple[list[DeadLetter], int, str | None]:
+def dead_letters(ctx: GatewayContext, before: str | None) -> tuple[list[DeadLetterCard], int, str | None]:
     """A page of dead letters, newest first (XREVRANGE from `before`, exclusive), the total, the next cursor."""
     top = f"({before}" if before else "+"
     entries = ctx.redis.xrevrange(ctx.keys.dead, top, "-", count=PAGE + 1)
@@ -128,7 +119,7 @@ def dead_letters(ctx: GatewayContext, before: str | None) -> tuple[list[DeadLett
     return rows, ctx.redis.xlen(ctx.keys.dead), rows[-1].id if more else None
 
 
-def dead_letter(ctx: GatewayContext, entry_id: str) -> DeadLetter | None:
+def dead_letter(ctx: GatewayContext, entry_id: str) -> DeadLetterCard | None:
     entries = ctx.redis.xrange(ctx.keys.dead, entry_id, entry_id, count=1)
     return _dead(*entries[0]) if entries else None
 

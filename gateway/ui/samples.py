@@ -11,6 +11,7 @@ from typing import Any
 
 from gateway.context import GatewayContext
 from gateway.keys import GatewayKeys
+from protocol.priority import NAMES
 from protocol.records import QueueInfo
 
 SAMPLE_S = 2.0
@@ -23,7 +24,7 @@ def _key(ns: str) -> str:
 
 def sample_of(info: QueueInfo, now: float) -> dict[str, Any]:
     beats = [w.heartbeat for w in info.workers if w.alive and w.heartbeat]
-    return {"t": round(now, 3), **{p: info.by_priority.get(p, 0) for p in ("interactive", "default", "bulk")},
+    return {"t": round(now, 3), **{p: info.by_priority.get(p, 0) for p in NAMES},
             # per worker, so a restarted worker (its counters back at 0) is told apart from a slowdown
             "done": {hb.name: hb.jobs_done for hb in beats}, "tokens": {hb.name: hb.generated_tokens for hb in beats},
             "workers": len(beats)}
@@ -50,10 +51,10 @@ def series(ctx: GatewayContext) -> dict[str, list[float]]:
     """Columns for the charts: t, each priority's depth, jobs/s and tokens/s (rates from consecutive samples)."""
     raw = ctx.redis.lrange(_key(ctx.settings.namespace), 0, -1)
     rows = [json.loads(r) for r in raw]
-    out: dict[str, list[float]] = {k: [] for k in ("t", "interactive", "default", "bulk", "jobs_s", "tokens_s")}
+    out: dict[str, list[float]] = {k: [] for k in ("t", *NAMES, "jobs_s", "tokens_s")}
     for prev, cur in zip([None, *rows[:-1]], rows, strict=True):
         out["t"].append(cur["t"])
-        for p in ("interactive", "default", "bulk"):
+        for p in NAMES:
             out[p].append(cur[p])
         dt = cur["t"] - prev["t"] if prev else 0.0
         out["jobs_s"].append(round(_rate(prev["done"], cur["done"], dt), 2) if prev else 0.0)

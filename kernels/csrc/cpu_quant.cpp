@@ -1,4 +1,4 @@
-// Weight-only int8 linear layers for the CPU serving path (worker/engine/quantization.py, issue 24).
+// Weight-only int8 linear layers for the CPU serving path (worker/engine/quant/schemes.py, issue 24).
 // Built after cpu_kernels.cpp in the same translation unit (kernels/cpu.py), beside its fp32 panel kernel, whose
 // checks (check_panel_x), tile loop (panel_linear_tiles) and store (store_tile) it shares.
 //

@@ -1,4 +1,4 @@
-// W8A8 int8 linear layers for the CPU serving path (worker/engine/quantization.py, issue 24): int8 weights per
+// W8A8 int8 linear layers for the CPU serving path (worker/engine/quant/schemes.py, issue 24): int8 weights per
 // output channel as the weight-only kernel (cpu_quant.cpp) has them, and the activations quantized per row
 // (token) and group of 64 input features at each call, so the products are int8 × int8 summed in int32 by
 // VNNI's vpdpbusd. Built after cpu_kernels.cpp in the same translation unit (kernels/cpu.py): it shares the fp32
@@ -25,7 +25,7 @@
 //           Σ_{i in g} qw[c, i] of activation group g (|sum| ≤ 127 · 64: exact)
 //
 // AVX-512 VNNI: one zmm of int32 per tile row, 16 rows; AVX-VNNI (AVX2 encoding): two ymm per row, 6 rows;
-// elsewhere the same sums in plain C++ (tests only: worker/engine/quantization.py serves the weight-only
+// elsewhere the same sums in plain C++ (tests only: worker/engine/quant/schemes.py serves the weight-only
 // kernel on a CPU without VNNI, see w8a8_native_cpu).
 
 #include <immintrin.h>

@@ -20,7 +20,7 @@ import pytest
 import redis
 import yaml
 
-from protocol.records import Heartbeat
+from protocol.records import DeadLetter, Heartbeat
 from testbed.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -270,7 +270,7 @@ def test_compose_redis_auth_acl_healthcheck_and_aof(compose, compose_redis):
 
 def test_the_tokenbus_acl_user_runs_the_real_producer_and_worker_operations(compose_redis):
     from producer.client import Client
-    from worker.serve.queue import Ending, JobQueue
+    from worker.serve.job_queue import Ending, JobQueue
 
     srv, _ = compose_redis
     url = app_url(srv.port)
@@ -297,7 +297,7 @@ def test_the_tokenbus_acl_user_runs_the_real_producer_and_worker_operations(comp
     assert client.wait(done, timeout=5).status == "finished"
     _, reclaimed = q.claim_lapsed(min_idle_ms=1000, count=10, cursors={})
     assert [e.fields["job_id"] for e in reclaimed] == [handed_back]
-    q.dead_letter(q.r, handed_back, "test", 1, "{}")
+    q.dead_letter(q.r, DeadLetter(handed_back, "test", 1, "{}"))
     assert client.cancel(handed_back) in ("cancelled", "cancelling")
     info = client.info()
     assert info.dead_letters == 1 and [w.name for w in info.workers] == ["box-1"]

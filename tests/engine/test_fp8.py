@@ -1,4 +1,4 @@
-"""FP8 weights through the engine on tiny random models (worker/engine/fp8.py, fp8_checkpoint.py):
+"""FP8 weights through the engine on tiny random models (worker/engine/quant/fp8.py, fp8_checkpoint.py):
 
 - an FP8 checkpoint in each format and scale layout, written by the test, loads on the CPU dequantized and
   serves exactly the tokens Hugging Face `generate` gives on the dequantized weights;
@@ -24,7 +24,7 @@ from testbed.fp8_checkpoints import write_fp8
 from testbed.tiny_models import make_tiny_model
 from tests.support.hf_reference import hf_greedy, load_hf
 from worker import Engine, SamplingParams
-from worker.engine.fp8 import Fp8Linear
+from worker.engine.quant.fp8 import Fp8Linear
 
 PROMPTS = ["Hello there", "The capital of France is", "1, 2, 3,"]
 MAX_TOKENS = 10
@@ -232,7 +232,7 @@ def test_an_fp8_config_over_unquantized_files_is_a_clear_error(bases, tmp_path):
 
 def test_int8_over_an_fp8_checkpoint_quantizes_its_dequantized_weights(bases, tmp_path):
     """--quantization int8 on the CPU takes an FP8 checkpoint too: dequantized at load, then int8."""
-    from worker.engine.quantization import quantize_int8
+    from worker.engine.quant.schemes import quantize_int8
 
     fp8_dir, twin = write_fp8(bases["llama"], str(tmp_path / "fp8"), "compressed-tensors", "channel")
     engine, got = serve(fp8_dir, quantization="int8")
@@ -254,7 +254,7 @@ def test_dynamic_fp8_keeps_the_output_projection_whatever_its_name():
     (get_output_embeddings), and the fallback serves those."""
     from torch import nn
 
-    from worker.engine.fp8 import quantize_model
+    from worker.engine.quant.fp8 import quantize_model
 
     class Tiny(nn.Module):
         def __init__(self) -> None:

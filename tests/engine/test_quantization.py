@@ -14,7 +14,7 @@ from testbed.tiny_models import make_tiny_model
 from tests.support.hf_reference import hf_greedy, load_hf
 from worker import Engine, SamplingParams
 from worker.engine.config import EngineConfig
-from worker.engine.quantization import quantize_int8, round_activations_int8
+from worker.engine.quant.schemes import quantize_int8, round_activations_int8
 
 PROMPTS = ["Hello there", "The capital of France is", "1, 2, 3,", "a b c d e f g h"]
 MAX_TOKENS = [12, 20, 7, 16]
@@ -159,7 +159,7 @@ def test_quantization_setting_reaches_the_engine_config(monkeypatch):
 def test_w8a8_without_vnni_warns_that_int8_is_faster(monkeypatch):
     from structlog.testing import capture_logs
 
-    from worker.engine import quantization
+    from worker.engine.quant import schemes as quantization
 
     monkeypatch.setattr(quantization, "cpu_flags", lambda: "flags\t\t: fpu sse avx2 avx512f")
     with capture_logs() as logs:

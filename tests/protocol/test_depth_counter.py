@@ -10,7 +10,7 @@ import pytest
 
 from producer import Client
 from protocol import scripts
-from worker.serve.queue import Ending, JobQueue
+from worker.serve.job_queue import Ending, JobQueue
 
 
 def counter(c: Client) -> tuple[int, int]:

@@ -23,7 +23,7 @@ def seq(rid: str, priority: int) -> Sequence:
 
 
 def seated(reserve: int) -> list[str]:
-    sched = Scheduler(BlockManager(64, 4), StopChecker([0], 64), max_num_seqs=4, max_num_batched_tokens=64,
+    sched = Scheduler(BlockManager(64, 4), StopChecker([0]), max_num_seqs=4, max_num_batched_tokens=64,
                       bulk_min_seats=reserve)
     for i in range(2):
         sched.add(seq(f"bulk{i}", BULK))  # the batch came first ...

@@ -16,7 +16,7 @@ import redis
 from redis.exceptions import RedisClusterException
 
 from producer.client import Client
-from protocol.models import Keys
+from protocol.keys import Keys
 from testbed.redis_cluster import RedisCluster
 from tests.support.failover import (
     FIRST_WAVE,

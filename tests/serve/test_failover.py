@@ -10,11 +10,11 @@ import time
 import pytest
 
 from producer.client import Client
-from protocol.models import Keys
+from protocol.keys import Keys
 from testbed.polling import until as _until
 from testbed.sentinel import Primary, Replica, SentinelGroup, replica_online
 from tests.support.failover import FIRST_WAVE, check_nothing_lost, finished, first_wave, start_worker_pair
-from worker.serve.queue import Ending, JobQueue
+from worker.serve.job_queue import Ending, JobQueue
 
 K = Keys("tokenbus")
 

@@ -12,10 +12,10 @@ import pytest
 
 from protocol import scripts
 from protocol.errors import JobNotFound, QueueFull
-from protocol.models import Keys
+from protocol.keys import Keys
 from protocol.records import Heartbeat
 from worker import SamplingParams
-from worker.serve.queue import tokens_key
+from worker.serve.job_queue import tokens_key
 
 K = Keys("tokenbus")
 

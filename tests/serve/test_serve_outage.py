@@ -6,7 +6,7 @@ import time
 from collections import Counter
 
 from protocol import scripts
-from protocol.models import Keys
+from protocol.keys import Keys
 from testbed.redis_server import RedisServer
 
 K = Keys("tokenbus")

@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 from protocol import scripts
-from protocol.models import Keys
+from protocol.keys import Keys
 
 K = Keys("tokenbus")
 ROOT = Path(__file__).resolve().parents[2]

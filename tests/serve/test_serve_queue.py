@@ -10,9 +10,10 @@ import pytest
 from pydantic import ValidationError
 
 from protocol import scripts
-from protocol.models import GROUP, Keys
+from protocol.keys import Keys
+from protocol.models import GROUP
 from worker.serve.intake import IntakeBudget
-from worker.serve.queue import JobQueue
+from worker.serve.job_queue import JobQueue
 from worker.settings import WorkerSettings, build_parser, load_settings
 
 NS = "tokenbus"

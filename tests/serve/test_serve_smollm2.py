@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from protocol import scripts
-from protocol.models import Keys
+from protocol.keys import Keys
 from worker import Engine, SamplingParams
 
 K = Keys("tokenbus")

@@ -10,7 +10,8 @@ import redis
 
 from producer.client import Client
 from protocol import scripts
-from protocol.models import Job, Keys
+from protocol.keys import Keys
+from protocol.models import Job
 from testbed.polling import until
 from tests.serve.test_serve_process import worker_args
 

@@ -99,10 +99,10 @@ def count_calls(obj, ext_function: str) -> list[int]:
 
 
 def int8_linear(seed: int, w8a8: bool = False) -> torch.nn.Linear:
-    """A 200 -> 77 nn.Linear quantized as the loader leaves it (worker/engine/quantization.py): the int8
+    """A 200 -> 77 nn.Linear quantized as the loader leaves it (worker/engine/quant/schemes.py): the int8
     weight with its scales in `int8`, the dequantized value as `weight`, a random bias; w8a8 marks it for
     per-token activation rounding too."""
-    from worker.engine.quantization import quantize_int8
+    from worker.engine.quant.schemes import quantize_int8
 
     gen = torch.Generator().manual_seed(seed)
     linear = torch.nn.Linear(200, 77, bias=True)

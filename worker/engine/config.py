@@ -13,7 +13,7 @@ from dataclasses import dataclass
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")  # kernels/kv_quant.py
 KV_CACHE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8_e4m3": "fp8"}
-QUANTIZATIONS = ("int8", "fp8", "w8a8")  # worker/engine/quantization.py
+QUANTIZATIONS = ("int8", "fp8", "w8a8")  # worker/engine/quant/schemes.py
 
 
 def bulk_min_seats(fraction: float, seats: int) -> int:
@@ -49,7 +49,7 @@ class EngineConfig:
     # cuda, off on the cpu (there the forward and the host share the same cores)
     quantization: str | None = None  # weights: None = as loaded; "int8" (CPU fp32, weight-only per-channel);
     # "w8a8" (CPU fp32: int8's weights and each linear's input rounded to int8 per token and group of 64, VNNI kernels);
-    # "fp8" (CUDA sm_89+, e4m3 per-channel through torch._scaled_mm); worker/engine/quantization.py
+    # "fp8" (CUDA sm_89+, e4m3 per-channel through torch._scaled_mm); worker/engine/quant/schemes.py
     kv_cache_dtype: str = "auto"  # "auto" = the model dtype; "bfloat16", "float32"; "int8" (CPU: the C++
     # kernels, a scale per token and KV head); "fp8" (CUDA sm_89+: e4m3, the same scales). kernels/kv_quant.py
 

@@ -18,7 +18,8 @@ from typing import Any
 import structlog
 import torch
 
-from worker.engine import fp8, kv_cache, loader, pooling, prompts, quantization, warmup
+from protocol.priority import Priority, rank_of
+from worker.engine import kv_cache, loader, pooling, prompts, warmup
 from worker.engine.backends import select_backend
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig, bulk_min_seats
@@ -31,6 +32,7 @@ from worker.engine.models import registry
 from worker.engine.outputs import Choice, EngineStats, RequestOutput, StepDeltas
 from worker.engine.overlap import Overlap
 from worker.engine.pooling import EmbedParams
+from worker.engine.quant import fp8, schemes
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import ScheduledBatch, Scheduler
@@ -68,7 +70,7 @@ class Engine:
         self.tokenizer = loader.load_tokenizer(source)
         self.eos_token_ids = loader.load_generation_eos(source, hf_config, self.tokenizer)
         self.max_model_len = min(cfg.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
-        quantization.check_scheme(cfg.quantization, self.device, self.dtype)
+        schemes.check_scheme(cfg.quantization, self.device, self.dtype)
         fp8_loading = fp8.plan(hf_config, source.directory, cfg, self.device, self.model_path)
         self.backend = select_backend(self.device, self.dtype, cfg.cpu_kernels, cfg.cache_dir)
         self.backend.check_model(arch, cfg.model)
@@ -90,7 +92,7 @@ class Engine:
         fp8_loading.finish(self.model, self.device)
         self.quantized_cache = None  # the int8 cache file this engine read or wrote
         if cfg.quantization in ("int8", "w8a8"):
-            self.quantized_cache = quantization.apply_int8(self.model, source.directory, cfg.cache_dir,
+            self.quantized_cache = schemes.apply_int8(self.model, source.directory, cfg.cache_dir,
                                                            w8a8=cfg.quantization == "w8a8")
             self.model.eval().requires_grad_(False)
         self.backend.prepare(self.model)
@@ -98,7 +100,7 @@ class Engine:
         self.backend.reserve(arch, self.max_num_seqs, max_blocks_per_seq * cfg.block_size, self.device)
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
+        self.stop_checker = StopChecker(self.eos_token_ids)
         self.guided = GuidedDecoding(self.tokenizer, arch.vocab_size, self.eos_token_ids, self.device)
         self.scheduler = Scheduler(self.block_manager, self.stop_checker, self.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.guided,
@@ -180,15 +182,15 @@ class Engine:
 
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams | EmbedParams | dict[str, Any] | None = None,
-        priority: int = 0,
+        priority: Priority | str | int = 0,
     ) -> None:
         """Queue a request: a generation, or with EmbedParams an embedding of `prompt` (a string or token ids).
-        priority: lower is seated sooner (the serve loop passes the job's priority rank); requests of one
-        priority are seated in arrival order."""
+        priority: the job's Priority (or its name or rank, protocol.priority.rank_of); lower ranks are seated
+        sooner, and requests of one priority in arrival order."""
         if request_id in self.requests:
             raise EngineFault(f"request id {request_id!r} is already in the engine")  # the caller's bug
         if isinstance(params, EmbedParams):
-            self._add_embedding(request_id, prompt, params, priority)
+            self._add_embedding(request_id, prompt, params, rank_of(priority))
             return
         if not self.can_generate:
             why = "it is an encoder" if not self.causal else "its checkpoint has no LM head (lm_head.weight)"
@@ -219,6 +221,7 @@ class Engine:
                 f"prompt + max_tokens = {total} tokens can never fit the KV cache "
                 f"({self.block_manager.num_blocks * self.config.block_size} tokens); raise kv_cache_gb"
             )
+        rank = rank_of(priority)
         now = time.time()
         seqs = []
         for i in range(params.n):
@@ -228,7 +231,7 @@ class Engine:
                 generator.manual_seed(params.seed + i)
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             seqs.append(Sequence(request_id, prompt_ids, params, now, detokenizer, generator=generator,
-                                 choice_index=i, priority=priority))
+                                 choice_index=i, priority=rank))
         for seq in seqs:  # compiles response_format / regex / choice off this thread (GrammarError: failed before)
             self.guided.add(seq)
         self.requests[request_id] = seqs[0]

@@ -18,8 +18,8 @@ from worker.engine.errors import InvalidRequest
 
 class SamplingParams(GenerationParams):
     @cached_property
-    def stop_strings(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     @cached_property
     def stop_hold(self) -> int:
@@ -57,6 +57,12 @@ class SamplingParams(GenerationParams):
             return cls.model_validate(values)
         except ValidationError as err:
             raise InvalidRequest(f"invalid sampling parameters: {describe_validation_error(err)}") from None
+
+    @classmethod
+    def of(cls, request: GenerationParams) -> SamplingParams:
+        """The generation fields of a request that was validated already (a job's JobRequest): taken as they
+        are, not checked a second time."""
+        return cls.model_construct(**request.sampling_fields())
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()

@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from protocol.priority import Priority
 from worker.engine.block_manager import BlockManager
 from worker.engine.sequence import Sequence, SequenceStatus
 from worker.engine.stop_checker import StopChecker
@@ -42,7 +43,7 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
 
-BULK = 2  # the priority rank of bulk requests (protocol.keys.Priority.bulk.rank)
+BULK = Priority.bulk.rank  # bulk requests' rank: the seats kept for them (bulk_min_seats)
 
 
 class Scheduler:
@@ -88,14 +89,13 @@ class Scheduler:
         i = 0
         bs = self.block_manager.block_size
         none = (0, -1)
-        context = self.stop_checker.max_model_len
         running, seqs, num_new = self.running, batch.seqs, batch.num_new_tokens
         while i < len(running) and budget > 0:
             seq = running[i]
             fed, src = ahead.get(seq, none) if ahead else none
             if src >= 0:
-                # the token in flight ends seq whatever it is (max_tokens or the context): it is not in this step
-                if (after := len(seq.token_ids) + 1) >= seq.max_num_tokens or after >= context:
+                # the token in flight ends seq whatever it is (the length rule): it is not in this step
+                if len(seq.token_ids) + 1 >= seq.max_num_tokens:
                     i += 1
                     continue
                 n = 1
@@ -179,7 +179,6 @@ class Scheduler:
         # One pass over the batch does what every token needs; the rest is for the few it may concern: rows
         # whose text is read each step (stop strings), and those whose token may end them (StopChecker).
         eos = self.stop_checker.eos_token_ids
-        context = self.stop_checker.max_model_len
         ends: list[tuple[Sequence, int | None]] = []  # rows that may end now, and where their new text starts
         texts: list[Sequence] = []  # the other rows with stop strings: only a stop string in the text can
         for seq, token in zip(sampled, tokens, strict=True):
@@ -187,7 +186,7 @@ class Scheduler:
             ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if token in eos or token in seq.stop_ids or len(ids) >= seq.max_num_tokens or len(ids) >= context:
+            if token in eos or token in seq.stop_ids or len(ids) >= seq.max_num_tokens:
                 ends.append((seq, None))  # not detokenized yet
             elif seq.text_each_step:
                 texts.append(seq)

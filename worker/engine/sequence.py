@@ -61,8 +61,10 @@ class Sequence:
         # chunks (DecodeStream joins chunks as it joins single tokens), off the per-token path
         self.text_each_step = bool(self.params.stop_strings)
         # postprocess's cheap test of whether the new token may end it (StopChecker.check decides): a stop
-        # token id, or max_tokens reached (the context limit is the scheduler's)
+        # token id, or the length rule
         self.stop_ids = self.params.stop_ids
+        # the length rule, its one home: the sequence ends "length" once it holds this many tokens. The context
+        # needs no test of its own: Engine.add_request refuses a prompt + max_tokens over it
         self.max_num_tokens = len(self.prompt_token_ids) + self.params.max_tokens
         # its next row may need its newest token on the host (grammar mask, penalties, min_tokens ban): the
         # overlap checks these rows closer (Overlap._may_overlap)

@@ -15,10 +15,11 @@ from typing import Any
 
 import structlog
 
+from protocol.records import DeadLetter
 from worker.serve.backoff import REDIS_DOWN, Backoff
+from worker.serve.job_queue import Ending, JobQueue
 from worker.serve.leases import Leases
-from worker.serve.messages import DeadLetter, HandBack, Partial
-from worker.serve.queue import Ending, JobQueue
+from worker.serve.messages import HandBack, Partial
 
 log = structlog.get_logger("tokenbus.worker")
 
@@ -140,7 +141,7 @@ class CompletionWriter(threading.Thread):
         for msg in pending:
             if isinstance(msg, EndMsg):
                 if msg.dead is not None:
-                    batch.dead_letter(msg.ending.job_id, msg.dead.reason, msg.dead.attempts, msg.dead.request)
+                    batch.dead_letter(msg.dead)
                 finish_at.append((batch.finish(msg.ending), msg))
             elif isinstance(msg, HandBack):
                 batch.hand_back(msg.job_id, msg.entry_id, msg.queue, msg.count_attempt)
@@ -153,8 +154,7 @@ class CompletionWriter(threading.Thread):
         if orphans:
             batch = self.jobs.write_batch()
             for m in orphans:
-                dead = m.orphan
-                batch.dead_letter(m.ending.job_id, dead.reason, dead.attempts, dead.request)
+                batch.dead_letter(m.orphan)
             batch.execute()
         for i, m in finish_at:
             self._ended(m, int(replies[i]))

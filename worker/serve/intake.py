@@ -13,13 +13,15 @@ import time
 import structlog
 
 from protocol.errors import InvalidJob
-from protocol.models import ErrorCode, JobRequest, Priority, is_valid_id, parse_request
+from protocol.models import ErrorCode, JobRequest, is_valid_id, parse_request
+from protocol.priority import Priority
+from protocol.records import DeadLetter
 from worker.engine.sampling_params import SamplingParams
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter
+from worker.serve.job_queue import Ending, Entry, JobQueue
 from worker.serve.leases import Leases
-from worker.serve.messages import DeadLetter, StartedJob
-from worker.serve.queue import Ending, Entry, JobQueue
+from worker.serve.messages import StartedJob
 
 log = structlog.get_logger("tokenbus.worker")
 
@@ -177,7 +179,7 @@ class Intake(threading.Thread):
             log.warning("job_rejected", job_id=job_id, entry_id=entry.entry_id, reason=reason)
             self.writer.end(Ending(job_id, entry.entry_id, "failed", error=reason,
                                    error_code=ErrorCode.invalid_request, queue=entry.queue),
-                            dead=DeadLetter(reason, 0, raw))
+                            dead=DeadLetter(job_id, reason, 0, raw))
             return
         log.warning("entry_dropped", entry_id=entry.entry_id, reason=reason)
         self._retry(backoff, lambda: self._drop(entry, job_id, reason, raw))
@@ -214,7 +216,7 @@ class Intake(threading.Thread):
             log.info("job_skipped", job_id=job_id, entry_id=entry.entry_id, status=status)
             if status == "missing":
                 self._retry(backoff, lambda: self.jobs.dead_letter_now(
-                    job_id, "no job record (expired or never submitted)", 0, raw))
+                    DeadLetter(job_id, "no job record (expired or never submitted)", 0, raw)))
             return
         if attempts > self.max_attempts:
             reason = (f"gave up after {attempts - 1} attempts: every worker that ran this job stopped "
@@ -223,7 +225,7 @@ class Intake(threading.Thread):
             self.writer.end(
                 Ending(job_id, entry.entry_id, "failed", error=reason, error_code=ErrorCode.max_attempts,
                        queue=entry.queue),
-                dead=DeadLetter(reason, attempts - 1, raw),
+                dead=DeadLetter(job_id, reason, attempts - 1, raw),
             )
             return
         self.leases.add(job_id, entry.entry_id, entry.queue, request.priority)
@@ -240,16 +242,15 @@ class Intake(threading.Thread):
         if request.model is not None and request.model not in self.model_names:
             raise ModelMismatch(f"this job asks for model {request.model!r}; this worker serves "
                              f"{sorted(self.model_names)[0]!r}")
-        # validated with the request already (SamplingParams is the same model): this cannot fail
-        return request, SamplingParams.model_validate(request.sampling_fields())
+        return request, SamplingParams.of(request)
 
     def _fail(self, entry: Entry, job_id: str, reason: str, code: str, raw: str) -> None:
         log.warning("job_rejected", job_id=job_id, entry_id=entry.entry_id, reason=reason)
         self.writer.end(Ending(job_id, entry.entry_id, "failed", error=reason, error_code=code, queue=entry.queue),
-                        orphan=DeadLetter(reason, 0, raw))
+                        orphan=DeadLetter(job_id, reason, 0, raw))
 
     def _drop(self, entry: Entry, job_id: str, reason: str, raw: str) -> None:
-        self.jobs.drop_entry(entry.entry_id, entry.queue, dead=(job_id, reason, raw))
+        self.jobs.drop_entry(entry.entry_id, entry.queue, dead=DeadLetter(job_id, reason, 0, raw))
 
     def _retry(self, backoff: Backoff, op):
         """Run one Redis write until it goes through: a job read from the stream is never just dropped."""

@@ -18,11 +18,11 @@ from typing import Any
 
 import structlog
 
-from protocol.models import Priority
+from protocol.priority import Priority
 from protocol.records import Heartbeat
 from worker.serve.backoff import REDIS_DOWN, Backoff
+from worker.serve.job_queue import JobQueue
 from worker.serve.messages import Revoke
-from worker.serve.queue import JobQueue
 
 log = structlog.get_logger("tokenbus.worker")
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from protocol.models import JobRequest, Priority
+from protocol.models import JobRequest
+from protocol.priority import Priority
 
 if TYPE_CHECKING:
     from worker.engine.sampling_params import SamplingParams
@@ -31,6 +32,7 @@ class StartedJob:
     # owned by the engine thread once the job is in the engine
     first_token_at: float | None = None
     published: int = 0  # tokens already sent as Partials
+    published_chars: int = 0  # and the length of their text
 
 
 @dataclass
@@ -62,15 +64,6 @@ class Partial:
     offset: int
     text: str = ""
     done: bool = False
-
-
-@dataclass
-class DeadLetter:
-    """Goes to {ns}:dead together with the job's failed ending."""
-
-    reason: str
-    attempts: int
-    request: str
 
 
 @dataclass

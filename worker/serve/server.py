@@ -25,9 +25,9 @@ from worker.engine.sampling_params import SamplingParams
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter, FirstToken
 from worker.serve.intake import BLOCK_MS, Intake, IntakeBudget
+from worker.serve.job_queue import Ending, JobQueue
 from worker.serve.leases import Housekeeper, Leases
 from worker.serve.messages import HandBack, Partial, Revoke, StartedJob, Wake
-from worker.serve.queue import Ending, JobQueue
 from worker.serve.results import job_result
 from worker.serve.status import EngineStatus
 from worker.settings import WorkerSettings
@@ -210,7 +210,7 @@ class Server:
 
     def _seat(self, job: StartedJob) -> None:
         try:
-            self.engine.add_request(job.job_id, job.request.engine_prompt(), job.params, priority=job.priority.rank)
+            self.engine.add_request(job.job_id, job.request.engine_prompt(), job.params, priority=job.priority)
         except InvalidRequest as err:  # the client's to fix: prompt too long, can never fit the cache, ...
             self._end(job, "failed", error=f"invalid job: {err}", error_code=err.code)
             return
@@ -279,6 +279,7 @@ class Server:
             if job.stream:
                 self.writer.put(Partial(job_id, delta.token_ids, job.published, delta.text))
                 job.published += len(delta.token_ids)
+                job.published_chars += len(delta.text)
         for out in finished:
             job = self.running.pop(out.request_id, None)
             if job is not None:
@@ -373,7 +374,10 @@ class Server:
 
     def _end_with_output(self, job: StartedJob, out: Any) -> None:
         if job.stream:
-            self.writer.put(Partial(job.job_id, [], job.published, done=True))
+            # the done chunk carries what no delta did (an aborted job's last step), so the stream's tokens are the
+            # result's (docs/protocol.md, "How a token stream ends")
+            self.writer.put(Partial(job.job_id, out.token_ids[job.published:], job.published,
+                                    out.text[job.published_chars:], done=True))
         cancelled = out.finish_reason == "abort"
         result = job_result(out, self.engine.model_name, self.engine.tokenizer)
         completion_tokens = result.usage.completion_tokens

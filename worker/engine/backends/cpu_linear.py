@@ -8,7 +8,7 @@ oneDNN, whose blocking reuses each weight across many rows. Keeping both layouts
 memory on the CPU path; the product is the same fp32 arithmetic, summed in another order.
 docs/kernels.md has the measurements behind PANEL_MAX_ROWS.
 
-An int8-quantized linear (worker/engine/quantization.py: the nn.Linear carries an `int8` attribute and its
+An int8-quantized linear (worker/engine/quant/schemes.py: the nn.Linear carries an `int8` attribute and its
 weight is the dequantized value) packs its int8 weight into the panels instead, with the per-channel scales
 padded alongside: the C++ kernel widens them in registers. oneDNN keeps the dequantized fp32 weight. A W8A8
 linear (`w8a8` attribute too) packs for the VNNI kernel (pack_panels_w8a8), which quantizes x per row and group
@@ -25,7 +25,7 @@ import structlog
 import torch
 from torch import nn
 
-from worker.engine.quantization import W8A8_GROUP, round_activations_int8
+from worker.engine.quant.schemes import W8A8_GROUP, round_activations_int8
 
 PACK_FOR_ROWS = 16  # the row count oneDNN picks the packed layout for; any row count still works
 # the widest batch the panels serve: they were ahead of oneDNN up to 64 rows on every machine measured, and 64
