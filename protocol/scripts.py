@@ -152,7 +152,7 @@ def finish_job(
     elif isinstance(result, dict):
         result = JobResult.model_validate(result).model_dump_json()
     status = JobStatus(status)
-    out = _run(r, FINISH_JOB, [keys.job(job_id), queue or keys.queue(), keys.events, keys.cancel],
+    out = _run(r, FINISH_JOB, [keys.job(job_id), queue or keys.queue(), keys.events, keys.cancel, keys.tokens(job_id)],
                [group, entry_id, job_id, status.value, result or "", error or "", error_code or "",
                 now or time.time(), result_ttl, keys.layout, EVENTS_MAXLEN])
     return out if not isinstance(out, int | bytes | str) else int(out)
@@ -161,7 +161,7 @@ def finish_job(
 def cancel_job(r: redis.Redis, keys: Keys, job_id: str, now: float | None = None,
                result_ttl: int = DEFAULT_RESULT_TTL, group: str = GROUP) -> str:
     """'cancelled' | 'cancelling' | the job's terminal status | '' (no such job). `r` may be a pipeline."""
-    out = _run(r, CANCEL_JOB, [keys.job(job_id), keys.events, keys.cancel],
+    out = _run(r, CANCEL_JOB, [keys.job(job_id), keys.events, keys.cancel, keys.tokens(job_id)],
                [group, job_id, now or time.time(), result_ttl, keys.layout, EVENTS_MAXLEN])
     return _s(out)
 

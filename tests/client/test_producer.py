@@ -348,7 +348,7 @@ def test_submit_many_throughput(client):
     t0 = time.perf_counter()
     ids = client.submit_many(reqs)
     rate = n / (time.perf_counter() - t0)
-    print(f"submit_many: {n} jobs at {rate:,.0f} jobs/s")  # target >= 10k/s; see benchmarks/bench_submit.py
+    print(f"submit_many: {n} jobs at {rate:,.0f} jobs/s")  # target >= 10k/s; see benchmarks/queue/submit.py
     assert len(set(ids)) == n and client.redis.xlen(client.keys.queue()) == n
     assert client.get(ids[-1]).request["prompt"] == f"prompt number {n - 1}"
 

@@ -279,6 +279,7 @@ class Server:
             if job.stream:
                 self.writer.put(Partial(job_id, delta.token_ids, job.published, delta.text))
                 job.published += len(delta.token_ids)
+                job.published_chars += len(delta.text)
         for out in finished:
             job = self.running.pop(out.request_id, None)
             if job is not None:
@@ -373,7 +374,10 @@ class Server:
 
     def _end_with_output(self, job: StartedJob, out: Any) -> None:
         if job.stream:
-            self.writer.put(Partial(job.job_id, [], job.published, done=True))
+            # the done chunk carries what no delta did (an aborted job's last step), so the stream's tokens are the
+            # result's (docs/protocol.md, "How a token stream ends")
+            self.writer.put(Partial(job.job_id, out.token_ids[job.published:], job.published,
+                                    out.text[job.published_chars:], done=True))
         cancelled = out.finish_reason == "abort"
         result = job_result(out, self.engine.model_name, self.engine.tokenizer)
         completion_tokens = result.usage.completion_tokens
