@@ -14,6 +14,7 @@ import datetime
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -35,6 +36,7 @@ class TpGroup:
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.timeout_s = timeout_s
         self.shard: TpShard | None = None  # what this rank holds, set once the model's shape is known
+        self.seconds: dict[str, float] = {}  # wall time in each kind of collective (the TP benchmark reads it)
         self.peers: list[int] = []  # pids of the other ranks, killed on a fault (rank 0: its followers)
         self.closing = False  # set when the worker stops them on purpose: their exits are no fault then
         if device.type == "cuda":
@@ -89,8 +91,10 @@ class TpGroup:
     # ---- faults ---------------------------------------------------------------------------------------------
 
     def _guard(self, op: Callable[[], Any], what: str) -> None:
+        started = time.perf_counter()
         try:
             op()
+            self.seconds[what] = self.seconds.get(what, 0.0) + time.perf_counter() - started
         except Exception as err:  # gloo and NCCL raise RuntimeError kinds for a lost or timed-out peer
             self.fatal(f"{what} failed: {str(err).splitlines()[0][:300] if str(err) else type(err).__name__}")
 

@@ -60,6 +60,7 @@ class TensorParallel:
     def __init__(self, cfg: EngineConfig, shard: TpShard, device: torch.device) -> None:
         size = cfg.tensor_parallel_size
         check_devices(device, size)
+        self.threads_before = torch.get_num_threads()  # given back at close: the process may serve on alone
         torch.set_num_threads(threads_per_rank(size))
         self.directory = tempfile.mkdtemp(prefix="tokenbus-tp-")
         store = os.path.join(self.directory, "store")
@@ -114,5 +115,6 @@ class TensorParallel:
                 proc.kill()
                 proc.wait()
         self.group.close()
+        torch.set_num_threads(self.threads_before)
         shutil.rmtree(self.directory, ignore_errors=True)
         atexit.unregister(self.close)
