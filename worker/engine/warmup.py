@@ -13,20 +13,16 @@
                    decodes at every table-width bucket (1, several and 16+ partitions), then every padded
                    decode shape (rows, width) (tests/engine/test_warmup_coverage.py records both sides)
 
-The engine sizes the KV cache as total x gpu_memory_utilization - profile_peak - decode_peak (graphs on):
-cuda_kv_budget.
+The engine sizes the KV cache as total x gpu_memory_utilization - profile_peak - decode_peak (graphs on).
 """
 
 from __future__ import annotations
 
-import structlog
 import torch
 
 from kernels.partitions import table_widths
 from worker.engine import kv_cache
 from worker.engine.attention_metadata import AttentionMetadata
-
-log = structlog.get_logger("tokenbus.engine")
 
 
 def _caches(model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -149,19 +145,3 @@ def warm_up(model, kv_caches, pad_block: int, block_size: int, max_blocks_per_se
     for rows, width in shapes or []:
         _forward(model, rows, kv_caches, decode_meta(rows, width, pad_block, block_size, device, stride), rows)
 
-
-def cuda_kv_budget(model, cfg, max_num_seqs: int, max_model_len: int, kv_dtype: torch.dtype, device: torch.device,
-                   cuda_graphs: bool) -> float:
-    """Bytes the KV cache may take on the card (cfg: the EngineConfig): what gpu_memory_utilization leaves after
-    the profiled peak of the largest step and the graphs' pool, and no more than is really free."""
-    width = -(-max_model_len // cfg.block_size)
-    args = (cfg.block_size, kv_dtype, device)
-    peak = profile_peak(model, cfg.max_num_batched_tokens, max_num_seqs, max_model_len, *args)
-    graphs = decode_peak(model, max_num_seqs, width, *args) if cuda_graphs else 0
-    free, total = torch.cuda.mem_get_info(device)
-    budget = total * cfg.gpu_memory_utilization - peak - graphs
-    # another process on the card shrinks what is really free
-    budget = min(budget, free - graphs - (peak - torch.cuda.memory_allocated(device)))
-    log.info("kv_cache_plan", total_gib=round(total / 1024**3, 2), peak_gib=round(peak / 1024**3, 3),
-             graph_pool_gib=round(graphs / 1024**3, 3), kv_gib=round(max(budget, 0) / 1024**3, 2))
-    return max(budget, 0)
