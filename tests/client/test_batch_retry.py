@@ -10,7 +10,7 @@ import pytest
 
 from producer import batches
 from producer.batch_retry import NothingToRetry, unfinished_lines
-from producer.cli import main
+from producer.cli import build_parser, run
 from producer.client import Client
 from protocol.scripts import finish_job
 from tests.client.test_batches import chat_line, run_jobs
@@ -37,7 +37,8 @@ def test_retry_reruns_the_unfinished_lines_and_links_the_batches(client, redis_s
     assert ended.status == "cancelled" and ended.finished == 2
     assert (ended.input_tokens, ended.output_tokens, ended.cached_tokens) == (8, 4, 0), "two results' usage"
 
-    assert main(["--url", redis_server.url, "batch", "retry", first.id]) == 0
+    # the CLI's command (run: main would also point structlog at this test's captured stderr, for good)
+    assert run(build_parser().parse_args(["--url", redis_server.url, "batch", "retry", first.id])) == 0
     retry_id = capsys.readouterr().out.strip().splitlines()[-1]
     retry = batches.get_batch(client, retry_id)
     assert retry.total == 2 and retry.retry_of == first.id
@@ -49,6 +50,6 @@ def test_retry_reruns_the_unfinished_lines_and_links_the_batches(client, redis_s
     with pytest.raises(NothingToRetry):
         unfinished_lines(client, retry_id)
 
-    assert main(["--url", redis_server.url, "batch", "status", retry_id]) == 0
+    assert run(build_parser().parse_args(["--url", redis_server.url, "batch", "status", retry_id])) == 0
     status = json.loads(capsys.readouterr().out)
     assert status["input_tokens"] == 8 and status["output_tokens"] == 4 and status["retry_of"] == first.id
