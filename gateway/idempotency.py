@@ -11,6 +11,8 @@ other sees the claim still `pending` (no object id yet) and gets a 409 that says
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
+from typing import Any
 
 import redis
 from fastapi import Request
@@ -80,3 +82,19 @@ def claim(r: redis.Redis, gkeys: GatewayKeys, route: str, owner: str, client_key
                             "answered; retry in a moment", param="Idempotency-Key", code="idempotency_key_in_use",
                        headers={"retry-after": "1"})
     return Claim(r, key, body_digest, old_id)
+
+
+def once(r: redis.Redis, gkeys: GatewayKeys, route: str, owner: str, client_key: str, body_digest: str,
+         make: Callable[[], dict[str, Any]], replay: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+    """make() the object unless this Idempotency-Key made one already: then replay(its id), the object as it
+    is now. A make() that raises releases the key, so the same request may be sent again."""
+    held = claim(r, gkeys, route, owner, client_key, body_digest)
+    if held.earlier is not None:
+        return replay(held.earlier)
+    try:
+        made = make()
+    except BaseException:
+        held.release()
+        raise
+    held.settle(made["id"])
+    return made

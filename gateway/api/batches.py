@@ -4,7 +4,6 @@ the work is in batches/service.py and batches/retry.py)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -14,7 +13,6 @@ from gateway import idempotency
 from gateway.auth import owner
 from gateway.batches import retry
 from gateway.batches import service as batch_service
-from gateway.context import GatewayContext
 from gateway.http import get_ctx, json_body
 
 router = APIRouter()
@@ -29,23 +27,9 @@ async def create_batch(request: Request, who: str = Depends(owner)) -> dict[str,
     if client_key is None:
         return await run_in_threadpool(batch_service.create, ctx, who, req)
     body_digest = idempotency.digest(json.dumps(body, sort_keys=True).encode())
-    return await run_in_threadpool(once, ctx, who, client_key, body_digest, "batches",
-                                   lambda: batch_service.create(ctx, who, req))
-
-
-def once(ctx: GatewayContext, who: str, client_key: str, body_digest: str, route: str,
-         make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """make() the batch unless this Idempotency-Key made one already: then that batch, as it is now."""
-    claim = idempotency.claim(ctx.redis, ctx.gkeys, route, who, client_key, body_digest)
-    if claim.earlier is not None:
-        return batch_service.retrieve(ctx, who, claim.earlier)
-    try:
-        made = make()
-    except BaseException:
-        claim.release()  # nothing was made: the same request may be sent again
-        raise
-    claim.settle(made["id"])
-    return made
+    return await run_in_threadpool(idempotency.once, ctx.redis, ctx.gkeys, "batches", who, client_key, body_digest,
+                                   lambda: batch_service.create(ctx, who, req),
+                                   lambda earlier: batch_service.retrieve(ctx, who, earlier))
 
 
 @router.post("/v1/batches/{batch_id}/retry")
@@ -55,8 +39,9 @@ async def retry_batch(batch_id: str, request: Request, who: str = Depends(owner)
     client_key = idempotency.header_key(request)
     if client_key is None:
         return await run_in_threadpool(retry.retry_batch, ctx, who, batch_id)
-    return await run_in_threadpool(once, ctx, who, client_key, idempotency.digest(batch_id.encode()), "retry",
-                                   lambda: retry.retry_batch(ctx, who, batch_id))
+    return await run_in_threadpool(idempotency.once, ctx.redis, ctx.gkeys, "retry", who, client_key,
+                                   idempotency.digest(batch_id.encode()), lambda: retry.retry_batch(ctx, who, batch_id),
+                                   lambda earlier: batch_service.retrieve(ctx, who, earlier))
 
 
 @router.get("/v1/batches")

@@ -83,7 +83,8 @@ async def complete(request: Request, who: str, endpoint: str) -> Any:
         param = message.split(":", 1)[0] if ":" in message.split(" ", 1)[0] else None
         raise invalid(message, param=param) from None
     if problem := max_tokens_problem(job_request, ctx.settings.max_tokens_limit):
-        raise invalid(problem, param="max_tokens", code="max_tokens_too_large")
+        raise invalid(problem, param="max_output_tokens" if endpoint == RESPONSES else "max_tokens",
+                      code="max_tokens_too_large")
     job_request = job_request.model_copy(update={"stream": stream})
     timeout = ctx.settings.completion_timeout_s
     # 429 before anything is queued when this key has too much in flight (live/quotas.py)
