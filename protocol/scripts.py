@@ -122,8 +122,12 @@ def start_job(r: redis.Redis, keys: Keys, job_id: str, entry_id: str, worker: st
     `backoff`, its delay is set here when the fault is first seen; the entry is claimable again when due)."""
     spec = "" if backoff is None else f"{backoff.base_ms},{backoff.max_ms},{random.random():.6f}"
     status, attempts = _run(r, START_JOB, [keys.job(job_id), queue or keys.queue()],
-                            [group, entry_id, worker, now or time.time(), keys.layout, spec, lease_ms])
+                            [group, entry_id, worker, now or time.time(), keys.layout, spec, lease_ms,
+                             BACKOFF_CONSUMER])
     return _s(status), int(attempts)
+
+
+BACKOFF_CONSUMER = "backoff"  # the group consumer a retry waiting for its backoff is pending under (START_JOB)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,12 @@
 -- START_JOB (worker)
 -- KEYS: 1 record, 2 the queue (stream) the entry was read from
 -- ARGV: 1 group, 2 entry_id, 3 worker name, 4 now, 5 the namespace's layout (JSON, _layout.lua: the depth counter),
---       6 (optional) the retry backoff 'base_ms,max_ms,jitter' (jitter in [0, 1); '' = none), 7 lease ms
+--       6 (optional) the retry backoff 'base_ms,max_ms,jitter' (jitter in [0, 1); '' = none), 7 lease ms,
+--       8 the consumer a deferred entry waits under (not the worker's own: it holds no seat of it)
 -- returns {'running', attempts} (run it) | {status, 0} terminal: skip (entry acked+deleted)
 --       | {'missing', 0} no record (expired or never submitted): skip (entry acked+deleted)
---       | {'deferred', ms} its retry is not due for ms: the entry stays pending, claimable again when it is due
+--       | {'deferred', ms} its retry is not due for ms: the entry stays pending (under ARGV 8), claimable again
+--         by any worker's XAUTOCLAIM when it is due
 -- A record still `running` (its worker stopped and its lease lapsed) or queued with attempts > 0 (handed back
 -- after a failed step) had a transient fault: with a backoff, its next attempt is not before
 -- now + min(max, base x 2^(attempts-1)) x (0.5 + jitter/2), set once per attempt (`backoff_attempt`), so a
@@ -32,7 +34,7 @@ if not_before > now then
   local remaining = math.ceil((not_before - now) * 1000)
   -- idle set so that XAUTOCLAIM (min idle = the lease) takes the entry again when the retry is due
   local idle = math.max(0, tonumber(ARGV[7] or 0) - remaining)
-  redis.call('XCLAIM', KEYS[2], ARGV[1], ARGV[3], 0, ARGV[2], 'IDLE', idle, 'JUSTID')
+  redis.call('XCLAIM', KEYS[2], ARGV[1], ARGV[8] or ARGV[3], 0, ARGV[2], 'IDLE', idle, 'JUSTID')
   return {'deferred', remaining}
 end
 redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[4], 'worker', ARGV[3],

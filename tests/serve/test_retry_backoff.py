@@ -71,3 +71,32 @@ def test_transient_faults_back_off_and_permanent_ones_fail_at_once(redis_server,
         assert failed.status == "failed" and failed.error_code == code, (failed.status, failed.error)
         assert failed.attempts <= 1 and not r.hexists(K.job(jid), "backoff_attempt"), failed
         assert failed.finished_at - failed.created_at < 10, "a permanent failure is not retried"
+
+
+def test_an_out_of_memory_step_is_retried_after_the_backoff(serve_engine, serve, redis_server, monkeypatch):
+    """Fault injection on the real engine: the first step of job oom-1 runs out of memory (torch's own error),
+    a transient failure: it is handed back, its attempt counted, and runs again once its backoff has passed."""
+    import torch
+
+    from producer.client import Client
+
+    real_step, raised = serve_engine.step, []
+
+    def step():
+        if "oom-1" in serve_engine.requests and not raised:
+            raised.append(time.time())
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return real_step()
+
+    monkeypatch.setattr(serve_engine, "step", step)
+    client = Client(redis_server.url)
+    job = client.submit("out of memory once", job_id="oom-1", max_tokens=4, temperature=0.0)
+    handle = serve(serve_engine, retry_backoff_ms=1000)
+    done = client.wait(job, timeout=60)
+    assert done.status == "finished" and done.attempts == 2, (done.status, done.error)
+    r = redis_server.client(decode_responses=True)
+    assert r.hget(K.job(job), "backoff_attempt") == "1"
+    lo, hi = RetryBackoff(1000).bounds_s(1)
+    assert raised[0] + lo - 0.05 <= done.started_at, "the retry waited for its backoff"
+    assert float(r.hget(K.job(job), "not_before")) <= done.started_at <= raised[0] + hi + 3.0
+    assert handle.stop() == 0, "an out-of-memory step does not stop the worker"
