@@ -51,9 +51,24 @@ def lora_expand_ref(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, slices: S
     return y
 
 
+def lora_apply_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slices: Slices,
+                   rows: torch.Tensor, groups: list[tuple[int, int, int]]) -> torch.Tensor:
+    """y += every adapter row's LoRA delta (shrink then expand), group by group: the CPU serving path. Only the
+    groups' rows are gathered; no [num_tokens, K] intermediate."""
+    rank = b.shape[2]
+    for slot, start, count in groups:
+        idx = rows[start : start + count]
+        t = x.index_select(0, idx) @ a[slot].T
+        for j, (offset, width) in enumerate(slices):
+            delta = t[:, j * rank : (j + 1) * rank] @ b[slot, offset : offset + width].T
+            y[:, offset : offset + width].index_add_(0, idx, delta)
+    return y
+
+
 def lora_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slices: Slices,
              rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """y += every adapter row's LoRA delta, from the device-side layout (starts, counts as tensors)."""
+    """y += every adapter row's LoRA delta, from the device-side layout (starts, counts as tensors): the kernels'
+    shrink then expand, as references."""
     groups = groups_of(starts, counts)
     t = torch.zeros(x.shape[0], a.shape[1], dtype=x.dtype, device=x.device)
     return lora_expand_ref(y, lora_shrink_ref(x, a, rows, groups, t), b, slices, rows, groups)

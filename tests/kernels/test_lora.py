@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.lora_reference import groups_of, lora_ref, sort_rows_by_slot
+from kernels.lora_reference import groups_of, lora_apply_ref, lora_ref, sort_rows_by_slot
 from tests.support.kernel_cases import DEVICE, generator, needs_kernels, parent_only
 
 # (rows, in, slices' widths, slots, max rank, ranks per slot, slot of each row: a rule)
@@ -71,8 +71,10 @@ def peft_rowwise(x, a, b, y, slices, slots):
 def test_reference_equals_rowwise_peft(case):
     x, a, b, y, slices, slots = inputs(*case)
     rows, starts, counts = sort_rows_by_slot(slots, a.shape[0])
-    got = lora_ref(y.clone(), x, a, b, slices, rows, starts, counts)
-    torch.testing.assert_close(got, peft_rowwise(x, a, b, y, slices, slots), rtol=1e-5, atol=1e-5)
+    want = peft_rowwise(x, a, b, y, slices, slots)
+    torch.testing.assert_close(lora_ref(y.clone(), x, a, b, slices, rows, starts, counts), want, rtol=1e-5, atol=1e-5)
+    grouped = lora_apply_ref(y.clone(), x, a, b, slices, rows, groups_of(starts, counts))  # the CPU path
+    torch.testing.assert_close(grouped, want, rtol=1e-5, atol=1e-5)
     assert sorted(rows.tolist()) == [r for r, s in enumerate(slots.tolist()) if s >= 0]
 
 

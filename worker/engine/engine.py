@@ -23,6 +23,7 @@ from worker.engine.config import EngineConfig, bulk_min_seats
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.errors import EngineError, EngineFault, InvalidRequest, fault
 from worker.engine.guided import GuidedDecoding
+from worker.engine.lora.manager import LoraManager
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_block
 from worker.engine.models import registry
 from worker.engine.outputs import Choice, EngineStats, RequestOutput, StepDeltas
@@ -90,6 +91,7 @@ class Engine:
                                                            w8a8=cfg.quantization == "w8a8")
             self.model.eval().requires_grad_(False)
         self.backend.prepare(self.model)
+        self.loras = self._lora_manager() if cfg.max_loras else None
         max_blocks_per_seq = -(-self.max_model_len // cfg.block_size)
         self.backend.reserve(arch, self.max_num_seqs, max_blocks_per_seq * cfg.block_size, self.device)
         num_blocks = self._num_kv_blocks()
@@ -98,10 +100,13 @@ class Engine:
         self.guided = GuidedDecoding(self.tokenizer, arch.vocab_size, self.eos_token_ids, self.device)
         self.scheduler = Scheduler(self.block_manager, self.stop_checker, self.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.guided,
-                                   bulk_min_seats=bulk_min_seats(cfg.bulk_min_fraction, self.max_num_seqs))
+                                   bulk_min_seats=bulk_min_seats(cfg.bulk_min_fraction, self.max_num_seqs),
+                                   loras=self.loras)
         self.sampler = Sampler(arch.vocab_size, self.device, self.eos_token_ids, self.backend)
         self.runner = ModelRunner(self.model, self.sampler, num_blocks, cfg.block_size, self.device, self.kv_dtype,
                                   self.max_num_seqs, self.max_model_len, static_decode, guided=self.guided)
+        if self.loras is not None:
+            self.runner.use_lora(self.loras.state, cfg.max_loras)
         if self.device.type == "cuda":
             self._warm_up()
         self.requests: dict[str, Sequence] = {}  # choice 0 of every request inside
@@ -124,6 +129,36 @@ class Engine:
             max_num_seqs=self.max_num_seqs, static_decode=static_decode, cuda_graphs=self.cuda_graphs,
             model_path=self.model_path, overlap=overlap, load_s=round(time.perf_counter() - started, 2),
         )
+
+    def _lora_manager(self) -> LoraManager:
+        cfg = self.config
+        if self.model_path != "native":
+            raise ValueError(f"LoRA adapters (max_loras {cfg.max_loras}) need a native model family; {cfg.model!r} "
+                             "runs on transformers' code (model_impl) and takes none")
+        return LoraManager(self.model, self.backend, cfg.max_loras, cfg.max_cpu_loras or cfg.max_loras,
+                           cfg.max_lora_rank, self.dtype, self.device)
+
+    # ---- LoRA adapters (docs/adapters.md) -------------------------------------------------------------------
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT LoRA adapter in directory `path` as `name` (add_request(lora=name)). Raises LoraError
+        naming the adapter and the field when it cannot be served; the engine serves on either way."""
+        if self.loras is None:
+            raise ValueError("this engine has no LoRA slots: start it with max_loras >= 1")
+        self.loras.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving adapter `name`; refused (InvalidRequest) while requests inside the engine use it."""
+        if self.loras is None:
+            raise ValueError("this engine has no LoRA slots")
+        self.loras.remove(name)
+
+    def lora_names(self) -> list[str]:
+        return self.loras.names() if self.loras is not None else []
+
+    def _release_lora(self, seqs: list[Sequence]) -> None:
+        if seqs and seqs[0].lora is not None:
+            self.loras.request_done(seqs[0].lora)
 
     def _num_kv_blocks(self) -> int:
         """Blocks for the sequences (the runner adds one pad block): a fixed count, kv_cache_gb, or on CUDA
@@ -197,10 +232,11 @@ class Engine:
 
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams | dict[str, Any] | None = None,
-        priority: Priority | str | int = 0,
+        priority: Priority | str | int = 0, lora: str | None = None,
     ) -> None:
         """Queue a request. priority: the job's Priority (or its name or rank, protocol.priority.rank_of); lower
-        ranks are seated sooner, and requests of one priority in arrival order."""
+        ranks are seated sooner, and requests of one priority in arrival order. lora: the name of an adapter
+        add_lora registered, None for the base model."""
         if request_id in self.requests:
             raise EngineFault(f"request id {request_id!r} is already in the engine")  # the caller's bug
         if params is None:
@@ -230,6 +266,12 @@ class Engine:
                 f"({self.block_manager.num_blocks * self.config.block_size} tokens); raise kv_cache_gb"
             )
         rank = rank_of(priority)
+        salt = None
+        if lora is not None:
+            if self.loras is None:
+                raise InvalidRequest(f"LoRA adapter {lora!r} asked for, but this engine serves none (max_loras 0)",
+                                     code="model_not_found")
+            salt = self.loras.request_added(lora)  # its weights held in host memory until the request ends
         now = time.time()
         seqs = []
         for i in range(params.n):
@@ -239,9 +281,13 @@ class Engine:
                 generator.manual_seed(params.seed + i)
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             seqs.append(Sequence(request_id, prompt_ids, params, now, detokenizer, generator=generator,
-                                 choice_index=i, priority=rank))
-        for seq in seqs:  # compiles response_format / regex / choice off this thread (GrammarError: failed before)
-            self.guided.add(seq)
+                                 choice_index=i, priority=rank, lora=lora, cache_salt=salt))
+        try:
+            for seq in seqs:  # compiles response_format / regex / choice off this thread (GrammarError: failed before)
+                self.guided.add(seq)
+        except BaseException:
+            self._release_lora(seqs)
+            raise
         self.requests[request_id] = seqs[0]
         self.choices[request_id] = seqs
         self.scheduler.add(seqs[0])
@@ -265,6 +311,7 @@ class Engine:
             return None
         del self.requests[request_id]
         self.forks.pop(request_id, None)
+        self._release_lora(seqs)
         for seq in seqs:
             if seq.finish_reason is None:
                 self.scheduler.remove(seq)  # frees only its own references: a block another holds stays
@@ -290,6 +337,7 @@ class Engine:
             self.forks.pop(seq.request_id, None)
             for choice in seqs:
                 self.scheduler.remove(choice)
+            self._release_lora(seqs)
             self.rejected[seq.request_id] = err
         if self.overlap is not None:
             return self.overlap.step()
@@ -313,6 +361,7 @@ class Engine:
             seqs = self.choices.get(seq.request_id)
             if seqs is not None and all(s.finish_reason is not None for s in seqs):
                 del self.choices[seq.request_id], self.requests[seq.request_id]
+                self._release_lora(seqs)
                 outputs.append(self._output(seqs))
         return outputs
 
@@ -352,22 +401,24 @@ class Engine:
             prefix_queried_tokens=pc.queried_tokens, prefix_hit_tokens=pc.hit_tokens,
             prefix_queried_blocks=pc.queried_blocks, prefix_hit_blocks=pc.hit_blocks,
             prefix_evictions=pc.evictions, forking=sum(len(f) for f in self.forks.values()),
+            **(self.loras.stats() if self.loras is not None else {}),
         )
 
     def generate(
         self,
         prompts: Seq[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
+        loras: list[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Offline: run every prompt to the end and return the outputs in input order. InvalidRequest (with the
         code), once every other request ended, when the engine refused a prompt's grammar (structured output);
-        EngineFault when compiling one broke."""
+        EngineFault when compiling one broke. loras: each prompt's adapter name (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt given bare
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids = [f"generate-{self.steps}-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
-            self.add_request(rid, prompt, p)
+        for rid, prompt, p, lora in zip(ids, prompts, params_list, loras or [None] * len(ids), strict=True):
+            self.add_request(rid, prompt, p, lora=lora)
         results: dict[str, RequestOutput] = {}
         rejected: dict[str, EngineError] = {}
         while len(results) + len(rejected) < len(ids):

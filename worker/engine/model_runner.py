@@ -12,6 +12,7 @@ import torch
 from worker.engine import kv_cache
 from worker.engine.cuda_graphs import StaticDecode
 from worker.engine.guided import GuidedDecoding
+from worker.engine.lora.layer import LoraState
 from worker.engine.models.llama import LlamaForCausalLM
 from worker.engine.sampler import SampledStep, Sampler
 from worker.engine.scheduler import ScheduledBatch
@@ -46,6 +47,14 @@ class ModelRunner:
         self.inputs = StepInputs(max_num_seqs, self.max_blocks_per_seq, block_size, self.pad_block, device)
         # pure decode steps padded to fixed shapes (cuda_graphs.py); capture() turns them into graph replays
         self.static = StaticDecode(model, self.kv_caches, self.inputs, max_num_seqs) if static_decode else None
+        self.lora: LoraState | None = None  # the adapters' shared state (use_lora), None without LoRA
+
+    def use_lora(self, state: LoraState, num_slots: int) -> None:
+        """Serve LoRA adapters: each step's rows carry their slots, and the forward sees them (before capture)."""
+        self.lora = state
+        self.inputs.lora_slots = num_slots
+        if self.static is not None:
+            self.static.lora = state
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list | None]:
@@ -79,6 +88,8 @@ class ModelRunner:
             assert self.static is not None
             hidden = self.static.execute(step)
         else:
+            if self.lora is not None:
+                self.lora.batch = step.lora
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         return self._sample(hidden, step, resolve_on_device)
 

@@ -7,6 +7,8 @@
     a pure decode step    all decoder layers in one C++ call (cpu_decode.py), the same kernels in the same
                           order, so the same result to the bit
     greedy sampling       a row-wise argmax in C++
+    LoRA adapters         grouped torch matmuls (the reference's); a decode step with adapter rows runs layer by
+                          layer, not as the fused C++ call (which has no LoRA)
 Anything a kernel does not take (a strided view it cannot read, other dtypes) runs as in the ReferenceBackend.
 """
 
@@ -101,7 +103,8 @@ class CpuBackend(ReferenceBackend):
     def run_layers(self, model: torch.nn.Module, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fused is not None and self.fused.serves(x, meta):
+        lora = self.lora_state
+        if self.fused is not None and (lora is None or lora.batch is None) and self.fused.serves(x, meta):
             return self.fused(x, rotary, kv_caches, meta)
         return super().run_layers(model, x, rotary, kv_caches, meta)
 

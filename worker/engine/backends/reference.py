@@ -26,10 +26,14 @@ from kernels.reference import (
 
 if TYPE_CHECKING:
     from worker.engine.attention_metadata import AttentionMetadata
+    from worker.engine.lora.layer import LoraBatch, LoraState
 
 
 class ReferenceBackend:
     name = "torch-reference"
+    # the model's adapters' shared state, when the engine serves LoRA (lora/manager.py sets it): a backend that
+    # fuses whole layers (CpuBackend) runs a step with adapter rows layer by layer instead
+    lora_state: LoraState | None = None
 
     def check_model(self, arch: Any, model_name: str) -> None:
         """Raises ValueError naming the model and the limit when the kernels cannot serve its shapes."""
@@ -94,6 +98,14 @@ class ReferenceBackend:
         from kernels.moe_reference import fused_moe_ref
 
         return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+
+    def lora(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             slices: tuple[tuple[int, int], ...], batch: LoraBatch) -> torch.Tensor:
+        """In place: y += (x · A_slot) · B_slot for every row of the batch that uses an adapter (kernels/
+        lora_reference.py has the layout): grouped torch matmuls, one shrink and one expand a slice per slot."""
+        from kernels.lora_reference import lora_apply_ref
+
+        return lora_apply_ref(y, x, a, b, slices, batch.rows, batch.groups)
 
     # ---- whole layers and sampling ------------------------------------------------------------------------
 
