@@ -108,9 +108,12 @@ class LoraManager:
             raise InvalidRequest(f"no LoRA adapter named {name!r}; this engine serves {sorted(self.registered)}",
                                  code="model_not_found")
         if name not in self.host:
-            self._keep(self._read(name, reg.path))
-        self.host.move_to_end(name)
-        reg.requests += 1
+            adapter = self._read(name, reg.path)  # LoraError: the file changed since its registration
+            reg.requests += 1  # before _keep, which drops unheld adapters past max_cpu_loras
+            self._keep(adapter)
+        else:
+            reg.requests += 1
+            self.host.move_to_end(name)
         return reg.salt
 
     def request_done(self, name: str) -> None:
