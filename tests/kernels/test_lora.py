@@ -93,6 +93,25 @@ def test_a_wrong_grouping_is_caught():
         torch.testing.assert_close(lora_ref(y.clone(), x, swapped, b, slices, rows, starts, counts), want)
 
 
+@parent_only
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[-1] + f"-{c[0]}")
+def test_cpu_kernel_matches_reference(ext, case):
+    """The C++ kernel (csrc/cpu_lora.cpp) computes each slot at its own rank: a rank given too low must fail."""
+    x, a, b, y, slices, slots = inputs(*case)
+    rows, starts, counts = sort_rows_by_slot(slots, a.shape[0])
+    ranks = torch.tensor(case[5], dtype=torch.int32)
+    want = peft_rowwise(x, a, b, y, slices, slots)
+    got = y.clone()
+    ext.lora_cpu(got, x, a, b, [o for o, _ in slices], [w for _, w in slices], rows, starts, counts, ranks)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if case[-1] != "base" and max(case[5]) > 1:
+        short = y.clone()
+        ext.lora_cpu(short, x, a, b, [o for o, _ in slices], [w for _, w in slices], rows, starts, counts,
+                     (ranks // 2).to(torch.int32))
+        with pytest.raises(AssertionError):
+            torch.testing.assert_close(short, want, rtol=1e-5, atol=1e-5)
+
+
 @needs_kernels
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[-1] + f"-{c[0]}")
 def test_kernels_match_reference(case):

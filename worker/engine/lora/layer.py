@@ -42,8 +42,10 @@ class LoraBatch:
 class LoraState:
     """What every LoraLinear of a model shares: the current step's batch (None: no adapter row)."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_slots: int = 0) -> None:
         self.batch: LoraBatch | None = None
+        # each slot's adapter rank (0: empty), on the host: the CPU kernel computes no more of max_lora_rank
+        self.slot_ranks = torch.zeros(num_slots, dtype=torch.int32)
 
 
 class LoraLinear(nn.Module):

@@ -45,7 +45,7 @@ class LoraManager:
         self.max_loras, self.max_cpu_loras, self.max_rank = max_loras, max_cpu_loras, max_rank
         self.dtype = dtype
         self.targets = lora_targets(model)
-        self.state = LoraState()
+        self.state = LoraState(max_loras)
         backend.lora_state = self.state
         self.linears: dict[tuple[int, str], LoraLinear] = {}
         for key, target in self.targets.items():
@@ -163,6 +163,7 @@ class LoraManager:
                 linear.a[slot, j * r : j * r + a.shape[0]].copy_(a, non_blocking=True)
                 linear.b[slot, offset : offset + width, : a.shape[0]].copy_(b, non_blocking=True)
         self.slot_names[slot] = adapter.name
+        self.state.slot_ranks[slot] = adapter.rank
         self.loads += 1
         log.debug("lora_loaded", adapter=adapter.name, slot=slot, loads=self.loads)
 
