@@ -4,7 +4,8 @@ csrc/cpu_attention_block.cpp and cpu_decode_attention.cpp (paged decode attentio
 block's math, then the walk over blocks and sequences), csrc/cpu_prefill_attention.cpp (paged causal prefill
 attention over such a cache: tiles of query tokens per block), csrc/cpu_w8a8.cpp (the panel GEMV with int8
 weights and int8 activations per token and group of 64, VNNI), csrc/cpu_quant.cpp (the panel GEMV with int8
-weights), csrc/cpu_lora.cpp (the LoRA deltas of a decode step's adapter rows) and csrc/decode_layers.cpp (a pure decode step's decoder layers composed of those kernels in one call).
+weights), csrc/cpu_lora.cpp (the LoRA deltas of a decode step's adapter rows) and csrc/decode_layers.cpp (a
+pure decode step's decoder layers composed of those kernels in one call).
 worker/engine/backends/cpu.py is their user.
 
 Built once per machine with torch's cpp_extension (g++ and ninja; ~40 s of CPU: one translation unit of nine

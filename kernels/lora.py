@@ -11,9 +11,8 @@ Grid (cdiv(max_count, BLOCK_M), column tiles, S): program (m, n, s) takes rows m
 and exits at once when the group is shorter (an empty group costs one load). max_count bounds every group:
 the step's largest group (eager), or the padded row count (a CUDA graph: then the grid is fixed and the
 groups are read from device tensors, so one graph serves any mix of adapters). Rows are gathered through
-`rows`, so the batch is never permuted. fp32 dots run in IEEE fp32 (no TF32): PEFT's fp32 reference; bf16 / fp16 ones natively on the GPU,
-widened to fp32 under the interpreter.
-Nothing is read back to the host.
+`rows`, so the batch is never permuted. fp32 dots run in IEEE fp32 (no TF32): PEFT's fp32 reference; bf16 /
+fp16 ones natively on the GPU, widened to fp32 under the interpreter. Nothing is read back to the host.
 """
 
 from __future__ import annotations

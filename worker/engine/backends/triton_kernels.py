@@ -1,7 +1,7 @@
 """TritonBackend: a step's kernel-level ops in our Triton kernels (kernels/*.py) on CUDA tensors, or on CPU
 tensors under TRITON_INTERPRET=1 (tests): paged attention, the KV write fused with RoPE, residual add +
-RMSNorm, SiLU·mul, the LoRA shrink and expand. Each is one launch, with no host sync and no data-dependent allocation, so a decode
-step can be captured in a CUDA graph."""
+RMSNorm, SiLU·mul, the LoRA shrink and expand. Each is one launch, with no host sync and no data-dependent
+allocation, so a decode step can be captured in a CUDA graph."""
 
 from __future__ import annotations
 
