@@ -29,9 +29,13 @@ BLOCK_K = 32  # the reduction's step (shrink: over in; expand: over the rank)
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, counts_ptr, K, IN,
-                   stride_xm, stride_xk, stride_as, stride_an, stride_ak, stride_om, stride_on,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _sgmv_kernel(in_ptr, w_ptr, out_ptr, rows_ptr, starts_ptr, counts_ptr, N, K,
+                 stride_im, stride_ik, stride_ws, stride_wn, stride_wk, stride_om, stride_on,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                 ADD: tl.constexpr):
+    """out[r, n] (=, or += with ADD) sum_k in[r, k] * w[slot, n, k] for the rows r of each slot's group: the
+    shrink (in = x, w = a, out = t) and the expand of one slice (in = t's rank block, w = b's rows, out = y's
+    columns, ADD)."""
     slot = tl.program_id(2)
     count = tl.load(counts_ptr + slot)
     m0 = tl.program_id(0) * BLOCK_M
@@ -41,57 +45,29 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, counts_ptr, K, I
         row_ok = offs_m < count
         rows = tl.load(rows_ptr + start + offs_m, mask=row_ok, other=0).to(tl.int64)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < K
+        col_ok = offs_n < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        a_base = a_ptr + slot.to(tl.int64) * stride_as
-        for k0 in range(0, IN, BLOCK_K):
+        w_base = w_ptr + slot.to(tl.int64) * stride_ws
+        for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < IN
-            xt = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+            k_ok = offs_k < K
+            it = tl.load(in_ptr + rows[:, None] * stride_im + offs_k[None, :] * stride_ik,
                          mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            at = tl.load(a_base + offs_n[None, :] * stride_an + offs_k[:, None] * stride_ak,
+            wt = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
                          mask=col_ok[None, :] & k_ok[:, None], other=0.0)
             if IEEE:  # fp32, or half precision widened (the interpreter's dot takes no bf16)
-                acc = tl.dot(xt.to(tl.float32), at.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(it.to(tl.float32), wt.to(tl.float32), acc, input_precision="ieee")
             else:
-                acc = tl.dot(xt, at, acc)
-        tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on,
-                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _expand_kernel(y_ptr, t_ptr, b_ptr, rows_ptr, starts_ptr, counts_ptr, WIDTH, RANK,
-                   stride_ym, stride_yn, stride_tm, stride_tk, stride_bs, stride_bn, stride_bk,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    slot = tl.program_id(2)
-    count = tl.load(counts_ptr + slot)
-    m0 = tl.program_id(0) * BLOCK_M
-    if m0 < count:
-        start = tl.load(starts_ptr + slot)
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < count
-        rows = tl.load(rows_ptr + start + offs_m, mask=row_ok, other=0).to(tl.int64)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < WIDTH
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        b_base = b_ptr + slot.to(tl.int64) * stride_bs
-        for k0 in range(0, RANK, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < RANK
-            tt = tl.load(t_ptr + rows[:, None] * stride_tm + offs_k[None, :] * stride_tk,
-                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            bt = tl.load(b_base + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk,
-                         mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            if IEEE:
-                acc = tl.dot(tt.to(tl.float32), bt.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(tt, bt, acc)
-        y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
+                acc = tl.dot(it, wt, acc)
+        out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
         mask = row_ok[:, None] & col_ok[None, :]
-        dtype = y_ptr.dtype.element_ty
-        y = tl.load(y_ptrs, mask=mask, other=0.0)
-        # the delta rounded to the model dtype before the add, as PEFT's `result + lora_B(...) * scaling`
-        tl.store(y_ptrs, (y.to(tl.float32) + acc.to(dtype).to(tl.float32)).to(dtype), mask=mask)
+        dtype = out_ptr.dtype.element_ty
+        if ADD:
+            # the delta rounded to the model dtype before the add, as PEFT's `result + lora_B(...) * scaling`
+            y = tl.load(out_ptrs, mask=mask, other=0.0)
+            tl.store(out_ptrs, (y.to(tl.float32) + acc.to(dtype).to(tl.float32)).to(dtype), mask=mask)
+        else:
+            tl.store(out_ptrs, acc.to(dtype), mask=mask)
 
 
 def _check(x: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, num_slots: int) -> None:
@@ -103,14 +79,16 @@ def _check(x: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, counts: to
                          f"{tuple(starts.shape)}, {tuple(counts.shape)}")
 
 
-def _meta(x: torch.Tensor) -> dict:
+def _meta(x: torch.Tensor, add: bool, on_gpu: bool | None) -> dict:
     # IEEE: fp32 dots in fp32 (PEFT's reference), and under the interpreter every dtype widened to fp32
+    on_gpu = x.is_cuda if on_gpu is None else on_gpu
     return {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K,
-            "IEEE": x.dtype == torch.float32 or not x.is_cuda}
+            "IEEE": x.dtype == torch.float32 or not on_gpu, "ADD": add}
 
 
 def plan_shrink(x: torch.Tensor, a: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
-                max_count: int, out: torch.Tensor) -> list[Launch]:
+                max_count: int, out: torch.Tensor, on_gpu: bool | None = None) -> list[Launch]:
+    """on_gpu: plan for the GPU whatever the tensors' device (tests compile the GPU plan without one)."""
     num_slots, k, in_features = a.shape
     _check(x, rows, starts, counts, num_slots)
     if x.shape[1] != in_features or out.shape != (x.shape[0], k):
@@ -119,11 +97,12 @@ def plan_shrink(x: torch.Tensor, a: torch.Tensor, rows: torch.Tensor, starts: to
         return []
     grid = (triton.cdiv(max_count, BLOCK_M), triton.cdiv(k, BLOCK_N), num_slots)
     args = (x, a, out, rows, starts, counts, k, in_features, *x.stride(), *a.stride(), *out.stride())
-    return [Launch(_shrink_kernel, grid, args, _meta(x))]
+    return [Launch(_sgmv_kernel, grid, args, _meta(x, False, on_gpu))]
 
 
 def plan_expand(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, slices: tuple[tuple[int, int], ...],
-                rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, max_count: int) -> list[Launch]:
+                rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, max_count: int,
+                on_gpu: bool | None = None) -> list[Launch]:
     num_slots, out_features, rank = b.shape
     _check(y, rows, starts, counts, num_slots)
     if y.shape[1] != out_features or t.shape != (y.shape[0], len(slices) * rank):
@@ -131,20 +110,20 @@ def plan_expand(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, slices: tuple
                          f"{len(slices)} slices disagree")
     if max_count == 0 or y.shape[0] == 0:
         return []
-    meta = _meta(y)
+    meta = _meta(y, True, on_gpu)
     launches = []
     for j, (offset, width) in enumerate(slices):  # views: one launch a slice, no copy
         ys, ts, bs = y[:, offset : offset + width], t[:, j * rank : (j + 1) * rank], b[:, offset : offset + width]
         grid = (triton.cdiv(max_count, BLOCK_M), triton.cdiv(width, BLOCK_N), num_slots)
-        args = (ys, ts, bs, rows, starts, counts, width, rank, *ys.stride(), *ts.stride(), *bs.stride())
-        launches.append(Launch(_expand_kernel, grid, args, meta))
+        args = (ts, bs, ys, rows, starts, counts, width, rank, *ts.stride(), *bs.stride(), *ys.stride())
+        launches.append(Launch(_sgmv_kernel, grid, args, meta))
     return launches
 
 
 def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
                        counts: torch.Tensor, max_count: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """out [T, K] with every adapter row's x @ a[slot].T (see the module doc); allocated if None."""
-    check_launchable(_shrink_kernel, x)
+    check_launchable(_sgmv_kernel, x)
     if out is None:
         out = torch.empty(x.shape[0], a.shape[1], dtype=x.dtype, device=x.device)
     for launch in plan_shrink(x, a, rows, starts, counts, max_count, out):
@@ -155,7 +134,7 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, rows: torch.Tensor, sta
 def lora_expand_triton(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, slices: tuple[tuple[int, int], ...],
                        rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, max_count: int) -> torch.Tensor:
     """y += every adapter row's delta, slice by slice, in place (see the module doc). Returns y."""
-    check_launchable(_expand_kernel, y)
+    check_launchable(_sgmv_kernel, y)
     for launch in plan_expand(y, t, b, slices, rows, starts, counts, max_count):
         launch()
     return y

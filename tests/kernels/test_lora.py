@@ -9,11 +9,14 @@ slices (q, k, v) whose widths are not tile multiples.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from kernels.lora_reference import groups_of, lora_apply_ref, lora_ref, sort_rows_by_slot
 from tests.support.kernel_cases import DEVICE, generator, needs_kernels, parent_only
+from tests.support.sm90_compile import compile_for_sm90, stack_bytes
 
 # (rows, in, slices' widths, slots, max rank, ranks per slot, slot of each row: a rule)
 CASES = [
@@ -146,6 +149,31 @@ def test_a_padded_grid_and_strided_output():
     torch.testing.assert_close(view.cpu(), want, rtol=1e-5, atol=1e-5)
     base = (slots < 0).cpu()
     assert torch.equal(view.cpu()[base], y.cpu()[base])
+
+
+@parent_only
+def test_gpu_plans_compile_for_sm90(tmp_path):
+    """Shrink and expand compile for sm_90 without spills: bf16 on tensor cores (Llama-3.1-8B's qkv_proj and
+    down_proj at rank 16, 8 slots), fp32 in IEEE fp32."""
+    from kernels.lora import plan_expand, plan_shrink
+
+    launches = []
+    for dtype, in_features, widths, rank in ((torch.bfloat16, 4096, (4096, 1024, 1024), 16),
+                                             (torch.bfloat16, 14336, (4096,), 16), (torch.float32, 64, (32,), 8)):
+        rows, starts, counts = sort_rows_by_slot(torch.arange(32) % 8, 8)
+        x = torch.empty(32, in_features, dtype=dtype)
+        a = torch.empty(8, len(widths) * rank, in_features, dtype=dtype)
+        t = torch.empty(32, len(widths) * rank, dtype=dtype)
+        b = torch.empty(8, sum(widths), rank, dtype=dtype)
+        y = torch.empty(32, sum(widths), dtype=dtype)
+        slices = tuple((sum(widths[:j]), w) for j, w in enumerate(widths))
+        launches += plan_shrink(x, a, rows, starts, counts, 4, t, on_gpu=True)
+        launches += plan_expand(y, t, b, slices, rows, starts, counts, 4, on_gpu=True)[:1]
+    for launch in launches:
+        compiled = compile_for_sm90(launch)
+        assert stack_bytes(compiled.asm["cubin"], tmp_path) == 0, "a LoRA kernel spills registers"
+        if launch.args[0].dtype == torch.bfloat16:
+            assert re.search(r"\b(w?gmma|mma)\.", compiled.asm["ptx"]), "bf16 LoRA GEMM without tensor cores"
 
 
 @needs_kernels
