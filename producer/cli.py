@@ -1,5 +1,5 @@
-"""The `tokenbus` command: submit, get, wait, cancel, info, batch submit|status|wait|export|cancel, and bench
-(handed to the bench package, which needs the worker extra: nothing here imports it)."""
+"""The `tokenbus` command: submit, get, wait, cancel, info, exporter, batch submit|status|wait|export|cancel,
+and bench (handed to the bench package, which needs the worker extra: nothing here imports it)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 import redis
 import structlog
 
-from producer import batches
+from producer import batches, exporter
 from producer.client import Client
 from protocol.errors import TokenbusError
 from protocol.keys import DEFAULT_NAMESPACE
@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="queue depth, pending, workers, dead letters")
     i.add_argument("--json", action="store_true")
+
+    e = sub.add_parser("exporter", help="serve the jobs waiting and pending per model as Prometheus metrics "
+                       "(for an autoscaler: it runs while no worker does)")
+    e.add_argument("--model", required=True, help="the namespace's model: the `model` label of every series")
+    e.add_argument("--port", type=int, default=exporter.DEFAULT_PORT)
 
     b = sub.add_parser("batch", help="OpenAI Batch API JSONL files").add_subparsers(dest="batch_command",
                                                                                      required=True)
@@ -283,6 +288,8 @@ def run(a: argparse.Namespace) -> int:
         elif a.command == "info":
             info = c.info()
             print(info.model_dump_json(indent=2) if a.json else format_info(info))
+        elif a.command == "exporter":
+            return exporter.serve(c.redis, c.keys, a.model, a.port)
         elif a.command == "batch":
             return _batch(c, a)
     return 0

@@ -45,6 +45,10 @@ ENGINE_HELP = {
                     "float32, per-channel weight-only); 'w8a8' (CPU float32, int8 weights and activations rounded "
                     "to int8 per token and group of 64: faster on VNNI CPUs); 'fp8' (GPU sm_89+, e4m3 weights per "
                     "channel)",
+    "tensor_parallel_size": "shard the model over this many processes, one per GPU (cuda:0.. from --device); "
+    "rank 0 serves, the others follow; a safetensors checkpoint of a native family",
+    "tensor_parallel_timeout_s": "seconds a rank may wait in a collective before the worker counts a rank as "
+    "hung and exits (code 3)",
     "kv_cache_dtype": "KV-cache dtype: 'auto' (the model's), 'bfloat16', 'float32', 'int8' (CPU, scaled per "
     "token and head: ~3.8x the tokens of float32), 'fp8' (CUDA sm_89+, e4m3 with the same scales)",
     "max_loras": "LoRA adapter slots on the device (0 = LoRA off); docs/adapters.md",
@@ -96,6 +100,11 @@ class WorkerSettings(BaseSettings):
     )
     redis_wait_ms: int = Field(1000, gt=0, description="longest WAIT for --redis-min-replicas, in milliseconds")
     intake_lookahead: int = Field(4, ge=0, description="jobs read beyond the free seats, so none sit idle")
+    intake_max_waiting: int | None = Field(
+        None, ge=1, description="most jobs held here that no seat has taken yet (on their way to the engine, "
+        "waiting for a seat or KV blocks): the rest stay queued, where an autoscaler sees them; unset = up to "
+        "max_num_seqs + intake_lookahead",
+    )
     drain_grace_s: float = Field(
         30.0, ge=0, description="on SIGTERM: seconds to finish in-flight jobs before handing them back"
     )

@@ -34,6 +34,13 @@ class ReferenceBackend:
     # the model's adapters' shared state, when the engine serves LoRA (lora/manager.py sets it): a backend that
     # fuses whole layers (CpuBackend) runs a step with adapter rows layer by layer instead
     lora_state: LoraState | None = None
+    # the rank's TpGroup when the engine is one rank of a tensor-parallel worker (worker/engine/parallel/):
+    # the model sizes its sharded layers by it and sums row-parallel outputs through all_reduce
+    tp: Any = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel output summed over the ranks (as it is without tensor parallelism)."""
+        return x if self.tp is None else self.tp.all_reduce(x)
 
     def check_model(self, arch: Any, model_name: str) -> None:
         """Raises ValueError naming the model and the limit when the kernels cannot serve its shapes."""

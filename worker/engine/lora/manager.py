@@ -63,6 +63,18 @@ class LoraManager:
         self.loads = 0  # adapters copied into a slot
         self.disk_reads = 0  # adapters read from their directory (registration included)
 
+    @classmethod
+    def for_engine(cls, cfg, model: nn.Module, backend, model_path: str, dtype: torch.dtype, device: torch.device,
+                   tp=None) -> LoraManager:
+        """The slots an EngineConfig asks for (max_loras > 0), refusing what cannot take adapters."""
+        if model_path != "native":
+            raise ValueError(f"LoRA adapters (max_loras {cfg.max_loras}) need a native model family; {cfg.model!r} "
+                             "runs on transformers' code (model_impl) and takes none")
+        if tp is not None:
+            raise ValueError("LoRA adapters with tensor_parallel_size > 1 are not supported yet (the slots are not "
+                             "sharded): serve adapters on a single-GPU worker")
+        return cls(model, backend, cfg.max_loras, cfg.max_cpu_loras or cfg.max_loras, cfg.max_lora_rank, dtype, device)
+
     # ---- registry ------------------------------------------------------------------------------------------
 
     def add(self, name: str, path: str) -> None:
