@@ -25,6 +25,7 @@ from producer.openai_batch import batch_request
 from producer.seen_ids import SeenIds
 from protocol.errors import MAX_ERRORS_SHOWN, InvalidJob
 from protocol.models import JobRequest
+from protocol.text import bounded, clip, surrogate_problem
 
 
 def request_tokens(request: JobRequest) -> int:
@@ -163,6 +164,9 @@ class BatchFileReader:
                     raise _LineError(f"not valid JSON ({err})", "invalid_json_line") from None
                 except RecursionError:
                     raise _LineError("not a batch line: its JSON is nested too deeply", "invalid_json_line") from None
+                if bad := surrogate_problem(text.encode("utf-8", "surrogatepass"), raw):
+                    self._unstorable(number, bad[1])
+                    return
             custom_id, url, request, request_json = batch_request(raw, self.overrides)
             if self.endpoint is None:
                 self.endpoint, self._first_line = url, number
@@ -170,7 +174,7 @@ class BatchFileReader:
                 raise _LineError(f"url {url} differs from the batch's endpoint {self.endpoint} (line "
                                  f"{self._first_line}); one batch has one endpoint", "mismatched_url")
             if (first := self._seen.add(custom_id, number)) is not None:
-                raise _LineError(f"custom_id {custom_id!r} already used on line {first}", "duplicate_custom_id")
+                raise _LineError(f"custom_id {clip(custom_id)} already used on line {first}", "duplicate_custom_id")
             if problem := max_tokens_problem(request, self.max_tokens):
                 self._limit(number, problem)
             self.tokens += request_tokens(request)
@@ -184,8 +188,15 @@ class BatchFileReader:
     def _error(self, number: int, message: str, code: str = "invalid_request") -> None:
         self.error_count += 1
         if self.max_errors is None or len(self.errors) < self.max_errors:
-            self.errors.append((number, message))
+            self.errors.append((number, bounded(message)))  # kept in the file's and its batches' records
             self.error_codes.append(code)
+
+    def _unstorable(self, number: int, message: str) -> None:
+        """A line whose text Redis cannot store (a lone surrogate): refuses an upload as non-UTF-8 bytes do,
+        since the submit would crash on it."""
+        self._error(number, message, "invalid_encoding")
+        if self.encoding_error is None:
+            self.encoding_error = f"line {number} is not storable text: {message}"
 
     def _limit(self, number: int, message: str) -> None:
         """A line past one of the gateway's limits: refuses an upload, and is a bad line for problem()."""

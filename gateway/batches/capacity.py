@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import time
 
+import redis
+
 from gateway.context import GatewayContext
 from gateway.errors import APIError
 from protocol.connection import on_shard
@@ -36,11 +38,41 @@ def _refuse(message: str, code: str) -> APIError:
     return APIError(429, message, code=code, headers={"retry-after": "60"})
 
 
+def reserve_problem(maxmemory: int, reserve_free: int) -> str | None:
+    """Why no batch can ever be admitted with this maxmemory (0 = none) and redis_reserve_bytes, or None."""
+    if not maxmemory or reserve_free < maxmemory:
+        return None
+    return (f"Redis's maxmemory ({maxmemory} bytes) is not above the gateway's redis_reserve_bytes "
+            f"({reserve_free}), so every batch would be refused however empty Redis is. Raise Redis's maxmemory, "
+            "or set redis_reserve_bytes below it (TOKENBUS_GATEWAY_REDIS_RESERVE_BYTES, or HSET {ns}:gw:config "
+            f"redis_reserve_bytes N; e.g. {maxmemory // 8})")
+
+
+def check_at_start(ctx: GatewayContext) -> None:
+    """ValueError when Redis's maxmemory leaves no room for any batch (reserve_problem); a Redis that does not
+    answer yet is left to /healthz."""
+    try:
+        maxmemory = _memory(ctx)[0]
+        reserve_free = limits(ctx)[2]
+    except redis.RedisError:
+        return
+    if problem := reserve_problem(maxmemory, reserve_free):
+        raise ValueError(problem)
+
+
+def _memory(ctx: GatewayContext) -> tuple[int, int]:
+    """(maxmemory, used_memory) of the namespace's shard."""
+    mem = ctx.redis.info("memory", **on_shard(ctx.redis, ctx.keys.routing_key))
+    return int(mem.get("maxmemory", 0)), int(mem.get("used_memory", 0))
+
+
 def reserve(ctx: GatewayContext, owner: str, need: int) -> None:
-    """Reserve `need` bytes for one batch of `owner`, or raise 429 naming the limit."""
+    """Reserve `need` bytes for one batch of `owner`, or raise 429 naming the limit (503 when no batch can
+    ever fit: reserve_problem)."""
     per_key, total, reserve_free = limits(ctx)
-    mem = ctx.redis.info("memory", **on_shard(ctx.redis, ctx.keys.routing_key))  # the namespace's shard
-    maxmemory, used = int(mem.get("maxmemory", 0)), int(mem.get("used_memory", 0))
+    maxmemory, used = _memory(ctx)
+    if problem := reserve_problem(maxmemory, reserve_free):
+        raise APIError(503, f"this gateway cannot queue batches: {problem}", code="redis_reserve_too_large")
     if maxmemory and used + need + reserve_free > maxmemory:
         raise _refuse(f"Redis has no room for this batch now: it needs about {need} bytes, Redis uses {used} of "
                       f"its maxmemory {maxmemory} and keeps {reserve_free} free for the queue; retry "
