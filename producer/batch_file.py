@@ -40,6 +40,18 @@ def request_tokens(request: JobRequest) -> int:
     return prompt_tokens + request.max_tokens * request.n
 
 
+RESULT_TOKEN_BYTES = 24  # a generated token in a stored result without logprobs (~18 measured, issue #34)
+LOGPROB_BYTES = 44  # one logprob entry of a token (its text, bytes, logprob): ~40 measured at top_logprobs 20
+
+
+def result_bytes(request: JobRequest) -> int:
+    """What a job's result may make Redis hold at most: max_tokens x n tokens, each with 1 + top_logprobs
+    logprob entries when it asks for logprobs (854 bytes a token at 20, against 18 without). The one estimate
+    behind the gateway's byte reservations of results (batches/capacity.py)."""
+    entries = 0 if request.logprobs is None else 1 + request.logprobs
+    return request.max_tokens * request.n * (RESULT_TOKEN_BYTES + entries * LOGPROB_BYTES)
+
+
 def max_tokens_problem(request: JobRequest, limit: int | None) -> str | None:
     """Why a request asks for more than the gateway's max_tokens limit, or None. Only a max_tokens the request
     gives counts: the default is the worker's, not the caller's."""
@@ -76,6 +88,7 @@ class BatchFileReader:
         self.lines = 0  # lines seen (blank ones too): the next line's number is lines + 1
         self.requests = 0  # non-blank lines
         self.tokens = 0  # what the valid lines may cost: prompt + max_tokens x n each (request_tokens)
+        self.result_bytes = 0  # what their results may hold in Redis, logprobs included (result_bytes)
         self.endpoint: str | None = None
         self.parsed: list[tuple[str, JobRequest]] = []
         self.errors: list[tuple[int, str]] = []  # (line number, message), the first max_errors
@@ -178,6 +191,7 @@ class BatchFileReader:
             if problem := max_tokens_problem(request, self.max_tokens):
                 self._limit(number, problem)
             self.tokens += request_tokens(request)
+            self.result_bytes += result_bytes(request)
             if self.keep:
                 self.parsed.append((custom_id, request))
             if self.on_request is not None:
