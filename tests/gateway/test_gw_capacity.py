@@ -26,6 +26,7 @@ def test_byte_limits_refuse_before_anything_is_queued(light_stack, tmp_path):
     probe = light_stack.batch("alice", [chat_line(f"p{i}", "Hello there") for i in range(2)], tmp_path)
     two = int(r.hget(f"{{tokenbus}}:gw:batch:{probe.id}", "reserved_bytes"))  # a 2-line batch's reservation
     assert two > 2 * estimate(1, len(chat_line("p0", "Hello there")) + 1), "its jobs, their results and its record"
+    light_stack.wait_status("alice", probe.id, ("in_progress",))  # its jobs written: they stay, cancelled
     light_stack.openai("alice").batches.cancel(probe.id)
     light_stack.wait_status("alice", probe.id, ("cancelled",))
     jobs_before = len(r.keys("{tokenbus}:job:*"))
