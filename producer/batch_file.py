@@ -76,6 +76,7 @@ class BatchFileReader:
         self.requests = 0  # non-blank lines
         self.tokens = 0  # what the valid lines may cost: prompt + max_tokens x n each (request_tokens)
         self.endpoint: str | None = None
+        self.models: set[str] = set()  # the models the valid lines name ('' = none: the default queues)
         self.parsed: list[tuple[str, JobRequest]] = []
         self.errors: list[tuple[int, str]] = []  # (line number, message), the first max_errors
         self.error_codes: list[str] = []  # beside self.errors
@@ -176,6 +177,7 @@ class BatchFileReader:
                 self._limit(number, f"max_tokens {request.max_tokens} is above this gateway's limit of "
                                     f"{self.max_tokens}")
             self.tokens += _tokens(request)
+            self.models.add(request.model or "")
             if self.keep:
                 self.parsed.append((custom_id, request))
             if self.on_request is not None:

@@ -3,8 +3,8 @@ its final request JSON written to a spool file on disk, so memory stays flat in 
 
 The whole file must be valid before anything is written to Redis (one bad line refuses the batch), and the
 record needs the line count; keeping the parsed lines in memory took ~3 KB a line (3 GB for a million lines).
-The spool holds what pass 2 sends: one line per request, `json(custom_id) request_json`, read back without
-validating anything again (producer/batches.py submit_batch, producer/submit_pipe.py).
+The spool holds what pass 2 sends: one line per request, `json(custom_id) json(model) request_json`, read back
+without validating anything again (producer/batches.py submit_batch, producer/submit_pipe.py).
 """
 
 from __future__ import annotations
@@ -41,13 +41,15 @@ class Spooled:
     total: int
     input_file: str | None
     spool: IO[str]
+    models: set[str]  # the models its lines name ('' = none)
 
-    def requests(self) -> Iterator[tuple[str, str]]:
-        """(custom_id, request JSON) of each line, in input order."""
+    def requests(self) -> Iterator[tuple[str, str, str]]:
+        """(custom_id, model ('' = none), request JSON) of each line, in input order."""
         self.spool.seek(0)
         for line in self.spool:
             custom_id, end = _unquote(line, 1)
-            yield custom_id, line[end + 1 : -1]
+            model, end = _unquote(line, end + 2)
+            yield custom_id, model, line[end + 1 : -1]
 
     def close(self) -> None:
         self.spool.close()
@@ -65,8 +67,8 @@ def spool_batch(
     spool = tempfile.TemporaryFile("w+", encoding="utf-8", dir=spool_dir, prefix="tokenbus-batch-")
     write = spool.write
 
-    def keep(_line: int, custom_id: str, _request: JobRequest, request_json: str) -> None:
-        write(f"{_quote(custom_id)} {request_json}\n")
+    def keep(_line: int, custom_id: str, request: JobRequest, request_json: str) -> None:
+        write(f"{_quote(custom_id)} {_quote(request.model or '')} {request_json}\n")
 
     reader = BatchFileReader(
         max_errors=MAX_LINE_ERRORS, on_request=keep, overrides=openai_batch.submit_fields(model, Priority(priority))
@@ -81,7 +83,7 @@ def spool_batch(
         spool.close()
         raise
     spool.flush()
-    return Spooled(reader.endpoint or "", reader.requests, name_of(source), spool)
+    return Spooled(reader.endpoint or "", reader.requests, name_of(source), spool, reader.models)
 
 
 def name_of(source: str | Path | Iterable[str]) -> str | None:
@@ -128,25 +130,26 @@ class Validated:
     source: str | Path
     model: str | None
     priority: str
+    models: set[str] | None = None  # the models its lines name, when the first validation kept them
 
     @property
     def input_file(self) -> str | None:
         return name_of(self.source)
 
-    def requests(self) -> Iterator[tuple[str, str]]:
-        ready: list[tuple[int, str, str]] = []
+    def requests(self) -> Iterator[tuple[str, str, str]]:
+        ready: list[tuple[int, str, str, str]] = []
         reader = BatchFileReader(
             max_errors=MAX_LINE_ERRORS,
-            on_request=lambda n, cid, _r, request_json: ready.append((n, cid, request_json)),
+            on_request=lambda n, cid, r, request_json: ready.append((n, cid, r.model or "", request_json)),
             overrides=openai_batch.submit_fields(self.model, Priority(self.priority)),
         )
         for _ in feed(reader, self.source):
             # nothing past the first bad line is handed on (the file is read on, for the whole error)
             first_bad = reader.errors[0][0] if reader.error_count else None
-            for n, cid, request_json in ready:
+            for n, cid, model, request_json in ready:
                 if first_bad is not None and n > first_bad:
                     break
-                yield cid, request_json
+                yield cid, model, request_json
             ready.clear()
         problem = reader.problem("the jobs written before it are removed")
         if not problem and (reader.requests, reader.endpoint) != (self.total, self.endpoint):

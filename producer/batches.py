@@ -11,7 +11,7 @@ from pathlib import Path
 
 import structlog
 
-from producer import openai_batch
+from producer import models, openai_batch
 from producer.batch_file import BatchFileReader
 from producer.batch_spool import Progress, Spooled, Validated, spool_batch
 from producer.client_api import ClientApi
@@ -60,7 +60,7 @@ def submit_batch(
     priority: str = Priority.bulk,
     on_progress: Progress | None = None,
     spool_dir: str | Path | None = None,
-    validated: tuple[str, int] | None = None,
+    validated: tuple[str, int] | tuple[str, int, Iterable[str]] | None = None,
 ) -> BatchRecord:
     """Validate the whole input, then write the batch record and one job per line (ids `{batch_id}-{i}`).
 
@@ -72,9 +72,11 @@ def submit_batch(
     Memory stays flat in the file's size: pass 1 validates the input into a spool file on disk (spool_dir,
     default the system's temporary directory; producer/batch_spool.py), pass 2 streams it to Redis with chunks
     in flight (producer/submit_pipe.py). on_progress(stage, done, total): "validate" in bytes, "enqueue" in jobs.
-    validated: (endpoint, requests) of a file checked already (the gateway's upload): one pass, each line sent
-    as soon as it is validated again; a line that has become invalid raises InvalidBatch after the jobs
-    before it were written (batch_spool.Validated).
+    validated: (endpoint, requests[, the models its lines name]) of a file checked already (the gateway's
+    upload): one pass, each line sent as soon as it is validated again; a line that has become invalid raises
+    InvalidBatch after the jobs before it were written (batch_spool.Validated).
+    A batch may mix models: each line waits on its own model's queue. One naming a model nobody declared
+    refuses the whole batch before anything is written (ModelNotFound).
     """
     priority = Priority(priority).value
     k = client.keys
@@ -83,7 +85,9 @@ def submit_batch(
         priority = existing.get("priority") or priority
     started = time.perf_counter()
     if validated is not None and isinstance(source, str | Path):
-        spooled: Spooled | Validated = Validated(validated[0], validated[1], source, model, priority)
+        named = set(validated[2]) if len(validated) > 2 else None  # type: ignore[misc]
+        spooled: Spooled | Validated = Validated(validated[0], validated[1], source, model, priority,
+                                                 {model} if model is not None else named)
     else:
         spooled = spool_batch(source, model, priority, on_progress, spool_dir)
     try:
@@ -107,7 +111,10 @@ def _submit_spooled(client: ClientApi, spooled: Spooled | Validated, batch_id: s
         if record.status != BatchStatus.validating:
             return record
     else:
-        client.check_capacity(total)
+        ids = models.resolve(client.redis, k, spooled.models or ())  # ModelNotFound: nothing written yet
+        per_model = {ids[m] for m in spooled.models or ("",)}
+        for mid in per_model:  # each model's queues hold at most max_queue_len (a mixed batch: checked for each)
+            client.check_capacity(total, mid)
         _check_ids_free(client, batch_id, total)
         pipe = client.redis.pipeline(transaction=True)
         pipe.hset(k.batch(batch_id), mapping={
@@ -126,8 +133,8 @@ def _submit_spooled(client: ClientApi, spooled: Spooled | Validated, batch_id: s
     progress = None if on_progress is None else (lambda n: on_progress("enqueue", n, total))
     with SubmitPipe(client.redis, k, client.max_queue_len, client.result_ttl, on_chunk=progress) as pipe:
         add = pipe.add_job
-        for i, (custom_id, request_json) in enumerate(spooled.requests()):
-            add(batch_job_id(batch_id, i), request_json, batch_id, custom_id, priority)
+        for i, (custom_id, model, request_json) in enumerate(spooled.requests()):
+            add(batch_job_id(batch_id, i), request_json, batch_id, custom_id, priority, model)
         pipe.close()
     scripts.script(scripts.START_BATCH)(keys=[k.batch(batch_id)], args=[time.time()], client=client.redis)
     log.info("batch_submitted", batch_id=batch_id, endpoint=endpoint, total=total, input_file=spooled.input_file,

@@ -21,8 +21,9 @@ local ttl = tonumber(cur[3] or ARGV[4])
 if ttl and ttl > 0 then redis.call('EXPIRE', KEYS[1], ttl) end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'job_id', ARGV[2], 'status', 'cancelled')
 if cur[2] and cur[5] then
-  depth_init(L)
-  ack_del(L, cur[5], ARGV[1], cur[2])
+  local M = layout_of_queue(L, cur[5])  -- the depth counter of the entry's model
+  depth_init(M)
+  ack_del(M, cur[5], ARGV[1], cur[2])
 end
 bump_batch(L, cur[4], 'cancelled', ARGV[3], ttl)
 return 'cancelled'
