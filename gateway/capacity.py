@@ -2,7 +2,7 @@
 
 A queued job holds its request once (its stream entry; the job record holds short fields only) plus fixed
 overhead (hash and stream bookkeeping, ids, timestamps). JOB_OVERHEAD_BYTES and BODY_FACTOR are measured by
-benchmarks/gateway_redis_bytes.py (docs/gateway-redis-bytes.md); the estimate rounds both up.
+benchmarks/queue/redis_bytes.py (docs/gateway-redis-bytes.md); the estimate rounds both up.
 
 Checked at POST /v1/batches, in order: Redis keeps redis_reserve_bytes of its maxmemory free after the batch
 (INFO memory); the key's open batches stay under max_queued_bytes_per_key; all keys' under max_queued_bytes.

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from gateway.capacity import estimate
-from tests.support.light_gateway import chat_line, wait_until
+from testbed.light_gateway import chat_line, wait_until
 
 
 def _set(r, **limits):

@@ -11,7 +11,7 @@ import pytest
 from standardwebhooks import Webhook, WebhookVerificationError
 
 from gateway.webhooks import DeliveryFailed, address_problem, deliver, parse_networks
-from tests.support.light_gateway import WEBHOOK_SECRET, TrickleReceiver, chat_line, listener, wait_until
+from testbed.light_gateway import WEBHOOK_SECRET, TrickleReceiver, chat_line, listener, wait_until
 
 SECRETS = [WEBHOOK_SECRET]
 
