@@ -12,17 +12,11 @@ import redis
 from protocol import scripts
 from protocol.errors import ModelNotFound, TokenbusError
 from protocol.keys import Keys
-from protocol.records import Heartbeat, ModelInfo
+from protocol.model_status import declared, default_model, live_heartbeats, live_workers, model_infos
 from protocol.registry import DEFAULT_MODEL_FIELD, ModelKind, ModelRecord, check_model_name
 
-
-def declared(r: redis.Redis, keys: Keys) -> dict[str, ModelRecord]:
-    """id -> record of every declared model."""
-    return {mid: ModelRecord.from_json(raw) for mid, raw in sorted(r.hgetall(keys.models).items())}
-
-
-def default_model(r: redis.Redis, keys: Keys) -> str | None:
-    return r.hget(keys.config, DEFAULT_MODEL_FIELD) or None
+__all__ = ["add", "declared", "default_model", "live_heartbeats", "live_workers", "lookup", "model_infos",
+           "remove", "resolve", "set_default"]
 
 
 def resolve(r: redis.Redis, keys: Keys, names: Iterable[str]) -> dict[str, str]:
@@ -84,40 +78,3 @@ def set_default(r: redis.Redis, keys: Keys, name: str) -> str:
     record = lookup(r, keys, name)
     r.hset(keys.config, DEFAULT_MODEL_FIELD, record.id)
     return record.id
-
-
-def live_heartbeats(r: redis.Redis, keys: Keys) -> dict[str, Heartbeat | None]:
-    """name -> heartbeat of every worker that ever registered (None: gone, or unreadable)."""
-    names = sorted(r.smembers(keys.workers))
-    beats = r.mget([keys.worker(n) for n in names]) if names else []
-    return {n: Heartbeat.parse(raw) for n, raw in zip(names, beats, strict=True)}
-
-
-def live_workers(beats: dict[str, Heartbeat | None]) -> dict[str, int]:
-    """model id -> live workers serving it ('' = the default queues)."""
-    out: dict[str, int] = {}
-    for hb in beats.values():
-        for mid in hb.served() if hb is not None else ():
-            out[mid] = out.get(mid, 0) + 1
-    return out
-
-
-def model_infos(r: redis.Redis, keys: Keys, beats: dict[str, Heartbeat | None]) -> list[ModelInfo]:
-    """Every declared model with its depth, pending and live workers, then the default queues (id '') when they
-    hold jobs; a model with jobs in its queues and no live worker is `unserved`."""
-    records = declared(r, keys)
-    default = default_model(r, keys)
-    counts = live_workers(beats)
-    infos = []
-    for mid in [*records, ""]:
-        depth = scripts.depth(r, keys.for_model(mid))
-        if not mid and not depth.total and records:
-            continue
-        rec = records.get(mid)
-        # the default queues are served by the default model's workers
-        workers = counts.get(mid, 0) if mid else counts.get("", 0)
-        infos.append(ModelInfo(
-            id=mid, names=rec.names if rec else [], kind=rec.kind.value if rec else "", default=mid == default,
-            context_length=rec.context_length if rec else None, queue_depth=depth.total, pending=depth.pending,
-            by_priority=depth.by_priority, workers=workers, unserved=depth.total > 0 and workers == 0))
-    return infos

@@ -51,6 +51,12 @@ def check_model_name(name: str, what: str = "model") -> str:
     return name
 
 
+def short_name(model: str) -> str:
+    """A checkpoint's short name: a path's or hub id's last part, without `.gguf` (`smollm2-135m` as is)."""
+    last = model.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1] or model
+    return last.removesuffix(".gguf")
+
+
 class ModelRecord(BaseModel):
     """The JSON value of `{ns}:models` field <id>."""
 
