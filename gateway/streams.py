@@ -6,8 +6,9 @@ thread XREADs the token streams ({ns}:job:{id}:tokens) of all open subscriptions
 connection, and hands each request its chunks through an asyncio queue. A waiting stream holds neither a
 thread nor a connection; new subscriptions join the next read (at most BLOCK_MS later).
 
-A job that ends without a done chunk (failed, cancelled while queued) is noticed every RESYNC_S from its
-record; its subscription then ends with END after one last read of its stream.
+Every job that asked for a stream ends it with a done chunk, however it ends (docs/protocol.md, "How a token
+stream ends"); one that ends without (its record gone, or written by an older worker) is noticed every RESYNC_S
+from its record, and its subscription then ends with END after one last read of its stream.
 """
 
 from __future__ import annotations

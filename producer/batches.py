@@ -110,6 +110,9 @@ def _submit_spooled(client: ClientApi, spooled: Spooled | Validated, batch_id: s
                                f"Use a new batch id")
         if record.status != BatchStatus.validating:
             return record
+        if client.redis.llen(k.batch_jobs(batch_id)) != total:  # the first submit stopped inside the list
+            client.redis.delete(k.batch_jobs(batch_id))
+            _write_job_list(client, batch_id, total)
     else:
         ids = models.resolve(client.redis, k, spooled.models or ())  # ModelNotFound: nothing written yet
         per_model = {ids[m] for m in spooled.models or ("",)}
@@ -125,11 +128,7 @@ def _submit_spooled(client: ClientApi, spooled: Spooled | Validated, batch_id: s
         })
         pipe.delete(k.batch_jobs(batch_id))
         pipe.execute()
-        # the id list, in pieces (one transaction held it all) of CHUNK: the client holds no more ids than its
-        # pipe holds jobs in flight
-        for start in range(0, total, CHUNK):
-            client.redis.rpush(k.batch_jobs(batch_id),
-                               *(batch_job_id(batch_id, i) for i in range(start, min(total, start + CHUNK))))
+        _write_job_list(client, batch_id, total)
     progress = None if on_progress is None else (lambda n: on_progress("enqueue", n, total))
     with SubmitPipe(client.redis, k, client.max_queue_len, client.result_ttl, on_chunk=progress) as pipe:
         add = pipe.add_job
@@ -140,6 +139,15 @@ def _submit_spooled(client: ClientApi, spooled: Spooled | Validated, batch_id: s
     log.info("batch_submitted", batch_id=batch_id, endpoint=endpoint, total=total, input_file=spooled.input_file,
              validate_s=round(validate_s, 2), enqueue_s=round(time.perf_counter() - started, 2))
     return get_batch(client, batch_id)
+
+
+def _write_job_list(client: ClientApi, batch_id: str, total: int) -> None:
+    """RPUSH the batch's job ids `{batch_id}-{i}` in input order onto its (empty) job list, CHUNK a call: the
+    client holds no more ids than its pipe holds jobs in flight. A submit stopped half-way leaves a short list,
+    which the re-submit writes again (docs/protocol.md, "Submitting a batch")."""
+    for start in range(0, total, CHUNK):
+        client.redis.rpush(client.keys.batch_jobs(batch_id),
+                           *(batch_job_id(batch_id, i) for i in range(start, min(total, start + CHUNK))))
 
 
 def _check_ids_free(client: ClientApi, batch_id: str, total: int) -> None:

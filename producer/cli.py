@@ -1,4 +1,4 @@
-"""The `tokenbus` command: submit, get, wait, cancel, info, models list|add|remove|default, batch
+"""The `tokenbus` command: submit, get, wait, cancel, info, models list|add|remove|default, exporter, batch
 submit|status|wait|export|cancel, and bench (handed to the bench package, which needs the worker extra:
 nothing here imports it)."""
 
@@ -16,7 +16,7 @@ from typing import Any
 import redis
 import structlog
 
-from producer import batches, models
+from producer import batches, exporter, models
 from producer.client import Client
 from protocol.errors import TokenbusError
 from protocol.keys import DEFAULT_NAMESPACE
@@ -125,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     mr.add_argument("--force", action="store_true", help="even with jobs queued or live workers")
     md = m.add_parser("default", help="make a declared model the default (the model of jobs naming none)")
     md.add_argument("name")
+    e = sub.add_parser("exporter", help="serve the jobs waiting and pending per model as Prometheus metrics "
+                       "(for an autoscaler: it runs while no worker does)")
+    e.add_argument("--model", default="", help="the `model` label of the default queues' jobs while no model is "
+                   "declared (then: the default model's id; every declared model has its own series)")
+    e.add_argument("--port", type=int, default=exporter.DEFAULT_PORT)
 
     b = sub.add_parser("batch", help="OpenAI Batch API JSONL files").add_subparsers(dest="batch_command",
                                                                                      required=True)
@@ -332,6 +337,8 @@ def run(a: argparse.Namespace) -> int:
         elif a.command == "info":
             info = c.info()
             print(info.model_dump_json(indent=2) if a.json else format_info(info))
+        elif a.command == "exporter":
+            return exporter.serve(c.redis, c.keys, a.model, a.port)
         elif a.command == "batch":
             return _batch(c, a)
         elif a.command == "models":

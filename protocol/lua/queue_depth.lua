@@ -1,6 +1,7 @@
 -- QUEUE_DEPTH (client)
--- KEYS: none (the counter is found from the layout). ARGV: 1 the namespace's layout (JSON, _layout.lua),
---       2 (optional) a model's id ('' = the default queues)
+-- KEYS: 1 {ns}:config, only to route the call to the namespace's shard on a Redis Cluster (nothing is read from
+--       it; on a single Redis a call with no KEYS works too): the counter is found from the layout.
+-- ARGV: 1 the namespace's layout (JSON, _layout.lua), 2 (optional) a model's id ('' = the default queues)
 -- Returns {entries in every queue, pending (delivered, not acked), entries of each priority in layout order}
 -- of that model's queues: its depth counter ({ns}:depth or {ns}:m:{id}:depth; recounted first if it is
 -- missing), read in O(1).

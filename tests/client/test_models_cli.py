@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import structlog
+
 from producer.cli import main
 from protocol.keys import Keys
 from protocol.records import ModelInfo
 
 K = Keys("tokenbus")
+
+
+@pytest.fixture(autouse=True)
+def _logging_back():
+    """main() points structlog at this test's captured stderr: the tests after it get the defaults back."""
+    yield
+    structlog.reset_defaults()
 
 
 def run(capsys, url: str, *args: str) -> tuple[int, str, str]:
@@ -60,7 +70,7 @@ def test_the_worker_gauges_every_models_jobs_and_drops_a_retired_one():
                                 workers=1, queue_depth=8),
                       ModelInfo(id="b", by_priority={"bulk": 4}, queue_depth=4, unserved=True)])
     text = generate_latest(m.registry).decode()
-    assert 'tokenbus_jobs_waiting{model="a",priority="bulk"} 5.0' in text
+    assert 'tokenbus_model_jobs{model="a",priority="bulk"} 5.0' in text
     assert 'tokenbus_model_unserved{model="b"} 1.0' in text and 'tokenbus_model_workers{model="a"} 1.0' in text
     m.observe_models([ModelInfo(id="a")])
     assert 'model="b"' not in generate_latest(m.registry).decode()

@@ -125,7 +125,7 @@ class WorkerMetrics:
             self.jobs_by_priority.labels(priority=priority.value)
         # every model of the namespace, from each worker (an autoscaler takes max over workers): a model with
         # queued jobs and no live worker shows here too, through the workers of the other models
-        self.model_jobs = Gauge("tokenbus_jobs_waiting", "Jobs in a model's queues of one priority: queued or "
+        self.model_jobs = Gauge("tokenbus_model_jobs", "Jobs in a model's queues of one priority: queued or "
                                 "running (the model's depth counter); model '' = the default queues.",
                                 ["model", "priority"], registry=r)
         self.model_pending = Gauge("tokenbus_model_jobs_pending", "Jobs of a model delivered to a worker and not "
