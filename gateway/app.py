@@ -11,7 +11,7 @@ import anyio.to_thread
 import structlog
 from fastapi import Depends, FastAPI, Request
 
-from gateway import completions, errors, jobs, routes
+from gateway import completions, errors, jobs, models_api, routes
 from gateway.auth import owner
 from gateway.context import GatewayContext
 from gateway.errors import APIError
@@ -59,6 +59,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(routes.router)
     app.include_router(completions.router)
     app.include_router(jobs.router)
+    app.include_router(models_api.router)
     if settings.ui_enabled:
         from gateway import ui  # jinja2 loads only with the dashboard
 

@@ -26,7 +26,7 @@ from gateway.secrets import signing_secrets
 from gateway.settings import GatewaySettings
 from gateway.webhooks import deliver, parse_networks
 from producer import batches
-from protocol.errors import InvalidBatch, QueueFull
+from protocol.errors import InvalidBatch, ModelNotFound, QueueFull
 from protocol.models import BatchStatus
 
 log = structlog.get_logger("tokenbus.gateway")
@@ -91,8 +91,16 @@ def _submit(ctx: GatewayContext, batch_id: str) -> str:
     ctx.redis.sadd(ctx.gkeys.open_batches, batch_id)
     try:
         # One pass, no spool: the upload validated every line (files.py), so each is sent as it is read again
-        checked = (gw.endpoint, gw.total) if gw.total else None
+        meta = ctx.files.find(gw.owner, gw.input_file_id)
+        checked = (gw.endpoint, gw.total, (meta.models if meta else None) or []) if gw.total else None
         batches.submit_batch(ctx.client, path, batch_id=batch_id, validated=checked, spool_dir=ctx.files.root)
+    except ModelNotFound as err:  # retired since the batch was created
+        if load_core(ctx.redis, ctx.keys, batch_id) is not None:
+            ingest.fail_ingest(ctx, gw, "model_not_found", str(err))
+        else:
+            ingest.end_without_jobs(ctx, gw, "failed", [{"code": "model_not_found", "message": str(err),
+                                                         "param": "model", "line": None}])
+        return "model not found"
     except InvalidBatch as err:  # the upload validated it, so only a changed file gets here
         if load_core(ctx.redis, ctx.keys, batch_id) is not None:  # found part-way: remove what was written
             ingest.fail_ingest(ctx, gw, "invalid_file", f"the input file changed since its upload: {err}")
