@@ -13,7 +13,7 @@ import structlog
 
 from producer import models, openai_batch
 from producer.batch_file import BatchFileReader
-from producer.batch_spool import Progress, Spooled, Validated, spool_batch
+from producer.batch_spool import Progress, Spooled, feed, name_of, spool_batch
 from producer.client_api import ClientApi
 from producer.submit_pipe import SubmitPipe
 from protocol import scripts
@@ -30,37 +30,23 @@ def read_batch(source: str | Path | Iterable[str]) -> tuple[str, list[tuple[str,
     """(endpoint, [(custom_id, request)], the file name when source is a path), the file read as a stream
     by the one batch-file reader (producer/batch_file.py); InvalidBatch naming each bad line."""
     reader = BatchFileReader(keep=True, max_errors=None)
-    name: str | None = None
-    if isinstance(source, str | Path):
-        path = Path(source)
-        if not path.is_file():
-            raise InvalidBatch(f"batch input file {str(path)!r} does not exist or is not a file")
-        with path.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 16), b""):
-                reader.feed(chunk)
-        name = str(path)
-    else:
-        for text in source:  # one line each (a line may keep its newline)
-            reader.feed(text.encode("utf-8", "surrogatepass"))
-            if not text.endswith("\n"):
-                reader.feed(b"\n")
-    reader.close()
+    for _ in feed(reader, source):
+        pass
     problem = reader.problem("nothing was submitted")
     if problem:
         raise InvalidBatch(problem, line_errors=reader.errors)
-    return reader.endpoint or "", reader.parsed, name
+    return reader.endpoint or "", reader.parsed, name_of(source)
 
 
 def submit_batch(
     client: ClientApi,
-    source: str | Path | Iterable[str],
+    source: str | Path | Iterable[str] | Spooled,
     *,
     batch_id: str | None = None,
     model: str | None = None,
     priority: str = Priority.bulk,
     on_progress: Progress | None = None,
     spool_dir: str | Path | None = None,
-    validated: tuple[str, int] | tuple[str, int, Iterable[str]] | None = None,
 ) -> BatchRecord:
     """Validate the whole input, then write the batch record and one job per line (ids `{batch_id}-{i}`).
 
@@ -72,24 +58,25 @@ def submit_batch(
     Memory stays flat in the file's size: pass 1 validates the input into a spool file on disk (spool_dir,
     default the system's temporary directory; producer/batch_spool.py), pass 2 streams it to Redis with chunks
     in flight (producer/submit_pipe.py). on_progress(stage, done, total): "validate" in bytes, "enqueue" in jobs.
-    validated: (endpoint, requests[, the models its lines name]) of a file checked already (the gateway's
-    upload): one pass, each line sent as soon as it is validated again; a line that has become invalid raises
-    InvalidBatch after the jobs before it were written (batch_spool.Validated).
+    source a Spooled (validated already: the gateway's upload kept its spool, batch_spool.open_spool): its
+    requests are sent as they are, with the priority they were validated with; nothing is read or validated
+    again. One that has changed since raises InvalidBatch after the jobs before it were written.
     A batch may mix models: each line waits on its own model's queue. One naming a model nobody declared
     refuses the whole batch before anything is written (ModelNotFound).
     """
     priority = Priority(priority).value
     k = client.keys
     existing = client.redis.hgetall(k.batch(check_job_id(batch_id, "batch id"))) if batch_id else {}
-    if existing:
-        priority = existing.get("priority") or priority
+    if isinstance(source, Spooled):
+        priority = source.priority
+    created = (existing.get("priority") or priority) if existing else priority
+    if created != priority and isinstance(source, Spooled):
+        source.close()
+        raise InvalidBatch(f"batch {batch_id!r} was created with priority {created}; these requests were "
+                           f"validated for {priority}. Use a new batch id")
+    priority = created  # a resumed submit keeps the batch's priority
     started = time.perf_counter()
-    if validated is not None and isinstance(source, str | Path):
-        named = set(validated[2]) if len(validated) > 2 else None  # type: ignore[misc]
-        spooled: Spooled | Validated = Validated(validated[0], validated[1], source, model, priority,
-                                                 {model} if model is not None else named)
-    else:
-        spooled = spool_batch(source, model, priority, on_progress, spool_dir)
+    spooled = source if isinstance(source, Spooled) else spool_batch(source, model, priority, on_progress, spool_dir)
     try:
         return _submit_spooled(client, spooled, batch_id, existing, priority, on_progress,
                                validate_s=time.perf_counter() - started)
@@ -97,7 +84,7 @@ def submit_batch(
         spooled.close()
 
 
-def _submit_spooled(client: ClientApi, spooled: Spooled | Validated, batch_id: str | None, existing: dict[str, str],
+def _submit_spooled(client: ClientApi, spooled: Spooled, batch_id: str | None, existing: dict[str, str],
                     priority: str, on_progress: Progress | None, validate_s: float) -> BatchRecord:
     started = time.perf_counter()
     k, total, endpoint = client.keys, spooled.total, spooled.endpoint
@@ -115,8 +102,7 @@ def _submit_spooled(client: ClientApi, spooled: Spooled | Validated, batch_id: s
             _write_job_list(client, batch_id, total)
     else:
         ids = models.resolve(client.redis, k, spooled.models or ())  # ModelNotFound: nothing written yet
-        per_model = {ids[m] for m in spooled.models or ("",)}
-        for mid in per_model:  # each model's queues hold at most max_queue_len (a mixed batch: checked for each)
+        for mid in {ids[m] for m in spooled.models or ("",)}:  # each model's queues hold at most max_queue_len
             client.check_capacity(total, mid)
         _check_ids_free(client, batch_id, total)
         pipe = client.redis.pipeline(transaction=True)

@@ -216,9 +216,9 @@ jobs). Main before this change measured 1,291 B/job beyond a 158-byte request at
 How the submit streams (producer/batch_spool.py, producer/submit_pipe.py): pass 1 validates each line and
 writes its final request JSON to a spool file on disk (the custom_ids checked for repeats in ~12 bytes each,
 producer/seen_ids.py); pass 2 streams the spool to Redis, SUBMIT_JOBS with {CALL_JOBS} jobs a call and {DEPTH}
-calls in flight while the next is packed. The gateway's tasks process reads a file its upload validated in one
-pass, each line sent as it is validated again (no spool). Export and finalisation read the records 1,000 at a
-time.
+calls in flight while the next is packed. The gateway's upload writes the same spool as it validates, and its
+tasks process streams that spool (pass 2 only: nothing validated again). Export and finalisation read the
+records 1,000 at a time.
 The machine is shared (load average during the run: {res["load"]}): lines/s are lower bounds.
 """
 

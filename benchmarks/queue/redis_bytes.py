@@ -1,4 +1,4 @@
-"""Redis bytes per queued batch job, by request size: what gateway.capacity's estimate must cover.
+"""Redis bytes per queued batch job, by request size: what gateway.batches.capacity's estimate must cover.
 
 Submits batches of N lines (the gateway's own path: producer.batches.submit_batch on an OpenAI batch file)
 into a fresh redis-server and reads INFO used_memory before and after; nothing runs them. Prints a table,
@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from bench.harness import parser
-from gateway.capacity import BODY_FACTOR, JOB_OVERHEAD_BYTES, estimate
+from gateway.batches.capacity import BODY_FACTOR, JOB_OVERHEAD_BYTES, estimate
 from producer import Client, batches
 from testbed.redis_server import RedisServer
 
@@ -77,7 +77,7 @@ job record holds short fields only: docs/protocol.md) plus fixed bookkeeping; ba
 
 {text}
 
-Fit: bytes per job = {a0:.0f} + {b0:.2f} x line bytes. The gateway's estimate (gateway/capacity.py,
+Fit: bytes per job = {a0:.0f} + {b0:.2f} x line bytes. The gateway's estimate (gateway/batches/capacity.py,
 checked before a batch is queued) is {JOB_OVERHEAD_BYTES} + {BODY_FACTOR} x line bytes, above every row.
 A running or ended job keeps its record (with the result) until result_ttl; the estimate covers the
 queued state, which is what a flood of batches fills.

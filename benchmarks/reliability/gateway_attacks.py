@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from bench.harness import parser
-from gateway.webhooks import DeliveryFailed, deliver, parse_networks
+from gateway.webhooks.delivery import DeliveryFailed, deliver, parse_networks
 from testbed import light_gateway as lg
 from testbed.light_gateway import TrickleReceiver, chat_line, start_light_stack, stop_light_stack
 

@@ -24,7 +24,7 @@ KEY = "sk-bench-" + "k" * 24
 
 
 def populate(r, n_batches: int, big: int) -> str:
-    from gateway.batch_records import GatewayBatch
+    from gateway.batches.records import GatewayBatch
     from gateway.keys import GatewayKeys
     from gateway.settings import owner_id
     from protocol.keys import Keys

@@ -197,3 +197,30 @@ def test_every_benchmark_starts_from_its_place():
                              cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert cli.returncode == 0 and f"tokenbus bench {sub}" in cli.stdout, (sub, cli.stderr[-2000:])
         assert all(flag in cli.stdout for flag in ("--rounds", "--json")), (sub, cli.stdout)
+
+
+ROUTE_METHODS = {"get", "post", "put", "patch", "delete", "head", "options", "trace", "api_route", "route",
+                 "websocket", "add_api_route", "add_route", "add_websocket_route", "add_api_websocket_route"}
+
+
+def routes_in(path: Path) -> list[int]:
+    """Lines of `path` that declare an HTTP route: a route decorator (`@router.get(...)`, `@app.post(...)`)
+    or a call adding one (`app.add_api_route(...)`)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        decorators = getattr(node, "decorator_list", [])
+        calls = [d for d in decorators if isinstance(d, ast.Call)]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr.startswith("add_"):
+            calls.append(node)
+        lines += [c.lineno for c in calls if isinstance(c.func, ast.Attribute) and c.func.attr in ROUTE_METHODS]
+    return lines
+
+
+def test_every_gateway_route_lives_in_api():
+    """A newcomer finds an endpoint by its resource under gateway/api/. The dashboard's pages are their own
+    room (gateway/ui/: HTML for people, not the API)."""
+    gateway = ROOT / "gateway"
+    outside = [f"{path.relative_to(ROOT)}:{line}" for path in sorted(gateway.rglob("*.py"))
+               if path.relative_to(gateway).parts[0] not in ("api", "ui") for line in routes_in(path)]
+    assert not outside, "gateway routes outside gateway/api/: " + ", ".join(outside)
+    assert routes_in(gateway / "api" / "files.py"), "the route finder finds no route where there are some"

@@ -9,7 +9,7 @@ import time
 import openai
 import pytest
 
-from gateway.capacity import estimate
+from gateway.batches.capacity import estimate
 from testbed.light_gateway import chat_line, wait_until
 
 

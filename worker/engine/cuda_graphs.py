@@ -95,11 +95,6 @@ class StaticDecode:
     def bucket(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
 
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, PreparedStep]:
-        """The padded step's final hidden states [bucket, hidden] (rows past the batch are padding)."""
-        step = self.prepare(batch)
-        return self.execute(step), step
-
     def prepare(self, batch: ScheduledBatch, ahead: Ahead | None = None) -> PreparedStep:
         b = self.bucket(len(batch.seqs))
         w = self.widths.pick(b, max(len(s.block_table) for s in batch.seqs))

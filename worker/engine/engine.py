@@ -16,18 +16,16 @@ import structlog
 import torch
 
 from protocol.priority import Priority, rank_of
-from worker.engine import kv_cache, loader, warmup
-from worker.engine.backends import select_backend
+from worker.engine import loader, model_setup
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig, bulk_min_seats
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.errors import EngineError, EngineFault, InvalidRequest, fault
 from worker.engine.guided import GuidedDecoding
-from worker.engine.model_runner import ModelRunner, kv_bytes_per_block
-from worker.engine.models import registry
 from worker.engine.outputs import Choice, EngineStats, RequestOutput, StepDeltas
 from worker.engine.overlap import Overlap
-from worker.engine.quant import fp8, schemes
+from worker.engine.parallel import sharded_loading
+from worker.engine.parallel.launch import TensorParallel
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import ScheduledBatch, Scheduler
@@ -37,9 +35,6 @@ from worker.engine.stop_checker import StopChecker
 log = structlog.get_logger("tokenbus.engine")
 
 Prompt = str | list[int] | list[dict[str, Any]]
-CUDA_MAX_NUM_SEQS = 256  # max_num_seqs when the config leaves it None: a GPU step is cheap per row
-CPU_MAX_NUM_SEQS = 64  # the CPU's panel linears serve up to 64 rows (backends/cpu_linear.py)
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class Engine:
@@ -52,59 +47,27 @@ class Engine:
         else:
             self.config = EngineConfig(model=model, **options)
         cfg = self.config
-        self.device = torch.device(_resolve_device(cfg.device))
-        self.dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else (
-            torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         started = time.perf_counter()
-        source = loader.resolve(cfg.model, cfg.cache_dir)
-        hf_config = loader.load_config(source)
-        arch = registry.model_arch(hf_config, cfg.model, cfg.model_impl)
-        self.model_path = registry.model_path(arch)  # "native" or "transformers"
+        self.device = model_setup.resolve_device(cfg.device)
+        spec = model_setup.resolve(cfg, self.device)
+        self.dtype, self.max_model_len, arch = spec.dtype, spec.max_model_len, spec.arch
+        self.model_path = spec.model_path  # "native" or "transformers"
         self.model_name = cfg.model
-        self.checkpoint = loader.checkpoint_id(cfg.model, hf_config)  # which weights (the model registry's check)
-        self.tokenizer = loader.load_tokenizer(source)
-        self.eos_token_ids = loader.load_generation_eos(source, hf_config, self.tokenizer)
-        self.max_model_len = min(cfg.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
-        schemes.check_scheme(cfg.quantization, self.device, self.dtype)
-        fp8_loading = fp8.plan(hf_config, source.directory, cfg, self.device, self.model_path)
-        self.backend = select_backend(self.device, self.dtype, cfg.cpu_kernels, cfg.cache_dir)
-        self.backend.check_model(arch, cfg.model)
-        self.kv_dtype = kv_cache.storage_dtype(cfg.kv_cache_dtype, self.device, self.dtype, self.backend.name)
-        self.max_num_seqs = cfg.max_num_seqs or (CUDA_MAX_NUM_SEQS if self.device.type == "cuda" else CPU_MAX_NUM_SEQS)
-        if cfg.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}) on {self.device.type}: each running sequence needs one token of the budget"
-            )
-        # graphs replay the padded decode path, so they need it; static_decode None follows the graphs
-        self.cuda_graphs = self.device.type == "cuda" and cfg.cuda_graphs and cfg.static_decode is not False
-        # transformers' own modeling code was never checked under graph capture: the fallback runs eagerly
-        self.cuda_graphs = self.cuda_graphs and self.model_path == "native"
-        static_decode = cfg.static_decode if cfg.static_decode is not None else self.cuda_graphs
-        self.model = registry.build_model(arch, hf_config, source, self.backend, self.dtype, self.device,
-                                          self.max_model_len, fp8_loading.weights(loader.iter_weights),
-                                          prepare=fp8_loading.prepare)
-        fp8_loading.finish(self.model, self.device)
-        self.quantized_cache = None  # the int8 cache file this engine read or wrote
-        if cfg.quantization in ("int8", "w8a8"):
-            self.quantized_cache = schemes.apply_int8(self.model, source.directory, cfg.cache_dir,
-                                                           w8a8=cfg.quantization == "w8a8")
-            self.model.eval().requires_grad_(False)
-        self.backend.prepare(self.model)
-        max_blocks_per_seq = -(-self.max_model_len // cfg.block_size)
-        self.backend.reserve(arch, self.max_num_seqs, max_blocks_per_seq * cfg.block_size, self.device)
-        num_blocks = self._num_kv_blocks()
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.stop_checker = StopChecker(self.eos_token_ids)
-        self.guided = GuidedDecoding(self.tokenizer, arch.vocab_size, self.eos_token_ids, self.device)
-        self.scheduler = Scheduler(self.block_manager, self.stop_checker, self.max_num_seqs,
-                                   cfg.max_num_batched_tokens, self.guided,
-                                   bulk_min_seats=bulk_min_seats(cfg.bulk_min_fraction, self.max_num_seqs))
-        self.sampler = Sampler(arch.vocab_size, self.device, self.eos_token_ids, self.backend)
-        self.runner = ModelRunner(self.model, self.sampler, num_blocks, cfg.block_size, self.device, self.kv_dtype,
-                                  self.max_num_seqs, self.max_model_len, static_decode, guided=self.guided)
-        if self.device.type == "cuda":
-            self._warm_up()
+        self.checkpoint = loader.checkpoint_id(cfg.model, spec.hf_config)  # which weights (the registry's check)
+        self.tokenizer = loader.load_tokenizer(spec.source)
+        self.eos_token_ids = loader.load_generation_eos(spec.source, spec.hf_config, self.tokenizer)
+        # tensor parallelism (worker/engine/parallel/): this process is rank 0; the other ranks start here
+        self.parallel: TensorParallel | None = None
+        if cfg.tensor_parallel_size > 1:
+            shard = sharded_loading.check_shardable(spec.source, arch, self.model_path, spec.hf_config,
+                                                    cfg.tensor_parallel_size, cfg.quantization)
+            self.parallel = TensorParallel(cfg, shard, self.device)
+        try:
+            self._set_up(cfg, spec)
+        except BaseException:
+            if self.parallel is not None:
+                self.parallel.abort()
+            raise
         self.requests: dict[str, Sequence] = {}  # choice 0 of every request inside
         self.choices: dict[str, list[Sequence]] = {}  # all n choices of every request inside
         # choices 1.. of an n > 1 request wait here until choice 0 has computed (and so cached) the prompt:
@@ -119,57 +82,48 @@ class Engine:
             self.device.type == "cuda" or os.environ.get("TOKENBUS_OVERLAP") == "1")  # the env: test suites
         self.overlap = Overlap(self.scheduler, self.runner, self.guided, self.finish_step) if overlap else None
         log.info(
-            "engine_ready", model=cfg.model, device=str(self.device), dtype=str(self.dtype), kv_blocks=num_blocks,
+            "engine_ready", model=cfg.model, device=str(self.device), dtype=str(self.dtype),
+            kv_blocks=self.block_manager.num_blocks, tensor_parallel_size=cfg.tensor_parallel_size,
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             block_size=cfg.block_size, max_model_len=self.max_model_len, backend=self.backend.name,
-            max_num_seqs=self.max_num_seqs, static_decode=static_decode, cuda_graphs=self.cuda_graphs,
+            max_num_seqs=self.max_num_seqs, static_decode=self.static_decode, cuda_graphs=self.cuda_graphs,
             model_path=self.model_path, overlap=overlap, load_s=round(time.perf_counter() - started, 2),
         )
 
-    def _num_kv_blocks(self) -> int:
-        """Blocks for the sequences (the runner adds one pad block): a fixed count, kv_cache_gb, or on CUDA
-        what the card has left after the profiled peak of the largest step and the graphs' pool."""
-        cfg = self.config
-        per_block = kv_bytes_per_block(self.model, cfg.block_size, self.kv_dtype)
-        if cfg.num_kv_blocks:
-            return cfg.num_kv_blocks
-        if cfg.kv_cache_gb is not None:
-            budget = cfg.kv_cache_gb * 1024**3
-        elif self.device.type == "cuda":
-            budget = self._cuda_kv_budget()
-        else:
-            budget = 1024**3
-        blocks = int(budget // per_block) - 1
-        if blocks < 1:
-            raise ValueError("no memory left for the KV cache: raise kv_cache_gb / gpu_memory_utilization")
-        return blocks
+    def _set_up(self, cfg: EngineConfig, spec: model_setup.ModelSpec) -> None:
+        """The model, its KV cache, the scheduler and the sampler (on every rank's side: model_setup.py)."""
+        tp = self.parallel.group if self.parallel is not None else None
+        setup = model_setup.set_up(cfg, self.device, spec, tp)
+        self.model, self.backend, self.kv_dtype = setup.model, setup.backend, setup.kv_dtype
+        self.quantized_cache, self.max_num_seqs, self.cuda_graphs = setup.quantized_cache, setup.max_num_seqs, \
+            setup.cuda_graphs
+        self.block_manager = BlockManager(setup.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.stop_checker = StopChecker(self.eos_token_ids)
+        self.guided = GuidedDecoding(self.tokenizer, spec.arch.vocab_size, self.eos_token_ids, self.device)
+        self.scheduler = Scheduler(self.block_manager, self.stop_checker, self.max_num_seqs,
+                                   cfg.max_num_batched_tokens, self.guided,
+                                   bulk_min_seats=bulk_min_seats(cfg.bulk_min_fraction, self.max_num_seqs))
+        self.sampler = Sampler(spec.arch.vocab_size, self.device, self.eos_token_ids, self.backend)
+        self.runner = model_setup.make_runner(setup, cfg, self.device, self.max_model_len, self.sampler, self.guided)
+        self.weight_bytes = [setup.weight_bytes]  # per rank
+        if self.parallel is not None:
+            self.weight_bytes = tp.gather_ints(setup.weight_bytes)
+            self.runner.channel = self.parallel.channel
+            self.parallel.start_serving()
+            log.info("tensor_parallel_weights", bytes_per_rank=self.weight_bytes,
+                     fused_decode="off: the one-call C++ decode step has no all-reduce between its layers")
+        self.static_decode = setup.static_decode
 
-    def _cuda_kv_budget(self) -> float:
-        cfg = self.config
-        width = -(-self.max_model_len // cfg.block_size)
-        args = (cfg.block_size, self.kv_dtype, self.device)
-        peak = warmup.profile_peak(self.model, cfg.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
-                                   *args)
-        graphs = warmup.decode_peak(self.model, self.max_num_seqs, width, *args) if self.cuda_graphs else 0
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = total * cfg.gpu_memory_utilization - peak - graphs
-        # another process on the card shrinks what is really free
-        budget = min(budget, free - graphs - (peak - torch.cuda.memory_allocated(self.device)))
-        log.info("kv_cache_plan", total_gib=round(total / 1024**3, 2), peak_gib=round(peak / 1024**3, 3),
-                 graph_pool_gib=round(graphs / 1024**3, 3), kv_gib=round(max(budget, 0) / 1024**3, 2))
-        return max(budget, 0)
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing to do for one rank)."""
+        if self.parallel is not None:
+            self.parallel.close()
 
-    def _warm_up(self) -> None:
-        """Every kernel variant the serve loop hits, compiled before the first request; then the graphs."""
-        started = time.perf_counter()
-        runner, cfg = self.runner, self.config
-        shapes = runner.static.shapes() if runner.static is not None and not self.cuda_graphs else None
-        warmup.warm_up(self.model, runner.kv_caches, runner.pad_block, cfg.block_size, runner.max_blocks_per_seq,
-                       self.max_num_seqs, cfg.max_num_batched_tokens, shapes)
-        torch.cuda.synchronize(self.device)
-        warm_s = time.perf_counter() - started
-        graph_s = runner.static.capture() if self.cuda_graphs else 0.0
-        log.info("engine_warmed_up", kernels_s=round(warm_s, 2), graphs_s=round(graph_s, 2))
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ---- requests -------------------------------------------------------------------------------------------
 
@@ -382,11 +336,3 @@ class Engine:
                 raise InvalidRequest(why, code=errors[0].code)
             raise EngineFault(why)
         return [results[rid] for rid in ids]
-
-
-def _resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for, but CUDA is not available here")
-    return device

@@ -36,7 +36,9 @@ class CpuBackend(ReferenceBackend):
 
     def prepare(self, model: torch.nn.Module) -> None:
         use_cpu_linears(model, self.ext)
-        self.fused = FusedDecodeLayers.build(model, self.ext)
+        # off under tensor parallelism: the one C++ call runs every layer with no way out between them, and a
+        # sharded layer needs two all-reduces (after o_proj and down_proj); the per-layer path takes them
+        self.fused = FusedDecodeLayers.build(model, self.ext) if self.tp is None else None
 
     # ---- attention ----------------------------------------------------------------------------------------
 

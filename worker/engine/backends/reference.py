@@ -30,6 +30,13 @@ if TYPE_CHECKING:
 
 class ReferenceBackend:
     name = "torch-reference"
+    # the rank's TpGroup when the engine is one rank of a tensor-parallel worker (worker/engine/parallel/):
+    # the model sizes its sharded layers by it and sums row-parallel outputs through all_reduce
+    tp: Any = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel output summed over the ranks (as it is without tensor parallelism)."""
+        return x if self.tp is None else self.tp.all_reduce(x)
 
     def check_model(self, arch: Any, model_name: str) -> None:
         """Raises ValueError naming the model and the limit when the kernels cannot serve its shapes."""

@@ -218,7 +218,7 @@ class Attention(nn.Module):
             )
             if p < num_tokens:
                 out[p:] = self._decode(q[p:], kv_cache, meta)
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        return self.backend.all_reduce(self.o_proj(out.view(num_tokens, self.q_size)))  # row-parallel under TP
 
     def _decode(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         return self.backend.decode_attention(
@@ -238,7 +238,7 @@ class MLP(nn.Module):
         self.act_and_mul = backend.gelu_tanh_and_mul if arch.hidden_act == "gelu_pytorch_tanh" else backend.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        return self.backend.all_reduce(self.down_proj(self.act_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
@@ -280,10 +280,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.backend = backend
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # vocabulary-parallel under TP: this rank's rows of the embedding and of lm_head (parallel/shard.py)
+        start, stop = backend.tp.shard.vocab_span() if backend.tp is not None else (0, arch.vocab_size)
+        self.vocab_start, self.vocab_rows = start, stop - start
+        self.embed_tokens = nn.Embedding(self.vocab_rows, arch.hidden_size)
         self.layers = nn.ModuleList(self.layer_type(arch, backend, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backend)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = nn.Linear(arch.hidden_size, self.vocab_rows, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary: RotaryEmbedding | None = None  # attached by the engine, sized to its context
@@ -302,13 +305,32 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         rotary = self.rotary.cos_sin(positions, x.dtype)
         x, residual = self.backend.run_layers(self, x, rotary, kv_caches, meta)
         return self.norm.add(x, residual)[0]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings; under TP each rank looks up the ids in its rows (zeros for the others) and
+        the ranks' rows are summed: one value and zeros, so exactly the unsharded lookup."""
+        tp = self.backend.tp
+        if tp is None:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_rows)
+        x = self.embed_tokens(local.clamp(0, max(self.vocab_rows - 1, 0)))
+        return tp.all_reduce(x.masked_fill_(outside.unsqueeze(1), 0.0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """[rows, vocab] logits; under TP each rank's vocabulary slice, gathered (rank 0 samples on them)."""
+        logits = self.lm_head(hidden)
+        tp = self.backend.tp
+        if tp is None:
+            return logits
+        per_rank = tp.shard.vocab_per_rank
+        if logits.shape[1] < per_rank:  # the last rank's shorter slice, padded to the others' width
+            logits = torch.nn.functional.pad(logits, (0, per_rank - logits.shape[1]))
+        return tp.gather_columns(logits, self.arch.vocab_size)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,6 +1,6 @@
 """Per-key quotas on queued batch work: a new batch is refused (429 quota_exceeded) when the key's unfinished
 batches and it together would hold more requests or tokens than max_queued_requests_per_key /
-max_queued_tokens_per_key. Interactive calls have their own per-key limits (quotas.py)."""
+max_queued_tokens_per_key. Interactive calls have their own per-key limits (live/quotas.py)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import redis
 import structlog
 from starlette.concurrency import run_in_threadpool
 
-from gateway.background import Background
+from gateway.live.background import Background
 from producer.client import Client
 from protocol.errors import JobNotFound
 from protocol.models import Job

@@ -13,7 +13,7 @@ import time
 import redis
 import structlog
 
-from gateway.background import Background
+from gateway.live.background import Background
 from protocol import scripts
 from protocol.connection import redis_from_url
 from protocol.keys import Keys

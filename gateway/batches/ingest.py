@@ -18,8 +18,8 @@ import redis
 import structlog
 from rq.job import Job as RQJob
 
-from gateway import capacity
-from gateway.batch_records import GatewayBatch, load_core
+from gateway.batches import capacity
+from gateway.batches.records import GatewayBatch, load_core
 from gateway.context import GatewayContext
 from gateway.enqueue import enqueue_submit, enqueue_webhook
 from producer import batches

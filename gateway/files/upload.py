@@ -13,7 +13,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.concurrency import run_in_threadpool
 
 from gateway.errors import invalid
-from gateway.files import PURPOSES_UPLOADED, FileMeta, FileStore, Upload
+from gateway.files.store import PURPOSES_UPLOADED, FileMeta, FileStore, Upload
 
 MAX_FIELD_BYTES = 4096
 MAX_FIELDS = 20

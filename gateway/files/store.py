@@ -4,6 +4,10 @@ Why a volume and not Redis: batch files run to hundreds of MB, and Redis holds t
 noeviction, so a few big files there would refuse the queue's own writes (and slow AOF rewrites). A file on
 disk also streams in and out in constant memory. The cost: every gateway and tasks process must mount the
 same files_dir (one box: a named volume; several boxes: a shared filesystem).
+
+A batch input file has its validated requests beside it (`{file_id}.requests`, producer/batch_spool.py's
+spool: one line each, the request JSON as the submit sends it), written by the upload as it validates each
+line; the submit task streams that to Redis and never reads or validates the file again.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO
 
 import redis
 import structlog
@@ -22,10 +26,14 @@ from pydantic import BaseModel
 from gateway.errors import invalid, not_found
 from gateway.keys import GatewayKeys
 from producer.batch_file import BatchFileReader
+from producer.batch_spool import spool_writer
+from producer.openai_batch import submit_fields
+from protocol.priority import Priority
 
 log = structlog.get_logger("tokenbus.gateway")
 
 PURPOSES_UPLOADED = ("batch",)  # what a client may upload; "batch_output" files are made by finalisation
+BATCH_PRIORITY = Priority.bulk  # every gateway batch's queue: set in each request as the upload validates it
 
 
 class FileMeta(BaseModel):
@@ -57,6 +65,10 @@ class FileStore:
     def path(self, file_id: str) -> Path:
         # Two hex characters of fan-out keep any one directory small.
         return self.root / file_id[-2:] / file_id
+
+    def requests_path(self, file_id: str) -> Path:
+        """A batch input file's validated requests, as its submit sends them (written by its upload)."""
+        return self.path(file_id).with_name(f"{file_id}.requests")
 
     def find(self, owner: str, file_id: str) -> FileMeta | None:
         """The file's metadata, or None unless it exists and belongs to owner."""
@@ -95,21 +107,26 @@ class FileStore:
         pipe.zrem(self.keys.files(owner), file_id)
         pipe.execute()
         self.path(file_id).unlink(missing_ok=True)
+        self.requests_path(file_id).unlink(missing_ok=True)
         log.info("file_deleted", file_id=file_id, owner=owner)
 
 
 class Upload:
-    """One file being uploaded: bytes go to a hidden part file and through the batch-line validator."""
+    """One file being uploaded: bytes go to a hidden part file and through the batch-line validator, which
+    writes each valid line's request JSON (with the batch priority set) to a hidden part file of its own."""
 
     def __init__(self, store: FileStore, owner: str, file_id: str) -> None:
         self.store, self.owner, self.id = store, owner, file_id
-        self.final = store.path(file_id)
+        self.final, self.final_requests = store.path(file_id), store.requests_path(file_id)
         self.final.parent.mkdir(parents=True, exist_ok=True)
         self.part = self.final.with_name(f".{file_id}.part")
+        self.requests_part = self.final.with_name(f".{file_id}.requests.part")
         self._f: BinaryIO | None = self.part.open("wb")
+        self._requests: IO[str] | None = self.requests_part.open("w", encoding="utf-8")
         self.bytes = 0
         self.validator = BatchFileReader(store.max_line_bytes, max_tokens=store.max_tokens,
-                                         max_requests=store.max_requests)
+                                         max_requests=store.max_requests, on_request=spool_writer(self._requests),
+                                         overrides=submit_fields(None, BATCH_PRIORITY))
 
     def write(self, data: bytes) -> None:
         """Blocking (file I/O, validation): the caller runs it in a thread."""
@@ -120,12 +137,16 @@ class Upload:
 
     def commit(self, filename: str, purpose: str) -> FileMeta:
         """Validate, move into place, record. Raises a 400 naming the bad lines (and keeps nothing)."""
+        self.validator.close()  # first: its last line (no newline after it) is spooled now
         self._close()
-        self.validator.close()
         problem = self.validator.upload_problem()
         if problem:
             self.abort()
             raise invalid(problem, param="file", code="invalid_batch_file")
+        if self.validator.error_count:  # a batch of it fails in validating: no request of it will be sent
+            self.requests_part.unlink(missing_ok=True)
+        else:
+            os.replace(self.requests_part, self.final_requests)
         os.replace(self.part, self.final)
         meta = FileMeta(id=self.id, owner=self.owner, filename=filename, purpose=purpose, bytes=self.bytes,
                         created_at=time.time(), endpoint=self.validator.endpoint,
@@ -139,8 +160,10 @@ class Upload:
     def abort(self) -> None:
         self._close()
         self.part.unlink(missing_ok=True)
+        self.requests_part.unlink(missing_ok=True)
 
     def _close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        for f in (self._f, self._requests):
+            if f is not None:
+                f.close()
+        self._f = self._requests = None

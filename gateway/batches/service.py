@@ -12,13 +12,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from gateway import capacity, ingest
-from gateway.batch_quota import check_batch_quota
-from gateway.batch_records import WINDOWS, GatewayBatch, batch_object, load_core
+from gateway.batches import capacity, ingest
+from gateway.batches.quota import check_batch_quota
+from gateway.batches.records import WINDOWS, GatewayBatch, batch_object, load_core
 from gateway.context import GatewayContext
 from gateway.enqueue import enqueue_submit
 from gateway.errors import APIError, invalid, not_found
-from gateway.webhooks import check_url, literal_address_problem
+from gateway.webhooks.delivery import check_url, literal_address_problem
 from producer import batches, models
 from producer.openai_batch import CHAT, COMPLETIONS
 from protocol.models import describe_validation_error

@@ -17,7 +17,7 @@ import time
 import redis
 import structlog
 
-from gateway import ingest
+from gateway.batches import ingest
 from gateway.context import GatewayContext
 from gateway.enqueue import enqueue_finalize
 from producer import batches

@@ -46,7 +46,7 @@ class GatewayBatch(BaseModel):
     finalizing_at: float | None = None
     ended_at: float | None = None  # completed_at / failed_at / cancelled_at / expired_at by final_status
     total: int | None = None  # the input file's requests; at finalisation, as the producer's record counted
-    tokens: int | None = None  # the input file's token estimate (quotas.py: queued tokens per key)
+    tokens: int | None = None  # the input file's token estimate (quota.py: queued tokens per key)
     # Copied from the producer's record at finalisation: that record expires after result_ttl.
     completed: int | None = None
     failed: int | None = None

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import redis
 import structlog
 
-from gateway.background import Background
+from gateway.live.background import Background
 from producer.client import TokenChunk
 from protocol.connection import redis_from_url
 from protocol.keys import Keys

@@ -1,4 +1,4 @@
-"""The /v1/files and /v1/batches endpoints (thin: the work is in files.py, upload.py and batch_service.py)."""
+"""/v1/files: upload (streamed to the volume), list, retrieve, download, delete (the work is in files/)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,13 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse
 from starlette.concurrency import run_in_threadpool
 
-from gateway import batch_service
 from gateway.auth import owner
 from gateway.errors import APIError, invalid
-from gateway.http import get_ctx, json_body
-from gateway.upload import receive_upload
+from gateway.files.upload import receive_upload
+from gateway.http import get_ctx
 
 router = APIRouter()
 
-
-# ---- files ---------------------------------------------------------------------------------------------------
 
 @router.post("/v1/files")
 async def create_file(request: Request, who: str = Depends(owner)) -> dict[str, Any]:
@@ -73,27 +70,3 @@ async def file_content(file_id: str, request: Request, who: str = Depends(owner)
 async def delete_file(file_id: str, request: Request, who: str = Depends(owner)) -> dict[str, Any]:
     await run_in_threadpool(get_ctx(request).files.delete, who, file_id)
     return {"id": file_id, "object": "file", "deleted": True}
-
-
-# ---- batches -------------------------------------------------------------------------------------------------
-
-@router.post("/v1/batches")
-async def create_batch(request: Request, who: str = Depends(owner)) -> dict[str, Any]:
-    req = batch_service.parse_create(await json_body(request))
-    return await run_in_threadpool(batch_service.create, get_ctx(request), who, req)
-
-
-@router.get("/v1/batches")
-async def list_batches(request: Request, who: str = Depends(owner), after: str | None = None,
-                       limit: int = 20) -> dict[str, Any]:
-    return await run_in_threadpool(batch_service.list_page, get_ctx(request), who, after, limit)
-
-
-@router.get("/v1/batches/{batch_id}")
-async def retrieve_batch(batch_id: str, request: Request, who: str = Depends(owner)) -> dict[str, Any]:
-    return await run_in_threadpool(batch_service.retrieve, get_ctx(request), who, batch_id)
-
-
-@router.post("/v1/batches/{batch_id}/cancel")
-async def cancel_batch(batch_id: str, request: Request, who: str = Depends(owner)) -> dict[str, Any]:
-    return await run_in_threadpool(batch_service.cancel, get_ctx(request), who, batch_id)
