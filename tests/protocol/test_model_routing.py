@@ -113,3 +113,27 @@ def test_retire_keeps_a_model_with_queued_jobs_unless_forced(make_client):
     models.remove(c.redis, K, "a2", force=True)
     assert c.redis.hlen(K.models) == 0 and c.redis.hlen(K.model_names) == 0
     assert models.default_model(c.redis, K) is None
+
+
+def test_a_job_naming_a_model_costs_one_redis_command_more_and_one_naming_none_the_same(make_client):
+    """INFO commandstats around one submit each: the model's lookup is one HGET inside SUBMIT_JOB, no round
+    trip; a job naming no model runs exactly the commands it ran before models (the default queues)."""
+    c = make_client()
+    c.submit("warm up the script cache and the depth counter")
+    declare(c, "alpha")
+    c.submit("warm alpha's counter", model="alpha")
+
+    def calls() -> dict[str, int]:
+        return {k: v["calls"] for k, v in c.redis.info("commandstats").items()}
+
+    def cost(**params) -> dict[str, int]:
+        before = calls()
+        c.submit("x", **params)
+        after = calls()
+        # the INFO call itself is counted once between the two reads
+        return {k: n - before.get(k, 0) for k, n in after.items() if n - before.get(k, 0) and k != "cmdstat_info"}
+
+    plain, named = cost(), cost(model="alpha")
+    assert {k: v for k, v in named.items() if k != "cmdstat_hget"} == plain
+    assert named.get("cmdstat_hget", 0) == plain.get("cmdstat_hget", 0) + 1
+    assert plain.get("cmdstat_evalsha") == 1 == named.get("cmdstat_evalsha"), "one round trip each"
