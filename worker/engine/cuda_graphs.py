@@ -90,7 +90,7 @@ class StaticDecode:
         return [(b, w) for b in self.buckets for w in self.widths.for_bucket(b)]
 
     def serves(self, batch: ScheduledBatch) -> bool:
-        return len(batch.seqs) <= self.buckets[-1] and all(n == 1 for n in batch.num_new_tokens)
+        return not batch.pooled and len(batch.seqs) <= self.buckets[-1] and all(n == 1 for n in batch.num_new_tokens)
 
     def bucket(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)

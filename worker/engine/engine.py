@@ -1,8 +1,11 @@
 """The engine: requests in, one forward pass per step over every running sequence, results out as each ends.
 
-    add_request ──▶ Scheduler.schedule ──▶ ModelRunner.run (model + backend kernels, Sampler)
+    add_request ──▶ Scheduler.schedule ──▶ ModelRunner.run (model + backend kernels, Sampler, Pooler)
                          ▲                                │
-                         └──── Scheduler.postprocess ◀────┘  tokens, text, stops; finished ones leave
+                         └──── Scheduler.postprocess ◀────┘  tokens, text, stops, vectors; finished ones leave
+
+A request is a generation (SamplingParams) or an embedding (EmbedParams: embedding.py, pooling.py); one engine
+serves both when its model can: a decoder with an LM head does, an encoder (bert.py) only embeds.
 """
 
 from __future__ import annotations
@@ -16,16 +19,18 @@ import structlog
 import torch
 
 from protocol.priority import Priority, rank_of
-from worker.engine import loader, model_setup
+from worker.engine import loader, model_setup, pooling, prompts
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig, bulk_min_seats
 from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.embedding import embeddings_for, refuse_kind
 from worker.engine.errors import EngineError, EngineFault, InvalidRequest, fault
 from worker.engine.guided import GuidedDecoding
 from worker.engine.outputs import Choice, EngineStats, RequestOutput, StepDeltas
 from worker.engine.overlap import Overlap
 from worker.engine.parallel import sharded_loading
 from worker.engine.parallel.launch import TensorParallel
+from worker.engine.pooling import EmbedParams
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import ScheduledBatch, Scheduler
@@ -52,6 +57,7 @@ class Engine:
         spec = model_setup.resolve(cfg, self.device)
         self.dtype, self.max_model_len, arch = spec.dtype, spec.max_model_len, spec.arch
         self.model_path = spec.model_path  # "native" or "transformers"
+        self.causal = getattr(arch, "causal", True)  # False: an encoder (bidirectional attention, embeddings only)
         self.model_name = cfg.model
         self.checkpoint = loader.checkpoint_id(cfg.model, spec.hf_config)  # which weights (the registry's check)
         self.tokenizer = loader.load_tokenizer(spec.source)
@@ -88,7 +94,13 @@ class Engine:
             block_size=cfg.block_size, max_model_len=self.max_model_len, backend=self.backend.name,
             max_num_seqs=self.max_num_seqs, static_decode=self.static_decode, cuda_graphs=self.cuda_graphs,
             model_path=self.model_path, overlap=overlap, load_s=round(time.perf_counter() - started, 2),
+            kinds=self.kinds, pooling=self.embeddings.pooling.mode if self.embeddings else None,
         )
+
+    @property
+    def kinds(self) -> list[str]:
+        """The request kinds this engine serves: "generate", "embed" or both."""
+        return [kind for kind, ok in (("generate", self.can_generate), ("embed", self.embeddings is not None)) if ok]
 
     def _set_up(self, cfg: EngineConfig, spec: model_setup.ModelSpec) -> None:
         """The model, its KV cache, the scheduler and the sampler (on every rank's side: model_setup.py)."""
@@ -104,7 +116,13 @@ class Engine:
                                    cfg.max_num_batched_tokens, self.guided,
                                    bulk_min_seats=bulk_min_seats(cfg.bulk_min_fraction, self.max_num_seqs))
         self.sampler = Sampler(spec.arch.vocab_size, self.device, self.eos_token_ids, self.backend)
-        self.runner = model_setup.make_runner(setup, cfg, self.device, self.max_model_len, self.sampler, self.guided)
+        self.can_generate = self.causal and getattr(self.model, "can_generate", True)
+        self.embeddings, self.embed_refusal = embeddings_for(self.model_path, spec.source.directory, spec.arch,
+                                                             self.causal, self.max_model_len, self.tokenizer,
+                                                             setup.num_blocks * cfg.block_size)
+        pooler = pooling.Pooler(self.embeddings.pooling) if self.embeddings is not None else None
+        self.runner = model_setup.make_runner(setup, cfg, self.device, self.max_model_len, self.sampler, self.guided,
+                                              pooler)
         self.weight_bytes = [setup.weight_bytes]  # per rank
         if self.parallel is not None:
             self.weight_bytes = tp.gather_ints(setup.weight_bytes)
@@ -128,36 +146,24 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("the prompt is empty")
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            for m in prompt:
-                if "role" not in m or "content" not in m:
-                    raise InvalidRequest(f"each chat message needs 'role' and 'content', got {m!r}")
-            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return list(ids)
-        if isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if not prompt:
-                raise InvalidRequest("the prompt is empty")
-            vocab = self.model.arch.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequest(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
-            return list(prompt)
-        raise InvalidRequest("a prompt is a non-empty string, a list of token ids, or a list of chat messages")
+        """A generation prompt's token ids (prompts.py), or InvalidRequest."""
+        return prompts.tokenize(self.tokenizer, self.model.arch.vocab_size, prompt)
 
     def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams | dict[str, Any] | None = None,
+        self, request_id: str, prompt: Prompt, params: SamplingParams | EmbedParams | dict[str, Any] | None = None,
         priority: Priority | str | int = 0,
     ) -> None:
-        """Queue a request. priority: the job's Priority (or its name or rank, protocol.priority.rank_of); lower
-        ranks are seated sooner, and requests of one priority in arrival order."""
+        """Queue a request: a generation, or with EmbedParams an embedding of `prompt` (a string or token ids).
+        priority: the job's Priority (or its name or rank, protocol.priority.rank_of); lower ranks are seated
+        sooner, and requests of one priority in arrival order."""
         if request_id in self.requests:
             raise EngineFault(f"request id {request_id!r} is already in the engine")  # the caller's bug
+        if isinstance(params, EmbedParams):
+            self._add_embedding(request_id, prompt, params, rank_of(priority))
+            return
+        if not self.can_generate:
+            why = "it is an encoder" if not self.causal else "its checkpoint has no LM head (lm_head.weight)"
+            raise refuse_kind(self.model_name, "generation", f"{why}; it serves embedding requests")
         if params is None:
             params = SamplingParams()
         elif isinstance(params, dict):
@@ -206,6 +212,19 @@ class Engine:
             else:
                 for seq in seqs[1:]:
                     self.scheduler.add(seq)
+
+    def _add_embedding(self, request_id: str, prompt: Prompt, params: EmbedParams, priority: int) -> None:
+        if self.embeddings is None:
+            raise refuse_kind(self.model_name, "embedding", self.embed_refusal)
+        try:
+            seq = self.embeddings.sequence(request_id, prompt, params, priority)
+        except EngineError:
+            raise
+        except Exception as err:  # the tokenizer's own failure is the engine's
+            raise fault(err, "tokenizing the input") from err
+        self.requests[request_id] = seq
+        self.choices[request_id] = [seq]
+        self.scheduler.add(seq)
 
     def _check_stop_token_ids(self, params: SamplingParams) -> None:
         # An id past the vocabulary would fail the sampler's min_tokens ban (an IndexError mid-step).
@@ -281,6 +300,9 @@ class Engine:
 
     def _output(self, seqs: list[Sequence]) -> RequestOutput:
         seq = seqs[0]
+        embedding = None
+        if seq.pool_state is not None and seq.finish_reason == "stop":
+            embedding = pooling.output_vector(self.embeddings.pooling, seq.pool_state)
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -295,6 +317,7 @@ class Engine:
             num_cached_tokens=seq.num_cached_tokens,
             choices=[Choice(s.choice_index, s.output_token_ids, s.output_text, s.finish_reason or "abort",
                             s.logprobs) for s in seqs],
+            embedding=embedding,
         )
 
     def stats(self) -> EngineStats:
@@ -320,9 +343,28 @@ class Engine:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt given bare
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = [f"generate-{self.steps}-{i}" for i in range(len(prompts))]
+        return self._run_offline("generate", prompts, params_list)
+
+    def embed(self, inputs: Seq[str | list[int]] | str,
+              params: EmbedParams | list[EmbedParams] | None = None) -> list[RequestOutput]:
+        """Offline: embed every input (strings or token-id lists) and return the outputs, each with its
+        `embedding`, in input order."""
+        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]  # one input given bare
+        params_list = params if isinstance(params, list) else [params or EmbedParams()] * len(inputs)
+        return self._run_offline("embed", inputs, params_list)
+
+    def _run_offline(self, kind: str, prompts: Seq[Any], params_list: list[Any]) -> list[RequestOutput]:
+        ids = [f"{kind}-{self.steps}-{i}" for i in range(len(prompts))]
+        added: list[str] = []
         for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
-            self.add_request(rid, prompt, p)
+            try:
+                self.add_request(rid, prompt, p)
+            except EngineError as err:  # nothing of this call stays behind in the engine
+                for other in added:
+                    self.abort(other)
+                raise type(err)(f"{kind} input {len(added)}: {err}", code=err.code) from err
+            added.append(rid)
         results: dict[str, RequestOutput] = {}
         rejected: dict[str, EngineError] = {}
         while len(results) + len(rejected) < len(ids):

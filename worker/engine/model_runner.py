@@ -1,4 +1,5 @@
-"""Turns a scheduled batch into flat tensors (StepInputs), runs the model once, and samples.
+"""Turns a scheduled batch into flat tensors (StepInputs), runs the model once, and samples (and pools the rows
+of embedding sequences: pooling.py).
 
 Owns the model weights and the paged KV cache (per layer a K and a V tensor of shape
 [num_blocks + 1, block_size, num_kv_heads, head_dim] (+ 4 per row for int8/fp8: kernels/kv_quant.py); the
@@ -14,6 +15,7 @@ from worker.engine.cuda_graphs import StaticDecode
 from worker.engine.guided import GuidedDecoding
 from worker.engine.models.llama import LlamaForCausalLM
 from worker.engine.parallel.step_channel import StepChannel
+from worker.engine.pooling import Pooler
 from worker.engine.sampler import SampledStep, Sampler
 from worker.engine.scheduler import ScheduledBatch
 from worker.engine.sequence import Sequence
@@ -29,10 +31,11 @@ class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, sampler: Sampler | None, num_blocks: int, block_size: int,
         device: torch.device, kv_dtype: torch.dtype, max_num_seqs: int, max_model_len: int,
-        static_decode: bool = False, guided: GuidedDecoding | None = None,
+        static_decode: bool = False, guided: GuidedDecoding | None = None, pooler: Pooler | None = None,
     ) -> None:
         self.model = model
         self.guided = guided
+        self.pooler = pooler  # None: the engine serves no embedding requests
         self.sampler = sampler
         self.block_size = block_size
         self.device = device
@@ -75,10 +78,10 @@ class ModelRunner:
             assert prev_tokens is not None, "a step that carries tokens over needs the previous step's ids"
             step.input_ids.index_copy_(0, step.carry_rows, prev_tokens.index_select(0, step.carry_src))
         if self.channel is None:
-            return self._sample(self.forward(step), step, resolve_on_device)
+            return self._pool_and_sample(self.forward(step), step, resolve_on_device)
         with self.channel.lock:  # the step's collectives, the send first, with no keep-alive between them
             self.channel.send(step, len(step.sampling_seqs))
-            return self._sample(self.forward(step), step, resolve_on_device)
+            return self._pool_and_sample(self.forward(step), step, resolve_on_device)
 
     def forward(self, step: PreparedStep) -> torch.Tensor:
         """The step's final hidden states: padded and maybe replayed as a graph (static), or eager."""
@@ -93,6 +96,12 @@ class ModelRunner:
         hidden = self.forward(step)
         if num_samples:
             self.model.compute_logits(_sample_rows(hidden, step, num_samples))
+
+    def _pool_and_sample(self, hidden: torch.Tensor, step: PreparedStep,
+                         resolve_on_device: bool) -> SampledStep | None:
+        if step.pooled:  # embedding rows: folded into their vectors (rank 0 only: the hidden states are whole)
+            self.pooler(hidden, step.pooled)
+        return self._sample(hidden, step, resolve_on_device)
 
     def _sample(self, hidden: torch.Tensor, step: PreparedStep, resolve_on_device: bool) -> SampledStep | None:
         if not step.sampling_seqs:

@@ -92,7 +92,7 @@ def set_up(cfg: EngineConfig, device: torch.device, spec: ModelSpec, tp: Any = N
     # graphs replay the padded decode path, so they need it; static_decode None follows the graphs;
     # transformers' own modeling code was never checked under graph capture: the fallback runs eagerly
     cuda_graphs = device.type == "cuda" and cfg.cuda_graphs and cfg.static_decode is not False \
-        and model_path == "native"
+        and model_path == "native" and getattr(arch, "causal", True)  # an encoder never decodes
     static_decode = cfg.static_decode if cfg.static_decode is not None else cuda_graphs
     weights = sharded_loading.weights(tp) if tp is not None else loader.iter_weights
     model_arch = tp.shard.local_arch(arch) if tp is not None else arch
@@ -148,10 +148,11 @@ def _cuda_kv_budget(setup: ModelSetup, cfg: EngineConfig, max_model_len: int, de
 
 
 def make_runner(setup: ModelSetup, cfg: EngineConfig, device: torch.device, max_model_len: int,
-                sampler: Any = None, guided: Any = None) -> ModelRunner:
-    """The rank's ModelRunner (KV cache allocated); on CUDA warmed up (and its graphs captured)."""
+                sampler: Any = None, guided: Any = None, pooler: Any = None) -> ModelRunner:
+    """The rank's ModelRunner (KV cache allocated); on CUDA warmed up (and its graphs captured). pooler: rank
+    0's, when the engine embeds."""
     runner = ModelRunner(setup.model, sampler, setup.num_blocks, cfg.block_size, device, setup.kv_dtype,
-                         setup.max_num_seqs, max_model_len, setup.static_decode, guided=guided)
+                         setup.max_num_seqs, max_model_len, setup.static_decode, guided=guided, pooler=pooler)
     if device.type == "cuda":
         _warm_up(setup, runner, cfg, device)
     return runner

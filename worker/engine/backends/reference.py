@@ -15,7 +15,9 @@ import torch
 
 from kernels.reference import (
     add_rms_norm_ref,
+    gelu_ref,
     gelu_tanh_and_mul_ref,
+    layer_norm_ref,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     rms_norm_ref,
@@ -52,15 +54,16 @@ class ReferenceBackend:
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
-    # window: the layer's sliding window (0 = none); softcap: attention-logit soft-capping (0 = none)
+    # window: the layer's sliding window (0 = none); softcap: attention-logit soft-capping (0 = none);
+    # causal False (prefill): every query sees all its sequence's keys (an encoder's bidirectional attention)
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int = 0,
                          softcap: float = 0.0) -> torch.Tensor:
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
 
     def prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                          scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                          scale: float, window: int = 0, softcap: float = 0.0, causal: bool = True) -> torch.Tensor:
         return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                           window, softcap)
+                                           window, softcap, causal)
 
     # ---- the elementwise parts of a decoder layer ---------------------------------------------------------
 
@@ -80,6 +83,14 @@ class ReferenceBackend:
     def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[n, 2 * inter] -> gelu_tanh(gate) * up, [n, inter] (Gemma's GeGLU)."""
         return gelu_tanh_and_mul_ref(gate_up)
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+        """[n, hidden] -> LayerNorm(x) with weight and bias (an encoder's norm)."""
+        return layer_norm_ref(x, weight, bias, eps)
+
+    def gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """The exact (erf) GELU of an encoder's feed-forward."""
+        return gelu_ref(x)
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,15 +17,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.engine.attention_metadata import AttentionMetadata
+from worker.engine.attention_metadata import AttentionMetadata, paged_attention
 from worker.engine.backends import Backend
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+@dataclass
+class AttentionShape:
+    """The sizes and head counts attention_shape() reads: what the KV cache and the kernels are sized by (the
+    arch of the transformers fallback and of the encoders extend it)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
 def attention_shape(config: Any, model_type: str, head_dim: int) -> dict[str, Any]:
-    """The sizes and head counts any decoder-only model reads from a Hugging Face config the same way (the
-    native families and the transformers fallback's FallbackArch)."""
+    """The sizes and head counts any model reads from a Hugging Face config the same way (the native families,
+    the encoders and the transformers fallback's FallbackArch)."""
     num_heads = config.num_attention_heads
     return dict(
         model_type=model_type,
@@ -207,24 +221,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         k_cache, v_cache = kv_cache
         q = self.backend.rotary_write_kv(q, k, v, *rotary, k_cache, v_cache, meta.slot_mapping)
-        p = meta.num_prefill_tokens
-        if p == 0:  # a pure decode step (most steps): the kernel's output is the attention output
-            out = self._decode(q, kv_cache, meta)
-        else:
-            out = torch.empty_like(q)
-            out[:p] = self.backend.prefill_attention(
-                q[:p], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-                meta.prefill_seq_lens, self.scale, self.window, self.softcap,
-            )
-            if p < num_tokens:
-                out[p:] = self._decode(q[p:], kv_cache, meta)
+        out = paged_attention(self.backend, q, kv_cache, meta, self.scale, self.window, self.softcap)
         return self.backend.all_reduce(self.o_proj(out.view(num_tokens, self.q_size)))  # row-parallel under TP
-
-    def _decode(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
-        return self.backend.decode_attention(
-            q, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_seq_lens, self.scale, self.window,
-            self.softcap,
-        )
 
 
 class MLP(nn.Module):
@@ -275,6 +273,10 @@ class LlamaForCausalLM(nn.Module):
     arch_type = LlamaArch
     layer_type = DecoderLayer
     cpu_fusable = True  # the CPU backend may run a decode step's layers as one C++ call (cpu_decode.py)
+    causal = True
+    # False once load_weights found no lm_head.weight (an embedding checkpoint saved from the base model, as
+    # Qwen3-Embedding's untied shapes are): embeddings only, generation refused
+    can_generate = True
 
     def __init__(self, arch: LlamaArch, backend: Backend) -> None:
         super().__init__()
@@ -357,6 +359,9 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded
         if self.arch.tie_word_embeddings:
             missing.discard("lm_head.weight")
+        if missing == {"lm_head.weight"}:
+            self.can_generate = False
+            missing = set()
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]} ...")
 

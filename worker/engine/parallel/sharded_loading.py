@@ -34,6 +34,9 @@ def check_shardable(source: Any, arch: Any, model_path: str, hf_config: Any, siz
         why = (f"its type {arch.model_type!r} is served by transformers' own modeling code, which has no "
                "sharded layers; tensor parallelism serves tokenbus's native families (Llama, Qwen, Mistral, "
                "Gemma, Phi-3, Mixtral, Qwen3-MoE)")
+    elif not getattr(arch, "causal", True):
+        why = (f"it is an encoder ({arch.model_type}: embeddings only), whose layers have no sharded form; a small "
+               "encoder fits one device: serve it with tensor_parallel_size 1")
     elif source.gguf_file:
         why = (f"it is a GGUF file ({source.gguf_file}), which cannot be read a slice at a time: convert it to a "
                "safetensors checkpoint directory (or let the cache directory be writable, so tokenbus "
