@@ -20,7 +20,7 @@ import structlog
 
 from protocol.errors import TokenbusError
 from protocol.models import ErrorCode, JobResult
-from protocol.registry import short_name
+from protocol.registry import ModelKind, short_name
 from worker.engine.config import bulk_min_seats
 from worker.engine.errors import EngineError, InvalidRequest
 from worker.engine.sampling_params import SamplingParams
@@ -64,7 +64,9 @@ class Server:
         self.writer = CompletionWriter(self.jobs, self.leases, metrics=metrics)
         self.served = ServedModels(
             self.jobs.keys, settings.worker_name, settings.engine.model, short_name(engine.model_name),
-            getattr(engine, "checkpoint", ""), settings.served_model_name, engine.max_model_len)
+            getattr(engine, "checkpoint", ""), settings.served_model_name, engine.max_model_len,
+            # an encoder serves embeddings only (its jobs' kind, for the registry)
+            ModelKind.generate if "generate" in getattr(engine, "kinds", ["generate"]) else ModelKind.embed)
         self.intake = Intake(
             self.jobs, self.leases, self.budget, self.inbox, self.writer,
             model_names=self.served.names, lease_ms=settings.lease_ms,
