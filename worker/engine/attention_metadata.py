@@ -2,7 +2,8 @@
 
 The batch holds the prefill tokens first (sequences feeding more than one token: prompt chunks), then the
 decode tokens (one per sequence). Attention runs the prefill kernel on the first part and the decode
-kernel on the rest; both read the K/V that write_kv has just stored.
+kernel on the rest; both read the K/V that write_kv has just stored. `cascade` (kernels/cascade.py), when
+set, groups the decode rows that share their first KV blocks: the decode kernel then reads those once.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kernels.cascade import CascadeLayout
 
 
 @dataclass
@@ -23,3 +26,4 @@ class AttentionMetadata:
     # decode part
     decode_block_tables: torch.Tensor | None  # int32 [num_decode_seqs, max_blocks]
     decode_seq_lens: torch.Tensor | None  # int32 [num_decode_seqs]
+    cascade: CascadeLayout | None = None  # the decode rows' shared prefixes, when cascading pays (cascade.py)
