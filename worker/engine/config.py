@@ -14,6 +14,7 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")  # kernels/kv_quant.py
 KV_CACHE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8_e4m3": "fp8"}
 QUANTIZATIONS = ("int8", "fp8", "w8a8")  # worker/engine/quant/schemes.py
+CASCADE_MODES = ("auto", "on", "off")  # worker/engine/cascade.py
 
 
 def bulk_min_seats(fraction: float, seats: int) -> int:
@@ -52,6 +53,8 @@ class EngineConfig:
     # "fp8" (CUDA sm_89+, e4m3 per-channel through torch._scaled_mm); worker/engine/quant/schemes.py
     kv_cache_dtype: str = "auto"  # "auto" = the model dtype; "bfloat16", "float32"; "int8" (CPU: the C++
     # kernels, a scale per token and KV head); "fp8" (CUDA sm_89+: e4m3, the same scales). kernels/kv_quant.py
+    cascade_attention: str = "auto"  # decode rows sharing a cached prefix read it once per step (kernels/cascade.py):
+    # "auto" where the cost rule says it pays (worker/engine/cascade.py), "off" never, "on" every row (tests)
 
     def __post_init__(self) -> None:
         problems = []
@@ -84,5 +87,7 @@ class EngineConfig:
             problems.append(f"bulk_min_fraction must be in [0, 1], got {self.bulk_min_fraction}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             problems.append(f"quantization must be unset or one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.cascade_attention not in CASCADE_MODES:
+            problems.append(f"cascade_attention must be one of {list(CASCADE_MODES)}, got {self.cascade_attention!r}")
         if problems:
             raise ValueError("invalid engine config: " + "; ".join(problems))

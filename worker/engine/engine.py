@@ -19,6 +19,7 @@ from protocol.priority import Priority, rank_of
 from worker.engine import kv_cache, loader, warmup
 from worker.engine.backends import select_backend
 from worker.engine.block_manager import BlockManager
+from worker.engine.cascade import CascadePlanner
 from worker.engine.config import EngineConfig, bulk_min_seats
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.errors import EngineError, EngineFault, InvalidRequest, fault
@@ -94,6 +95,7 @@ class Engine:
         self.backend.reserve(arch, self.max_num_seqs, max_blocks_per_seq * cfg.block_size, self.device)
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.cascade = CascadePlanner(self.block_manager, cfg.cascade_attention)
         self.stop_checker = StopChecker(self.eos_token_ids)
         self.guided = GuidedDecoding(self.tokenizer, arch.vocab_size, self.eos_token_ids, self.device)
         self.scheduler = Scheduler(self.block_manager, self.stop_checker, self.max_num_seqs,
@@ -101,7 +103,8 @@ class Engine:
                                    bulk_min_seats=bulk_min_seats(cfg.bulk_min_fraction, self.max_num_seqs))
         self.sampler = Sampler(arch.vocab_size, self.device, self.eos_token_ids, self.backend)
         self.runner = ModelRunner(self.model, self.sampler, num_blocks, cfg.block_size, self.device, self.kv_dtype,
-                                  self.max_num_seqs, self.max_model_len, static_decode, guided=self.guided)
+                                  self.max_num_seqs, self.max_model_len, static_decode, guided=self.guided,
+                                  cascade=self.cascade)
         if self.device.type == "cuda":
             self._warm_up()
         self.requests: dict[str, Sequence] = {}  # choice 0 of every request inside
@@ -344,7 +347,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
-        pc = bm.stats
+        pc, cs = bm.stats, self.cascade.stats
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), free_blocks=bm.num_free,
             used_blocks=bm.num_used, total_blocks=bm.num_blocks, preemptions=self.scheduler.num_preemptions,
@@ -352,6 +355,8 @@ class Engine:
             prefix_queried_tokens=pc.queried_tokens, prefix_hit_tokens=pc.hit_tokens,
             prefix_queried_blocks=pc.queried_blocks, prefix_hit_blocks=pc.hit_blocks,
             prefix_evictions=pc.evictions, forking=sum(len(f) for f in self.forks.values()),
+            cascade_steps=cs.steps, cascade_groups=cs.groups, cascade_grouped_rows=cs.grouped_rows,
+            decode_kv_tokens_read=cs.kv_tokens_read, decode_kv_tokens_plain=cs.kv_tokens_plain,
         )
 
     def generate(

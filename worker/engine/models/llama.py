@@ -223,7 +223,7 @@ class Attention(nn.Module):
     def _decode(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         return self.backend.decode_attention(
             q, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_seq_lens, self.scale, self.window,
-            self.softcap,
+            self.softcap, meta.cascade,
         )
 
 

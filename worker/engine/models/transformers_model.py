@@ -163,13 +163,13 @@ class TransformersCausalLM(nn.Module):
         p = meta.num_prefill_tokens
         if p == 0:
             return self.backend.decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                                 meta.decode_seq_lens, scale)
+                                                 meta.decode_seq_lens, scale, cascade=meta.cascade)
         out = torch.empty_like(q)
         out[:p] = self.backend.prefill_attention(q[:p], k_cache, v_cache, meta.prefill_block_tables,
                                                  meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale)
         if p < q.shape[0]:
             out[p:] = self.backend.decode_attention(q[p:], k_cache, v_cache, meta.decode_block_tables,
-                                                    meta.decode_seq_lens, scale)
+                                                    meta.decode_seq_lens, scale, cascade=meta.cascade)
         return out
 
     @torch.inference_mode()
