@@ -7,13 +7,13 @@ from functools import cached_property
 import redis
 from rq import Queue
 
-from gateway.cancels import Canceller
-from gateway.files import FileStore
+from gateway.files.store import FileStore
 from gateway.keys import GatewayKeys
-from gateway.quotas import KeyQuotas
+from gateway.live.cancels import Canceller
+from gateway.live.quotas import KeyQuotas
+from gateway.live.streams import StreamHub
+from gateway.live.waiter import JobWaiter
 from gateway.settings import GatewaySettings
-from gateway.streams import StreamHub
-from gateway.waiter import JobWaiter
 from producer.client import Client
 from protocol.connection import is_cluster_url, is_sentinel_url, redis_from_url
 from protocol.keys import Keys
@@ -31,7 +31,7 @@ class GatewayContext:
                                         socket_connect_timeout=5, health_check_interval=30)
         else:
             # A bounded pool that makes a request wait (redis_pool_timeout_s) for a connection when all are busy,
-            # instead of failing it; no request holds one while it waits on a job (waiter.py, streams.py).
+            # instead of failing it; no request holds one while it waits on a job (live/waiter.py, live/streams.py).
             pool = redis.BlockingConnectionPool.from_url(
                 settings.redis_url, max_connections=settings.redis_pool_size, timeout=settings.redis_pool_timeout_s,
                 decode_responses=True, socket_timeout=30, socket_connect_timeout=5, health_check_interval=30)

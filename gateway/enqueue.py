@@ -1,5 +1,5 @@
 """Queueing the gateway's RQ jobs (the functions live in tasks.py, named by path so this module does not
-import them): called by the app, the watcher, ingest.py and the tasks themselves. Each is keyed by the
+import them): called by the app, the watcher, batches/ingest.py and the tasks themselves. Each is keyed by the
 batch id, so a second enqueue never duplicates work."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 from rq import Retry
 
-from gateway.batch_records import GatewayBatch
+from gateway.batches.records import GatewayBatch
 from gateway.context import GatewayContext
 
 TASKS = "gateway.tasks"

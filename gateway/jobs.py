@@ -1,21 +1,16 @@
-"""Jobs submitted through the gateway: ownership, OpenAI-shaped results and errors, GET /v1/jobs/{id}."""
+"""Jobs submitted through the gateway: ownership, OpenAI-shaped results and errors (the job object of
+GET /v1/jobs/{id}, the HTTP error of a job, the status of a batch error line)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
-from starlette.concurrency import run_in_threadpool
-
-from gateway.auth import owner
 from gateway.context import GatewayContext
 from gateway.errors import APIError, not_found
-from gateway.http import get_ctx
 from producer.openai_batch import response_body
 from protocol.models import JOB_ID_RE, Job, JobStatus
 
-router = APIRouter()
 OWNERSHIP_SLACK_S = 24 * 3600  # the ownership record outlives the job's record (result_ttl) by this
 
 
@@ -73,18 +68,3 @@ def job_object(job: Job, endpoint: str) -> dict[str, Any]:
     elif job.done:
         out["error"] = job_error(job).body()["error"]
     return out
-
-
-@router.get("/v1/jobs/{job_id}")
-async def get_job(job_id: str, request: Request, who: str = Depends(owner)) -> dict[str, Any]:
-    job, endpoint = await run_in_threadpool(owned_job, get_ctx(request), who, job_id)
-    return job_object(job, endpoint)
-
-
-@router.post("/v1/jobs/{job_id}/cancel")
-async def cancel_job(job_id: str, request: Request, who: str = Depends(owner)) -> dict[str, Any]:
-    ctx = get_ctx(request)
-    await run_in_threadpool(owned_job, ctx, who, job_id)
-    await run_in_threadpool(ctx.client.cancel, job_id)
-    job, endpoint = await run_in_threadpool(owned_job, ctx, who, job_id)
-    return job_object(job, endpoint)

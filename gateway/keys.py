@@ -45,21 +45,21 @@ class GatewayKeys:
 
     @property
     def validating(self) -> str:
-        """set: batches created and not yet submitted or ended; the watcher sweeps it (ingest.py)."""
+        """set: batches created and not yet submitted or ended; the watcher sweeps it (batches/ingest.py)."""
         return f"{self.prefix}:gw:validating"
 
     def submit_lease(self, batch_id: str) -> str:
-        """string with a TTL: held by whoever is submitting (or ending) a validating batch (ingest.py)."""
+        """string with a TTL: held by whoever is submitting (or ending) a validating batch (batches/ingest.py)."""
         return f"{self.prefix}:gw:submit-lease:{batch_id}"
 
     @property
     def queued_bytes(self) -> str:
-        """hash: owner -> estimated Redis bytes of its open batches; '*' -> all owners' (capacity.py)."""
+        """hash: owner -> estimated Redis bytes of its open batches; '*' -> all owners' (batches/capacity.py)."""
         return f"{self.prefix}:gw:queued-bytes"
 
     @property
     def config(self) -> str:
-        """hash: limits changed at run time (capacity.py), over the settings."""
+        """hash: limits changed at run time (batches/capacity.py), over the settings."""
         return f"{self.prefix}:gw:config"
 
     @property

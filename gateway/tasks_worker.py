@@ -17,9 +17,9 @@ import structlog
 from rq import SimpleWorker
 
 from gateway import tasks
+from gateway.batches.watcher import BatchWatcher
 from gateway.context import GatewayContext
 from gateway.settings import GatewaySettings
-from gateway.watcher import BatchWatcher
 from protocol.logs import configure_logging
 
 log = structlog.get_logger("tokenbus.gateway")

@@ -1,5 +1,5 @@
 """An OpenAI Batch input file read line by line as it streams in, in constant memory per line: the one set of
-batch-file rules, for `tokenbus batch submit` (producer.batches) and the gateway's upload (gateway/files.py).
+batch-file rules, for `tokenbus batch submit` (producer.batches) and the gateway's upload (gateway/files/store.py).
 
 The rules: lines are numbered as str.splitlines numbers them (blank lines count and are skipped); each line is
 UTF-8 and, when max_line_bytes is given, at most that long; each non-blank line is JSON and an OpenAI Batch
@@ -27,17 +27,9 @@ from protocol.errors import MAX_ERRORS_SHOWN, InvalidJob
 from protocol.models import JobRequest
 
 
-def request_tokens(fields: dict) -> int:
-    """What a job may cost in tokens: its prompt (about 4 bytes a token) plus max_tokens for each of n."""
-    prompt = fields.get("prompt") or ""
-    if fields.get("messages"):
-        prompt = "".join(str(m.get("content") or "") for m in fields["messages"] if isinstance(m, dict))
-    prompt_tokens = len(fields.get("prompt_token_ids") or ()) or len(str(prompt).encode()) // 4
-    return prompt_tokens + int(fields.get("max_tokens") or 256) * int(fields.get("n") or 1)
-
-
-def _tokens(request: JobRequest) -> int:
-    """request_tokens of a validated request, read from its attributes (no model_dump per line)."""
+def request_tokens(request: JobRequest) -> int:
+    """What a job may cost in tokens: its prompt (about 4 bytes a token) plus max_tokens for each of n. The one
+    estimate behind the gateway's per-key token limits (interactive and queued)."""
     if request.prompt_token_ids is not None:
         prompt_tokens = len(request.prompt_token_ids)
     elif request.messages is not None:
@@ -45,6 +37,14 @@ def _tokens(request: JobRequest) -> int:
     else:
         prompt_tokens = len((request.prompt or "").encode()) // 4
     return prompt_tokens + request.max_tokens * request.n
+
+
+def max_tokens_problem(request: JobRequest, limit: int | None) -> str | None:
+    """Why a request asks for more than the gateway's max_tokens limit, or None. Only a max_tokens the request
+    gives counts: the default is the worker's, not the caller's."""
+    if limit is None or "max_tokens" not in request.model_fields_set or request.max_tokens <= limit:
+        return None
+    return f"max_tokens {request.max_tokens} is above this gateway's limit of {limit}"
 
 
 class _LineError(InvalidJob):
@@ -58,9 +58,9 @@ class BatchFileReader:
 
     keep: hold each valid line's (custom_id, JobRequest) in `parsed` (small files and tests); on_request(line
     number, custom_id, request, request JSON) gets each valid line as it is read instead (the CLI's submit
-    spools them, in memory flat in the file's size; the gateway's upload only checks). max_errors: bad lines
-    remembered (error_count counts them all; None = every one). overrides: request fields every line gets
-    (openai_batch.batch_request).
+    and the gateway's upload spool them, in memory flat in the file's size: batch_spool.spool_writer).
+    max_errors: bad lines remembered (error_count counts them all; None = every one). overrides: request fields
+    every line gets (openai_batch.batch_request).
     max_line_bytes, max_tokens, max_requests: the gateway's limits (None = none)."""
 
     def __init__(self, max_line_bytes: int | None = None, keep: bool = False,
@@ -171,11 +171,9 @@ class BatchFileReader:
                                  f"{self._first_line}); one batch has one endpoint", "mismatched_url")
             if (first := self._seen.add(custom_id, number)) is not None:
                 raise _LineError(f"custom_id {custom_id!r} already used on line {first}", "duplicate_custom_id")
-            if (self.max_tokens is not None and "max_tokens" in request.model_fields_set
-                    and request.max_tokens > self.max_tokens):
-                self._limit(number, f"max_tokens {request.max_tokens} is above this gateway's limit of "
-                                    f"{self.max_tokens}")
-            self.tokens += _tokens(request)
+            if problem := max_tokens_problem(request, self.max_tokens):
+                self._limit(number, problem)
+            self.tokens += request_tokens(request)
             if self.keep:
                 self.parsed.append((custom_id, request))
             if self.on_request is not None:

@@ -4,9 +4,10 @@ its final request JSON written to a spool file on disk, so memory stays flat in 
 The whole file must be valid before anything is written to Redis (one bad line refuses the batch), and the
 record needs the line count; keeping the parsed lines in memory took ~3 KB a line (3 GB for a million lines).
 The spool holds what pass 2 sends: one line per request, `json(custom_id) request_json`, read back without
-validating anything again (producer/batches.py submit_batch, producer/submit_pipe.py).
+parsing or validating the request again (producer/batches.py submit_batch, producer/submit_pipe.py). The
+gateway's upload writes the same spool beside the file as it streams in (spool_writer), and its submit task
+opens it (open_spool): the file is validated once, in the upload.
 """
-
 from __future__ import annotations
 
 import json
@@ -35,19 +36,27 @@ _unquote = json.decoder.scanstring
 
 @dataclass
 class Spooled:
-    """A validated batch input: its endpoint, its requests (in the spool file) and where it came from."""
+    """A validated batch input: its endpoint, its requests (in the spool file, their queue's priority set in
+    each) and where it came from."""
 
     endpoint: str
     total: int
     input_file: str | None
     spool: IO[str]
+    priority: str = Priority.bulk
 
     def requests(self) -> Iterator[tuple[str, str]]:
-        """(custom_id, request JSON) of each line, in input order."""
+        """(custom_id, request JSON) of each line, in input order; InvalidBatch at the end when the spool holds
+        another count than `total` (a spool changed since it was written: the caller removes what it sent)."""
         self.spool.seek(0)
+        count = 0
         for line in self.spool:
+            count += 1
             custom_id, end = _unquote(line, 1)
             yield custom_id, line[end + 1 : -1]
+        if count != self.total:
+            raise InvalidBatch(f"the validated requests changed since they were written: the spool holds {count} "
+                               f"requests, not {self.total}")
 
     def close(self) -> None:
         self.spool.close()
@@ -63,13 +72,10 @@ def spool_batch(
     """Validate `source` (a path, or lines) into a spool; InvalidBatch naming the bad lines (nothing spooled
     is kept). model / priority: set in every request (openai_batch.submit_fields), as submit_batch does."""
     spool = tempfile.TemporaryFile("w+", encoding="utf-8", dir=spool_dir, prefix="tokenbus-batch-")
-    write = spool.write
-
-    def keep(_line: int, custom_id: str, _request: JobRequest, request_json: str) -> None:
-        write(f"{_quote(custom_id)} {request_json}\n")
-
     reader = BatchFileReader(
-        max_errors=MAX_LINE_ERRORS, on_request=keep, overrides=openai_batch.submit_fields(model, Priority(priority))
+        max_errors=MAX_LINE_ERRORS,
+        on_request=spool_writer(spool),
+        overrides=openai_batch.submit_fields(model, Priority(priority)),
     )
     try:
         for _ in feed(reader, source, on_progress):
@@ -81,7 +87,23 @@ def spool_batch(
         spool.close()
         raise
     spool.flush()
-    return Spooled(reader.endpoint or "", reader.requests, name_of(source), spool)
+    return Spooled(reader.endpoint or "", reader.requests, name_of(source), spool, Priority(priority).value)
+
+
+def spool_writer(spool: IO[str]) -> Callable[[int, str, JobRequest, str], None]:
+    """A BatchFileReader's on_request that writes each valid line to `spool` as `json(custom_id) request_json`."""
+    write = spool.write
+
+    def keep(_line: int, custom_id: str, _request: JobRequest, request_json: str) -> None:
+        write(f"{_quote(custom_id)} {request_json}\n")
+
+    return keep
+
+
+def open_spool(path: str | Path, endpoint: str, total: int, priority: str, input_file: str | None = None) -> Spooled:
+    """A spool written already (spool_writer, the gateway's upload) of `total` requests of `endpoint`, whose
+    requests were validated with `priority` set: sent as they are, nothing parsed or validated again."""
+    return Spooled(endpoint, total, input_file, Path(path).open(encoding="utf-8"), Priority(priority).value)
 
 
 def name_of(source: str | Path | Iterable[str]) -> str | None:
@@ -113,49 +135,3 @@ def feed(
             yield
     reader.close()
     yield
-
-
-@dataclass
-class Validated:
-    """A batch file validated already (the gateway's upload checked every line as it streamed in): read in one
-    pass, each line's request handed on as soon as it is validated again, with no spool. Should the file have
-    changed since (a line now invalid, another count or endpoint), requests() raises InvalidBatch at the end,
-    after the lines before the first bad one were handed on: the caller removes what it wrote
-    (gateway/ingest.py)."""
-
-    endpoint: str
-    total: int
-    source: str | Path
-    model: str | None
-    priority: str
-
-    @property
-    def input_file(self) -> str | None:
-        return name_of(self.source)
-
-    def requests(self) -> Iterator[tuple[str, str]]:
-        ready: list[tuple[int, str, str]] = []
-        reader = BatchFileReader(
-            max_errors=MAX_LINE_ERRORS,
-            on_request=lambda n, cid, _r, request_json: ready.append((n, cid, request_json)),
-            overrides=openai_batch.submit_fields(self.model, Priority(self.priority)),
-        )
-        for _ in feed(reader, self.source):
-            # nothing past the first bad line is handed on (the file is read on, for the whole error)
-            first_bad = reader.errors[0][0] if reader.error_count else None
-            for n, cid, request_json in ready:
-                if first_bad is not None and n > first_bad:
-                    break
-                yield cid, request_json
-            ready.clear()
-        problem = reader.problem("the jobs written before it are removed")
-        if not problem and (reader.requests, reader.endpoint) != (self.total, self.endpoint):
-            problem = (
-                f"the file changed since it was validated: it has {reader.requests} {reader.endpoint} "
-                f"requests, not {self.total} {self.endpoint}"
-            )
-        if problem:
-            raise InvalidBatch(problem, line_errors=reader.errors)
-
-    def close(self) -> None:
-        pass

@@ -13,7 +13,7 @@ import structlog
 
 from producer import openai_batch
 from producer.batch_file import BatchFileReader
-from producer.batch_spool import Progress, Spooled, Validated, spool_batch
+from producer.batch_spool import Progress, Spooled, feed, name_of, spool_batch
 from producer.client_api import ClientApi
 from producer.submit_pipe import SubmitPipe
 from protocol import scripts
@@ -30,37 +30,23 @@ def read_batch(source: str | Path | Iterable[str]) -> tuple[str, list[tuple[str,
     """(endpoint, [(custom_id, request)], the file name when source is a path), the file read as a stream
     by the one batch-file reader (producer/batch_file.py); InvalidBatch naming each bad line."""
     reader = BatchFileReader(keep=True, max_errors=None)
-    name: str | None = None
-    if isinstance(source, str | Path):
-        path = Path(source)
-        if not path.is_file():
-            raise InvalidBatch(f"batch input file {str(path)!r} does not exist or is not a file")
-        with path.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 16), b""):
-                reader.feed(chunk)
-        name = str(path)
-    else:
-        for text in source:  # one line each (a line may keep its newline)
-            reader.feed(text.encode("utf-8", "surrogatepass"))
-            if not text.endswith("\n"):
-                reader.feed(b"\n")
-    reader.close()
+    for _ in feed(reader, source):
+        pass
     problem = reader.problem("nothing was submitted")
     if problem:
         raise InvalidBatch(problem, line_errors=reader.errors)
-    return reader.endpoint or "", reader.parsed, name
+    return reader.endpoint or "", reader.parsed, name_of(source)
 
 
 def submit_batch(
     client: ClientApi,
-    source: str | Path | Iterable[str],
+    source: str | Path | Iterable[str] | Spooled,
     *,
     batch_id: str | None = None,
     model: str | None = None,
     priority: str = Priority.bulk,
     on_progress: Progress | None = None,
     spool_dir: str | Path | None = None,
-    validated: tuple[str, int] | None = None,
 ) -> BatchRecord:
     """Validate the whole input, then write the batch record and one job per line (ids `{batch_id}-{i}`).
 
@@ -72,20 +58,23 @@ def submit_batch(
     Memory stays flat in the file's size: pass 1 validates the input into a spool file on disk (spool_dir,
     default the system's temporary directory; producer/batch_spool.py), pass 2 streams it to Redis with chunks
     in flight (producer/submit_pipe.py). on_progress(stage, done, total): "validate" in bytes, "enqueue" in jobs.
-    validated: (endpoint, requests) of a file checked already (the gateway's upload): one pass, each line sent
-    as soon as it is validated again; a line that has become invalid raises InvalidBatch after the jobs
-    before it were written (batch_spool.Validated).
+    source a Spooled (validated already: the gateway's upload kept its spool, batch_spool.open_spool): its
+    requests are sent as they are, with the priority they were validated with; nothing is read or validated
+    again. One that has changed since raises InvalidBatch after the jobs before it were written.
     """
     priority = Priority(priority).value
     k = client.keys
     existing = client.redis.hgetall(k.batch(check_job_id(batch_id, "batch id"))) if batch_id else {}
-    if existing:
-        priority = existing.get("priority") or priority
+    if isinstance(source, Spooled):
+        priority = source.priority
+    created = (existing.get("priority") or priority) if existing else priority
+    if created != priority and isinstance(source, Spooled):
+        source.close()
+        raise InvalidBatch(f"batch {batch_id!r} was created with priority {created}; these requests were "
+                           f"validated for {priority}. Use a new batch id")
+    priority = created  # a resumed submit keeps the batch's priority
     started = time.perf_counter()
-    if validated is not None and isinstance(source, str | Path):
-        spooled: Spooled | Validated = Validated(validated[0], validated[1], source, model, priority)
-    else:
-        spooled = spool_batch(source, model, priority, on_progress, spool_dir)
+    spooled = source if isinstance(source, Spooled) else spool_batch(source, model, priority, on_progress, spool_dir)
     try:
         return _submit_spooled(client, spooled, batch_id, existing, priority, on_progress,
                                validate_s=time.perf_counter() - started)
@@ -93,7 +82,7 @@ def submit_batch(
         spooled.close()
 
 
-def _submit_spooled(client: ClientApi, spooled: Spooled | Validated, batch_id: str | None, existing: dict[str, str],
+def _submit_spooled(client: ClientApi, spooled: Spooled, batch_id: str | None, existing: dict[str, str],
                     priority: str, on_progress: Progress | None, validate_s: float) -> BatchRecord:
     started = time.perf_counter()
     k, total, endpoint = client.keys, spooled.total, spooled.endpoint
@@ -106,6 +95,9 @@ def _submit_spooled(client: ClientApi, spooled: Spooled | Validated, batch_id: s
                                f"Use a new batch id")
         if record.status != BatchStatus.validating:
             return record
+        if client.redis.llen(k.batch_jobs(batch_id)) != total:  # the first submit stopped inside the list
+            client.redis.delete(k.batch_jobs(batch_id))
+            _write_job_list(client, batch_id, total)
     else:
         client.check_capacity(total)
         _check_ids_free(client, batch_id, total)
@@ -118,11 +110,7 @@ def _submit_spooled(client: ClientApi, spooled: Spooled | Validated, batch_id: s
         })
         pipe.delete(k.batch_jobs(batch_id))
         pipe.execute()
-        # the id list, in pieces (one transaction held it all) of CHUNK: the client holds no more ids than its
-        # pipe holds jobs in flight
-        for start in range(0, total, CHUNK):
-            client.redis.rpush(k.batch_jobs(batch_id),
-                               *(batch_job_id(batch_id, i) for i in range(start, min(total, start + CHUNK))))
+        _write_job_list(client, batch_id, total)
     progress = None if on_progress is None else (lambda n: on_progress("enqueue", n, total))
     with SubmitPipe(client.redis, k, client.max_queue_len, client.result_ttl, on_chunk=progress) as pipe:
         add = pipe.add_job
@@ -133,6 +121,15 @@ def _submit_spooled(client: ClientApi, spooled: Spooled | Validated, batch_id: s
     log.info("batch_submitted", batch_id=batch_id, endpoint=endpoint, total=total, input_file=spooled.input_file,
              validate_s=round(validate_s, 2), enqueue_s=round(time.perf_counter() - started, 2))
     return get_batch(client, batch_id)
+
+
+def _write_job_list(client: ClientApi, batch_id: str, total: int) -> None:
+    """RPUSH the batch's job ids `{batch_id}-{i}` in input order onto its (empty) job list, CHUNK a call: the
+    client holds no more ids than its pipe holds jobs in flight. A submit stopped half-way leaves a short list,
+    which the re-submit writes again (docs/protocol.md, "Submitting a batch")."""
+    for start in range(0, total, CHUNK):
+        client.redis.rpush(client.keys.batch_jobs(batch_id),
+                           *(batch_job_id(batch_id, i) for i in range(start, min(total, start + CHUNK))))
 
 
 def _check_ids_free(client: ClientApi, batch_id: str, total: int) -> None:

@@ -1,8 +1,10 @@
-"""The `tokenbus` command: submit, get, wait, cancel, info, and batch submit|status|wait|export|cancel."""
+"""The `tokenbus` command: submit, get, wait, cancel, info, exporter, batch submit|status|wait|export|cancel,
+and bench (handed to the bench package, which needs the worker extra: nothing here imports it)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -13,7 +15,7 @@ from typing import Any
 import redis
 import structlog
 
-from producer import batches
+from producer import batches, exporter
 from producer.client import Client
 from protocol.errors import TokenbusError
 from protocol.keys import DEFAULT_NAMESPACE
@@ -80,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", default=os.environ.get("TOKENBUS_NAMESPACE", DEFAULT_NAMESPACE))
     p.add_argument("-v", "--verbose", action="store_true", help="log at info level (stderr)")
     sub = p.add_subparsers(dest="command", required=True)
+    # listed for --help; main() hands `bench` off before parsing (its flags are the bench package's)
+    sub.add_parser("bench", help="benchmarks that size a deployment: engine | e2e | queue (tokenbus[worker]); "
+                   "`tokenbus bench --help`")
 
     s = sub.add_parser("submit", help="queue one job and print its id")
     s.add_argument("prompt", nargs="?", help="the prompt text")
@@ -103,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="queue depth, pending, workers, dead letters")
     i.add_argument("--json", action="store_true")
+
+    e = sub.add_parser("exporter", help="serve the jobs waiting and pending per model as Prometheus metrics "
+                       "(for an autoscaler: it runs while no worker does)")
+    e.add_argument("--model", required=True, help="the namespace's model: the `model` label of every series")
+    e.add_argument("--port", type=int, default=exporter.DEFAULT_PORT)
 
     b = sub.add_parser("batch", help="OpenAI Batch API JSONL files").add_subparsers(dest="batch_command",
                                                                                      required=True)
@@ -278,12 +288,29 @@ def run(a: argparse.Namespace) -> int:
         elif a.command == "info":
             info = c.info()
             print(info.model_dump_json(indent=2) if a.json else format_info(info))
+        elif a.command == "exporter":
+            return exporter.serve(c.redis, c.keys, a.model, a.port)
         elif a.command == "batch":
             return _batch(c, a)
     return 0
 
 
+def hand_off_bench(argv: list[str]) -> int:
+    """`tokenbus bench ...` is `python -m bench ...` in this interpreter: the benchmarks import torch and the
+    worker, which the client never loads. Replaces this process; returns only when the worker extra is missing."""
+    missing = [m for m in ("torch", "transformers", "bench", "worker") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"error: tokenbus bench runs the engine and needs {', '.join(missing)}, which this Python lacks: "
+              "pip install 'tokenbus[worker]'", file=sys.stderr)
+        return EXIT_ERROR
+    os.execv(sys.executable, [sys.executable, "-m", "bench", *argv])
+    return EXIT_ERROR  # not reached: execv does not return
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        return hand_off_bench(argv[1:])
     a = build_parser().parse_args(argv)
     structlog.configure(
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),

@@ -96,8 +96,10 @@ def stream(client: ClientApi, job_id: str, timeout: float | None = None) -> Iter
     """Yield a `stream=True` job's output as the worker publishes it; ends with the chunk marked done.
 
     Each chunk holds the new token ids and the text they complete. A chunk re-sent after a Redis outage
-    is skipped by its offset. A job that ends without streaming (failed, cancelled while queued) just
-    ends the iteration: read the record with `get` for why.
+    is skipped by its offset. A job that asked for a stream ends on a done chunk however it ends (an empty
+    one when it failed before it ran or was cancelled while queued: docs/protocol.md, "How a token stream
+    ends"); one that did not ask just ends the iteration once it has ended. Read the record with `get` for
+    its status. A record that is gone (expired, deleted) raises JobNotFound.
     """
     key = client.keys.tokens(job_id)
     last_id, next_offset = "0-0", 0

@@ -39,6 +39,11 @@ MAX_REQUEST_BYTES = 1 << 20  # the request JSON, UTF-8 bytes
 MAX_COUNT = 2**31 - 1  # max_tokens, min_tokens, top_k, token ids (any model's vocabulary is far smaller)
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what a torch generator accepts
 MAX_CHOICES = 32  # n: completions of one prompt
+# Stop lists are checked after every token for everyone sharing the step: bounded in count and length (OpenAI
+# allows 4 strings), and matched by one automaton over the text's tail, at a cost independent of their number
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000  # one stop string's length, in characters
+MAX_STOP_TOKEN_IDS = 256
 
 
 class BatchStatus(StrEnum):
@@ -102,15 +107,22 @@ class GenerationParams(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def _stop_not_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
-        for s in [v] if isinstance(v, str) else v or []:
+    def _stop_bounded(cls, v: str | list[str] | None) -> str | list[str] | None:
+        strings = [v] if isinstance(v, str) else v or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings (got {len(strings)}); keep the ones that matter")
+        for s in strings:
             if s == "":
                 raise ValueError("stop strings must not be empty")
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string has {len(s)} characters; at most {MAX_STOP_CHARS}")
         return v
 
     @field_validator("stop_token_ids")
     @classmethod
     def _ids_not_negative(cls, v: list[int] | None) -> list[int] | None:
+        if v and len(v) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids (got {len(v)})")
         if v and min(v) < 0:
             raise ValueError("token ids must be >= 0")
         if v and max(v) > MAX_COUNT:

@@ -152,7 +152,7 @@ def finish_job(
     elif isinstance(result, dict):
         result = JobResult.model_validate(result).model_dump_json()
     status = JobStatus(status)
-    out = _run(r, FINISH_JOB, [keys.job(job_id), queue or keys.queue(), keys.events, keys.cancel],
+    out = _run(r, FINISH_JOB, [keys.job(job_id), queue or keys.queue(), keys.events, keys.cancel, keys.tokens(job_id)],
                [group, entry_id, job_id, status.value, result or "", error or "", error_code or "",
                 now or time.time(), result_ttl, keys.layout, EVENTS_MAXLEN])
     return out if not isinstance(out, int | bytes | str) else int(out)
@@ -161,7 +161,7 @@ def finish_job(
 def cancel_job(r: redis.Redis, keys: Keys, job_id: str, now: float | None = None,
                result_ttl: int = DEFAULT_RESULT_TTL, group: str = GROUP) -> str:
     """'cancelled' | 'cancelling' | the job's terminal status | '' (no such job). `r` may be a pipeline."""
-    out = _run(r, CANCEL_JOB, [keys.job(job_id), keys.events, keys.cancel],
+    out = _run(r, CANCEL_JOB, [keys.job(job_id), keys.events, keys.cancel, keys.tokens(job_id)],
                [group, job_id, now or time.time(), result_ttl, keys.layout, EVENTS_MAXLEN])
     return _s(out)
 
@@ -217,20 +217,33 @@ def queue_streams(r: redis.Redis, keys: Keys) -> dict[str, list[str]]:
     return out
 
 
-def queue_totals(r: redis.Redis, keys: Keys) -> tuple[int, int]:
-    """(entries in every queue, entries delivered to a worker and not yet acknowledged), recounted from every
-    queue: O(live batches). What the depth counter must equal (tests, repair); `depth` reads the counter."""
-    streams = [q for qs in queue_streams(r, keys).values() for q in qs]
+def queue_counts(r: redis.Redis, keys: Keys) -> dict[str, tuple[int, int]]:
+    """priority -> (entries in its queues, entries of them delivered to a worker and not yet acknowledged),
+    recounted from every queue: O(live batches). What the depth counter must equal (tests, repair), split by
+    priority as the counter's `pending` is not; `depth` reads the counter."""
+    by_priority = queue_streams(r, keys)
     pipe = r.pipeline(transaction=False)
-    for q in streams:
+    for q in (q for qs in by_priority.values() for q in qs):
         pipe.xlen(q).xpending(q, GROUP)
-    replies = pipe.execute(raise_on_error=False)  # a queue without a group (or stream) answers an error
-    for reply in replies:
-        if isinstance(reply, redis.ConnectionError | redis.TimeoutError):
-            raise reply
-    depth = sum(n for n in replies[::2] if isinstance(n, int))
-    pending = sum(int(p["pending"]) for p in replies[1::2] if isinstance(p, dict))
-    return depth, pending
+    replies = iter(pipe.execute(raise_on_error=False))  # a queue without a group (or stream) answers an error
+    out: dict[str, tuple[int, int]] = {}
+    for priority, streams in by_priority.items():
+        depth = pending = 0
+        for _ in streams:
+            length, summary = next(replies), next(replies)
+            for reply in (length, summary):
+                if isinstance(reply, redis.ConnectionError | redis.TimeoutError):
+                    raise reply
+            depth += length if isinstance(length, int) else 0
+            pending += int(summary["pending"]) if isinstance(summary, dict) else 0
+        out[priority] = (depth, pending)
+    return out
+
+
+def queue_totals(r: redis.Redis, keys: Keys) -> tuple[int, int]:
+    """(entries in every queue, entries delivered to a worker and not yet acknowledged): queue_counts summed."""
+    counts = queue_counts(r, keys).values()
+    return sum(d for d, _ in counts), sum(p for _, p in counts)
 
 
 def ensure_group(r: redis.Redis, stream: str, group: str = GROUP) -> None:

@@ -93,6 +93,11 @@ class WorkerSettings(BaseSettings):
     )
     redis_wait_ms: int = Field(1000, gt=0, description="longest WAIT for --redis-min-replicas, in milliseconds")
     intake_lookahead: int = Field(4, ge=0, description="jobs read beyond the free seats, so none sit idle")
+    intake_max_waiting: int | None = Field(
+        None, ge=1, description="most jobs held here that no seat has taken yet (on their way to the engine, "
+        "waiting for a seat or KV blocks): the rest stay queued, where an autoscaler sees them; unset = up to "
+        "max_num_seqs + intake_lookahead",
+    )
     drain_grace_s: float = Field(
         30.0, ge=0, description="on SIGTERM: seconds to finish in-flight jobs before handing them back"
     )

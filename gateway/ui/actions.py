@@ -12,14 +12,14 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from markupsafe import escape
 from starlette.concurrency import run_in_threadpool
 
-from gateway import batch_service
-from gateway.batch_service import CreateBatch
+from gateway.batches import service as batch_service
+from gateway.batches.service import CreateBatch
 from gateway.errors import APIError
+from gateway.files.upload import receive_upload
 from gateway.http import get_ctx
 from gateway.jobs import owned_job, record_ownership
 from gateway.ui import data, session
 from gateway.ui.render import HEADERS, Acting, page
-from gateway.upload import receive_upload
 from protocol.errors import TokenbusError
 from protocol.models import JobRequest
 

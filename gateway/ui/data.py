@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.batch_records import GatewayBatch, batch_object, load_core
+from gateway.batches.records import GatewayBatch, batch_object, load_core
 from gateway.context import GatewayContext
 from protocol.models import JOB_ID_RE, Job
 from protocol.records import BatchRecord, DeadLetter, QueueInfo

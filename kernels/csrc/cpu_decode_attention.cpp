@@ -11,7 +11,7 @@
 // SmolLM2's 9 q / 3 KV heads). The scratch is a block of K and one of V (2 × 4 KiB at block 16, head_dim
 // 64), so it stays in L1. With one query head per KV head there is nothing to share: the block's rows are
 // widened in registers inside the loops, and each row's scale multiplies its score (K) or its softmax
-// weight (V). docs/quantization.md has the measurements (benchmarks/bench_kv_kernel_ab.py).
+// weight (V). docs/quantization.md has the measurements (benchmarks/bench_kv_kernel_ab.py at commit 6e4505d).
 
 namespace {
 

@@ -1,6 +1,7 @@
 -- FINISH_JOB (worker)
 -- KEYS: 1 record, 2 the entry's queue (with ARGV 2 ''; the record's queue, else this), 3 stream {ns}:events,
---       4 set {ns}:cancel
+--       4 set {ns}:cancel, 5 the job's token stream {ns}:job:{id}:tokens (a streamed job's final done chunk,
+--       _end_stream.lua; optional: without it none is added)
 -- ARGV: 1 group, 2 entry_id ('' = the record's entry_id, in the record's queue), 3 job_id,
 --       4 status (finished|failed|cancelled), 5 result JSON ('' = none), 6 error message ('' = none),
 --       7 error_code ('' = none), 8 now,
@@ -8,10 +9,12 @@
 --       11 events maxlen
 -- returns 1 ended now | 0 was already terminal (not overwritten) | -1 no record; the entry is always
 --         acked + deleted (the depth counter counts both) and the id removed from the cancel set
+-- A job whose request asked for a stream gets its final done chunk now if its worker wrote none.
 -- #include _is_terminal.lua
 -- #include _bump_batch.lua
 -- #include _queue_depth.lua
 -- #include _keep_request.lua
+-- #include _end_stream.lua
 local st = ARGV[4]
 if not is_terminal(st) then
   return redis.error_reply('ERR finish: status must be finished, failed or cancelled, got ' .. st)
@@ -35,6 +38,7 @@ local ttl = tonumber(cur[3] or ARGV[9])
 if ttl and ttl > 0 then redis.call('EXPIRE', KEYS[1], ttl) end
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[11], '*', 'job_id', ARGV[3], 'status', st)
 keep_request(KEYS[1], stream, entry)  -- before the entry goes
+end_stream(KEYS[5], redis.call('HGET', KEYS[1], 'request'), ttl)
 ack()  -- before bump_batch: the batch's last entry gone, its ended queue can be deleted
 bump_batch(L, cur[4], st, ARGV[8], ttl)
 return 1

@@ -1,5 +1,7 @@
 -- QUEUE_DEPTH (client)
--- KEYS: none (the counter is found from the layout). ARGV: 1 the namespace's layout (JSON, _layout.lua).
+-- KEYS: 1 {ns}:config, only to route the call to the namespace's shard on a Redis Cluster (nothing is read from
+--       it; on a single Redis a call with no KEYS works too): the counter is found from the layout.
+-- ARGV: 1 the namespace's layout (JSON, _layout.lua).
 -- Returns {entries in every queue, pending (delivered, not acked), entries of each priority in layout order}:
 -- the depth counter {ns}:depth (recounted first if it is missing), read in O(1).
 -- #include _queue_depth.lua

@@ -12,7 +12,9 @@
 -- When nothing was read, `wake` names the loose queues and {ns}:wake with the id to wait after (XREAD BLOCK,
 -- which consumes nothing): a submit to a loose queue, or one that makes a batch queue ready, wakes the reader;
 -- a stream that does not exist yet waits from 0-0, so its first entry wakes the reader too.
--- KEYS: none: the queues are found from the layout (the ready sets change between a client's reads)
+-- KEYS: 1 {ns}:config, only to route the call to the namespace's shard on a Redis Cluster (nothing is read from
+--       it; on a single Redis a call with no KEYS works too): the queues are found from the layout
+--       (the ready sets change between reads).
 -- ARGV: 1 the namespace's layout (JSON, _layout.lua), 2 group, 3 consumer, 4 count (at most this many entries),
 --       5 (optional) how many of them to read from the bulk queues before the interactive ones (bulk seats
 --       kept, intake.py); bulk is the last of the layout's priorities

@@ -1,19 +1,24 @@
 """The streaming submit's two halves against a real redis-server: SUBMIT_JOBS with calls in flight
-(producer/submit_pipe.py) and the one-pass submit of a file validated already (the gateway's)."""
+(producer/submit_pipe.py) and the submit of a spool kept from its validation (the gateway's upload)."""
 
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import redis
 
 from producer import Client, InvalidBatch, InvalidJob
+from producer.batch_file import BatchFileReader
+from producer.batch_spool import open_spool, spool_writer
 from producer.batches import submit_batch
+from producer.openai_batch import submit_fields
 from producer.submit_pipe import SubmitPipe
 from protocol import scripts
 from protocol.models import GROUP
+from protocol.priority import Priority
 from protocol.scripts import PendingJob
 
 
@@ -34,23 +39,34 @@ def entries(client: Client, batch_id: str) -> list[tuple[str, str]]:
     return list(zip(customs, [f["request"] for _, f in stream], strict=True))
 
 
-def test_a_validated_file_goes_in_one_pass_alike_and_a_changed_one_is_refused(redis_server, tmp_path):
+def spool_of(path: Path, lines_text: str) -> Path:
+    """The spool the gateway's upload writes as it validates (gateway/files/store.py)."""
+    with path.open("w", encoding="utf-8") as f:
+        reader = BatchFileReader(on_request=spool_writer(f), overrides=submit_fields(None, Priority.bulk))
+        reader.feed(lines_text.encode())
+        reader.close()
+    assert not reader.error_count
+    return path
+
+
+def test_a_kept_spool_is_sent_alike_unread_and_a_changed_one_is_refused(redis_server, tmp_path):
     client = Client(redis_server.url, max_queue_len=0)
     path = tmp_path / "in.jsonl"
     path.write_text(lines(2500))
     submit_batch(client, path, batch_id="spooled")
-    rec = submit_batch(client, path, batch_id="onepass", validated=("/v1/chat/completions", 2500))
+    kept = spool_of(tmp_path / "in.requests", lines(2500))
+    path.write_text("not even JSON\n")  # what a kept spool is sent from is the spool alone
+    rec = submit_batch(client, open_spool(kept, "/v1/chat/completions", 2500, "bulk"), batch_id="kept")
     assert rec.total == 2500 and rec.status.value == "in_progress"
-    assert entries(client, "onepass") == entries(client, "spooled") and len(entries(client, "spooled")) == 2500
+    assert entries(client, "kept") == entries(client, "spooled") and len(entries(client, "spooled")) == 2500
 
-    path.write_text(lines(2500, bad_at=2200))  # changed after its upload: the bad line is found part-way
-    with pytest.raises(InvalidBatch, match="line 2201: body: temperature"):
-        submit_batch(client, path, batch_id="changed", validated=("/v1/chat/completions", 2500))
-    assert 0 < client.redis.xlen(client.keys.queue("bulk", "changed")) <= 2200  # the caller removes them
-    path.write_text(lines(2400))
-    with pytest.raises(InvalidBatch, match="has 2400 /v1/chat/completions requests, not 2500"):
-        submit_batch(client, path, batch_id="shorter", validated=("/v1/chat/completions", 2500))
-    # without `validated` a bad line refuses the file before anything is written
+    spool_of(kept, lines(2400))  # changed since: found at its end, after the jobs before were written
+    with pytest.raises(InvalidBatch, match="the spool holds 2400 requests, not 2500"):
+        submit_batch(client, open_spool(kept, "/v1/chat/completions", 2500, "bulk"), batch_id="shorter")
+    assert 0 < client.redis.xlen(client.keys.queue("bulk", "shorter")) <= 2400  # the caller removes them
+    with pytest.raises(InvalidBatch, match="created with priority bulk; these requests were validated for default"):
+        submit_batch(client, open_spool(kept, "/v1/chat/completions", 2500, "default"), batch_id="shorter")
+    # without a spool a bad line refuses the file before anything is written
     path.write_text(lines(2500, bad_at=2200))
     with pytest.raises(InvalidBatch, match="1 of 2500 lines are invalid; nothing was submitted"):
         submit_batch(client, path, batch_id="refused")

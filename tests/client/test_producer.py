@@ -85,6 +85,9 @@ def test_submit_get_and_stream_entry(client):
     ({"prompt": "x", "max_tokens": "64"}, "max_tokens: Input should be a valid integer (got '64')"),
     ({"prompt": "x", "logprobs": 21}, "logprobs: Input should be less than or equal to 20"),
     ({"prompt": "x", "stop": [""]}, "stop strings must not be empty"),
+    ({"prompt": "x", "stop": [f"s{i}" for i in range(200_000)]}, "at most 16 stop strings (got 200000)"),
+    ({"prompt": "x", "stop": "y" * 1001}, "a stop string has 1001 characters; at most 1000"),
+    ({"prompt": "x", "stop_token_ids": list(range(257))}, "at most 256 stop_token_ids (got 257)"),
     ({"max_tokens": 5}, "give exactly one of prompt, messages, prompt_token_ids (got none)"),
     ({"prompt": "x", "prompt_token_ids": [1]}, "(got prompt and prompt_token_ids)"),
     ({"prompt": ""}, "prompt must not be empty"),
@@ -345,7 +348,7 @@ def test_submit_many_throughput(client):
     t0 = time.perf_counter()
     ids = client.submit_many(reqs)
     rate = n / (time.perf_counter() - t0)
-    print(f"submit_many: {n} jobs at {rate:,.0f} jobs/s")  # target >= 10k/s; see benchmarks/bench_submit.py
+    print(f"submit_many: {n} jobs at {rate:,.0f} jobs/s")  # target >= 10k/s; see benchmarks/queue/submit.py
     assert len(set(ids)) == n and client.redis.xlen(client.keys.queue()) == n
     assert client.get(ids[-1]).request["prompt"] == f"prompt number {n - 1}"
 

@@ -56,6 +56,7 @@ def test_the_gateway_acl_user_runs_producer_and_rq_work(compose, tmp_path):
 
     from gateway import tasks
     from gateway.context import GatewayContext
+    from gateway.enqueue import enqueue_submit
     from gateway.settings import GatewaySettings
 
     srv = LocalRedis(compose["services"]["redis"]["command"], tmp_path)
@@ -67,7 +68,7 @@ def test_the_gateway_acl_user_runs_producer_and_rq_work(compose, tmp_path):
         job_id = ctx.client.submit("hello", max_tokens=2)  # the namespace's keys and scripts
         assert ctx.client.get(job_id).status == "queued"
         tasks.set_context(ctx)
-        tasks.enqueue_submit(ctx, "batch_none")  # no such batch: the job runs and does nothing
+        enqueue_submit(ctx, "batch_none")  # no such batch: the job runs and does nothing
         worker = SimpleWorker([ctx.queue], connection=ctx.rq_redis)
         assert worker.work(burst=True, with_scheduler=True)
         job = ctx.queue.fetch_job("submit-batch_none")

@@ -1,5 +1,5 @@
-"""scripts/gpu_check without a GPU says so, and its scripts import without the packages the carry brings. The
-smoke run of every stage runs inside the rehearsal (tests/deploy/test_gpu_rehearsal.py)."""
+"""scripts/gpu_check without a GPU says so, and the gpu_check package's modules import without the packages the
+carry brings. The smoke run of every stage runs inside the rehearsal (tests/deploy/test_gpu_rehearsal.py)."""
 
 from __future__ import annotations
 
@@ -33,12 +33,9 @@ def test_bench_scripts_import_without_structlog_pydantic_or_redis():
         "        if name.split('.')[0] in ('structlog', 'pydantic', 'pydantic_core', 'redis', 'llguidance'):\n"
         "            raise ImportError('blocked: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        f"sys.path.insert(0, {str(ROOT / 'scripts')!r})\n"
-        "from benchmarks import bench_gpu, bench_kernels\n"
-        "import gpu_carry, gpu_check, gpu_check_fp8, gpu_check_graphs, gpu_check_kv, gpu_check_measure\n"
-        "import gpu_check_report\n"
-        "import gpu_check_stages, gpu_env\n"
-        "assert gpu_env.missing() == ['structlog', 'pydantic', 'redis', 'llguidance'], gpu_env.missing()\n"
+        "from gpu_check import carry, engine_bench, env, fp8, graphs, kernel_bench, kv, measure, report, runner\n"
+        "from gpu_check import stages\n"
+        "assert env.missing() == ['structlog', 'pydantic', 'redis', 'llguidance'], env.missing()\n"
         "print('imported')\n"
     )
     proc = subprocess.run([sys.executable, "-c", blocker], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -47,11 +44,7 @@ def test_bench_scripts_import_without_structlog_pydantic_or_redis():
 
 def test_the_stage_caps_docs_gpu_md_states_are_the_stages_own():
     # docs/gpu.md sizes the run calls (timeout_s) by these sums: a cap raised in the code must show there
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import gpu_check_stages as stages
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    from gpu_check import stages
     caps = {key: cap for key, (_, _, cap) in (stages.STAGES | stages.HIDDEN_STAGES).items()}
     doc = (ROOT / "docs" / "gpu.md").read_text()
     assert f"five stages whose caps sum to {sum(caps[k] for k in 'abcde')} s" in doc

@@ -1,7 +1,7 @@
 """The first GPU run, rehearsed on the CPU (issue #21 items 1, 2 and 7).
 
 `scripts/gpu_check --rehearse` runs every stage's GPU-path imports and its CPU smoke inside a venv that exposes
-only what the GPU image holds (scripts/gpu_image_packages.txt, plus torch/triton/transformers' own
+only what the GPU image holds (gpu_check/image_packages.txt, plus torch/triton/transformers' own
 dependencies), after installing the carry (.whl/, scripts/gpu_check_wheels) the way the GPU run does. The stage
 runner keeps every row measured before a stage overruns and kills the stage's whole process group.
 """
@@ -18,10 +18,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+from gpu_check import carry as gpu_carry
 
-import gpu_carry  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.decode_partitions import H200_SMS, graph_count, idle_share
+from benchmarks.kernels.decode_partitions import H200_SMS, graph_count, idle_share
 from kernels.partitions import cdiv, idle_programs, num_partitions
 from worker.engine.cuda_graphs import DecodeWidths, decode_buckets
 

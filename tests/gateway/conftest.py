@@ -1,12 +1,12 @@
-"""The light gateway stack (tests/support/light_gateway.py): started by the first test that asks for it and
+"""The light gateway stack (testbed/light_gateway.py): started by the first test that asks for it and
 stopped after the last test of the test_gw_* modules (which run one after another), so it starts once."""
 
 from __future__ import annotations
 
 import pytest
 
+from testbed.light_gateway import LightStack, start_light_stack, stop_light_stack
 from tests.support.gateway_harness import Shared
-from tests.support.light_gateway import LightStack, start_light_stack, stop_light_stack
 
 _LIGHT = Shared(start_light_stack, stop_light_stack, "light-gateway")
 

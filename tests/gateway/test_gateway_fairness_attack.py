@@ -19,7 +19,7 @@ def test_costly_constraints_are_refused_at_submit_naming_the_limit(gateway_stack
     """Attacks 5-7 over HTTP: refused at once (off the event loop) with a 400 naming the limit, so no grammar
     work reaches a worker; /healthz and another key's completion answer right after. The engine's own bound
     (a too costly mask fails that request alone) is tests/engine/test_constraint_costs.py, and the side-by-side
-    timing of another request's 10 tokens is benchmarks/bench_grammar_attack.py."""
+    timing of another request's 10 tokens is benchmarks/reliability/grammar_attack.py."""
     attacks = [({"regex": "a{100000}", "n": 4}, "max_repeat = 1000"),  # attack 6
                ({"choice": [f"item {i}" for i in range(2001)]}, "max_choice_count = 1000"),  # attack 7
                ({"choice": [f"{i:05d}" for i in range(6000)]}, "max_choice_count")]  # attack 5, within MAX_BODY

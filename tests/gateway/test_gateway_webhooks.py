@@ -84,8 +84,9 @@ def test_a_webhook_that_never_succeeds_ends_in_rq_failed_registry(redis_server, 
     from rq.registry import FailedJobRegistry
 
     from gateway import tasks
-    from gateway.batch_records import GatewayBatch
+    from gateway.batches.records import GatewayBatch
     from gateway.context import GatewayContext
+    from gateway.enqueue import enqueue_webhook
     from gateway.settings import GatewaySettings
 
     settings = GatewaySettings(redis_url=redis_server.url, api_keys="k", files_dir=tmp_path,
@@ -99,7 +100,7 @@ def test_a_webhook_that_never_succeeds_ends_in_rq_failed_registry(redis_server, 
                               completion_window="24h", created_at=1.0, expires_at=2.0, final_status="completed",
                               ended_at=1.5, total=0, completed=0, failed=0, webhook_url=hooks.url)
             ctx.redis.hset(ctx.gkeys.batch(gw.id), mapping=gw.fields())
-            assert tasks.enqueue_webhook(ctx, gw) and not tasks.enqueue_webhook(ctx, gw)  # queued once only
+            assert enqueue_webhook(ctx, gw) and not enqueue_webhook(ctx, gw)  # queued once only
             SimpleWorker([ctx.webhook_queue], connection=ctx.rq_redis).work(burst=True)
             assert [a["status"] for a in hooks.attempts] == [500, 500, 500]  # the first try and two retries
         assert FailedJobRegistry(queue=ctx.webhook_queue).get_job_ids() == ["webhook-batch_doomed"]

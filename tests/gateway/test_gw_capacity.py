@@ -9,8 +9,8 @@ import time
 import openai
 import pytest
 
-from gateway.capacity import estimate
-from tests.support.light_gateway import chat_line, wait_until
+from gateway.batches.capacity import estimate
+from testbed.light_gateway import chat_line, wait_until
 
 
 def _set(r, **limits):

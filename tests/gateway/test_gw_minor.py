@@ -11,9 +11,9 @@ import httpx
 import openai
 import pytest
 
+from testbed.light_gateway import chat_line, wait_until
 from testbed.redis_server import free_port
 from tests.support.gateway_harness import KEYS, Proc
-from tests.support.light_gateway import chat_line, wait_until
 
 
 def test_healthz_hides_the_redis_error(tmp_path):

@@ -9,7 +9,7 @@ import os
 import signal
 import time
 
-from tests.support.light_gateway import MAX_QUEUE_LEN, chat_line
+from testbed.light_gateway import MAX_QUEUE_LEN, chat_line
 
 
 def test_queue_full_submit_fails_at_once_with_errors(light_stack, tmp_path):

@@ -10,8 +10,8 @@ import time
 import pytest
 from standardwebhooks import Webhook, WebhookVerificationError
 
-from gateway.webhooks import DeliveryFailed, address_problem, deliver, parse_networks
-from tests.support.light_gateway import WEBHOOK_SECRET, TrickleReceiver, chat_line, listener, wait_until
+from gateway.webhooks.delivery import DeliveryFailed, address_problem, deliver, parse_networks
+from testbed.light_gateway import WEBHOOK_SECRET, TrickleReceiver, chat_line, listener, wait_until
 
 SECRETS = [WEBHOOK_SECRET]
 

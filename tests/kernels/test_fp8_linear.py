@@ -2,7 +2,7 @@
 activation and per-channel weight scales the GPU path passes it, equals the fp32 reference within fp32
 rounding on awkward shapes; the quantizers keep their contract (scale = max|row| / 448, no overflow, zero
 rows). The same call runs on CUDA sm_89+ (PyTorch's CUTLASS rowwise kernel): gpu_check stage q
-(scripts/gpu_check_fp8.py)."""
+(gpu_check/fp8.py)."""
 
 from __future__ import annotations
 

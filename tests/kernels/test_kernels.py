@@ -261,10 +261,10 @@ def test_gpu_plans_compile_for_sm90(dtype, hq, hk, head_dim, tmp_path):
 
 @pytest.mark.skipif(INTERPRETED, reason="runs the benchmark script in its own processes")
 def test_bench_script_smoke():
-    """benchmarks/bench_kernels.py stays runnable: its correctness part passes under the interpreter, and
+    """gpu_check/kernel_bench.py stays runnable: its correctness part passes under the interpreter, and
     without a GPU the benchmark itself stops with a clear message."""
     root = Path(__file__).resolve().parents[2]
-    script = "benchmarks.bench_kernels"
+    script = "gpu_check.kernel_bench"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     smoke = subprocess.run([sys.executable, "-m", script, "--cpu-smoke"], cwd=root, env=env, capture_output=True,
                            text=True, timeout=300)

@@ -9,129 +9,15 @@ from __future__ import annotations
 import json
 import re
 import time
-from pathlib import Path
 
 import pytest
 import redis
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
-NS = "tokenbus"
-P = "{" + NS + "}"  # the doc: every key starts with the namespace in braces (a Redis Cluster hash tag)
-GROUP = "workers"
-EVENTS_MAXLEN = 100_000  # "XADD ... MAXLEN ~ 100000"
+from tests.protocol.doc_client import GROUP, PRIORITIES, DocClient, P, start_worker
+
 WORKER = "conformance-worker"
 VOCAB = 49_152  # the doc: "49 152 for SmolLM2" (the tiny test model has SmolLM2's tokenizer)
-PRIORITIES = ("interactive", "default", "bulk")  # the doc's Priorities, in the order workers serve them
 ID_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.@-]{0,199}\Z")  # the doc's id rule
-
-
-def expand(path: Path, seen: set[Path]) -> str:
-    """The doc: a line `-- #include _NAME.lua` stands for that file, itself expanded, each file at most once."""
-    seen.add(path)
-    out = []
-    for line in path.read_text().splitlines(keepends=True):
-        m = re.fullmatch(r"-- #include (_\w+\.lua)\n?", line)
-        if m is None:
-            out.append(line)
-        elif path.parent / m.group(1) not in seen:
-            out.append(expand(path.parent / m.group(1), seen))
-    return "".join(out)
-
-
-def doc_scripts() -> dict[str, str]:
-    """The Script files table: | `NAME` | who | [file](link) |: the text to EVAL is the linked file, expanded."""
-    rows = re.findall(r"^\| `(\w+)` \| (?:client|worker) \| \[[\w.]+\]\(([^)]+)\) \|$", DOC.read_text(), re.M)
-    return {name: expand((DOC.parent / link).resolve(), set()) for name, link in rows}
-
-
-def layout() -> str:
-    """The layout ARGV, as the doc spells it out for the namespace."""
-    def each(fmt: str):
-        return {p: fmt.replace("{p}", p) for p in PRIORITIES}
-    return json.dumps({"priorities": list(PRIORITIES), "default_priority": "default",
-                       "queue": each(P + ":q:{p}"), "registry": each(P + ":queues:{p}"),
-                       "turn": each(P + ":turn:{p}"), "ready": each(P + ":ready:{p}"),
-                       "depth": f"{P}:depth", "wake": f"{P}:wake",
-                       "batch_queue": {p: [f"{P}:q:{p}:", ""] for p in PRIORITIES},
-                       "batch": [f"{P}:batch:", ""], "batch_jobs": [f"{P}:batch:", ":jobs"]})
-
-
-class DocClient:
-    """Everything a client needs, built from the doc's steps."""
-
-    def __init__(self, r: redis.Redis) -> None:
-        self.r = r
-        self.scripts = doc_scripts()
-        assert {"SUBMIT_JOB", "QUEUE_DEPTH", "CANCEL_JOB", "START_BATCH", "FINISH_JOB"} <= set(self.scripts)
-
-    def eval(self, name: str, keys: list[str], args: list) -> object:
-        text = self.scripts[name]
-        return self.r.eval(text, len(keys), *keys, *args)
-
-    # step 0
-    def create_group(self) -> None:
-        for priority in PRIORITIES:
-            try:
-                self.r.xgroup_create(f"{P}:q:{priority}", GROUP, id="0", mkstream=True)
-            except redis.ResponseError as err:
-                assert "BUSYGROUP" in str(err)
-
-    # step 1
-    def submit(self, job_id: str, request: dict, result_ttl: int = 60, max_queue_len: int = 0,
-               batch_id: str = "", custom_id: str = "", priority: str = "default") -> list:
-        queue = f"{P}:q:{priority}" + (f":{batch_id}" if batch_id else "")
-        return self.eval("SUBMIT_JOB", [f"{P}:job:{job_id}", queue, f"{P}:queues:{priority}"],
-                         [job_id, json.dumps(request), time.time(), max_queue_len, result_ttl, batch_id, custom_id,
-                          priority, layout(), GROUP])
-
-    def depth(self) -> int:
-        return self.eval("QUEUE_DEPTH", [f"{P}:config"], [layout()])[0]  # KEYS only route it (the doc)
-
-    def submit_plain(self, job_id: str, request: dict, result_ttl: int = 60) -> bool:
-        """WATCH / EXISTS / QUEUE_DEPTH / MULTI XADD HINCRBY HSET / EXEC, as the doc spells it out."""
-        key = f"{P}:job:{job_id}"
-        with self.r.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    pipe.watch(key)
-                    if pipe.exists(key):
-                        pipe.unwatch()
-                        return False
-                    self.depth()  # makes the counter if it is missing (and is the max_queue_len check)
-                    pipe.multi()
-                    pipe.xadd(f"{P}:q:default", {"job_id": job_id, "request": json.dumps(request)})
-                    pipe.hincrby(f"{P}:depth", "default", 1)
-                    pipe.hset(key, mapping={"id": job_id, "status": "queued", "request": json.dumps(request),
-                                            "created_at": time.time(), "attempts": 0, "result_ttl": result_ttl,
-                                            "priority": "default", "queue": f"{P}:q:default"})
-                    pipe.execute()
-                    return True
-                except redis.WatchError:
-                    continue
-
-    # step 5
-    def cancel(self, job_id: str) -> str:
-        return self.eval("CANCEL_JOB", [f"{P}:job:{job_id}", f"{P}:events", f"{P}:cancel"],
-                         [GROUP, job_id, time.time(), 604800, layout(), EVENTS_MAXLEN])
-
-    def record(self, job_id: str) -> dict:
-        return self.r.hgetall(f"{P}:job:{job_id}")
-
-    # Waiting
-    def wait(self, job_ids: list[str], timeout: float = 120) -> dict[str, dict]:
-        last = self.r.xrevrange(f"{P}:events", count=1)
-        last_id = last[0][0] if last else "0-0"
-        ended = {j: self.record(j) for j in job_ids}
-        ended = {j: rec for j, rec in ended.items() if rec.get("status") in ("finished", "failed", "cancelled")}
-        deadline = time.monotonic() + timeout
-        while len(ended) < len(job_ids):
-            assert time.monotonic() < deadline, f"not ended: {set(job_ids) - set(ended)}"
-            for _stream, entries in self.r.xread({f"{P}:events": last_id}, block=500) or []:
-                for entry_id, fields in entries:
-                    last_id = entry_id
-                    if fields["job_id"] in job_ids:
-                        ended[fields["job_id"]] = self.record(fields["job_id"])
-        return ended
 
 
 @pytest.fixture
@@ -139,12 +25,6 @@ def doc_client(redis_server):
     r = redis.Redis.from_url(redis_server.url, decode_responses=True, socket_timeout=30)
     yield DocClient(r)
     r.close()
-
-
-def start_worker(worker_process, url: str, model: str):
-    return worker_process("--redis-url", url, "--model", model, "--worker-name", WORKER, "--max-num-seqs", "4",
-                          "--intake-lookahead", "2", "--max-num-batched-tokens", "256", "--kv-cache-gb", "0.05",
-                          "--heartbeat-s", "0.5", "--lease-ms", "3000", "--cpu-kernels", "false")
 
 
 def test_a_client_written_from_the_doc(doc_client, redis_server, serve_model_dir, worker_process):
@@ -162,10 +42,14 @@ def test_a_client_written_from_the_doc(doc_client, redis_server, serve_model_dir
     with pytest.raises(redis.ResponseError, match="priority"):
         c.submit("conf-urgent", greedy, priority="urgent")
     assert not r.exists(f"{P}:job:conf-full")
-    assert c.submit_plain("conf-plain", {"prompt_token_ids": [1, 2, 3], "max_tokens": 6, "stream": True,
-                                         "ignore_eos": True, "temperature": 0.0})
-    assert not c.submit_plain("conf-plain", {"prompt": "again"})
-    assert c.record("conf-plain")["status"] == "queued" and "entry_id" not in c.record("conf-plain")
+    plain = {"prompt_token_ids": [1, 2, 3], "max_tokens": 6, "stream": True, "ignore_eos": True,
+             "temperature": 0.0}
+    assert c.submit_plain("conf-plain", plain) == "queued"
+    assert c.submit_plain("conf-plain", {"prompt": "again"}) == "exists"
+    rec = c.get("conf-plain")
+    assert rec["status"] == "queued" and rec["entry_id"] and json.loads(rec["request"]) == plain, \
+        "step 2 gave the record its entry: the request is found while it waits"
+    assert "request" not in c.record("conf-plain") and "id" not in rec and "attempts" not in rec
     assert not ID_RE.match("abc\n") and not ID_RE.match("a:b") and ID_RE.match("conf-1")
 
     # 5. cancel while queued: ends at once, entry gone, no result
@@ -197,7 +81,7 @@ def test_a_client_written_from_the_doc(doc_client, redis_server, serve_model_dir
     c.submit("conf-cancel-running", long_job)
 
     started = time.time()
-    start_worker(worker_process, redis_server.url, serve_model_dir)
+    start_worker(worker_process, redis_server.url, serve_model_dir, WORKER)
     deadline = time.monotonic() + 240
     while not (beat := r.get(f"{P}:worker:{WORKER}")):
         assert time.monotonic() < deadline, "no heartbeat"
@@ -288,7 +172,7 @@ def test_a_client_written_from_the_doc(doc_client, redis_server, serve_model_dir
     assert sorted(events) == sorted([*ids, "conf-cancel-queued"]), "exactly one event per ended job"
     # every ended job's entry is acknowledged and deleted: XLEN = queued + running = 0
     deadline = time.monotonic() + 10
-    while c.depth() or any(r.xpending(f"{P}:q:{p}", GROUP)["pending"] for p in PRIORITIES):
+    while c.depth()[0] or any(r.xpending(f"{P}:q:{p}", GROUP)["pending"] for p in PRIORITIES):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     ended_at = time.time()

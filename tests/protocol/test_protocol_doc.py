@@ -4,6 +4,7 @@ the layout ARGV). No Python module holds Lua any more."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -50,3 +51,18 @@ def test_includes_are_expanded_once_each():
     assert "#include" not in text
     assert text.count("local function key(") == 1 and text.count("local function is_terminal(") == 1
     assert scripts.FINISH_JOB == text and "local function bump_batch(" in text
+
+
+def test_the_doc_spells_out_the_layout_in_full():
+    from tests.protocol.doc_client import layout
+
+    assert json.loads(layout()) == json.loads(Keys("tokenbus").layout), "docs/protocol.md's layout JSON is stale"
+
+
+def test_scripts_that_find_their_keys_name_the_routing_key_they_take():
+    """READ, QUEUE_DEPTH and BUMP_BATCH find their keys from the layout, and take {ns}:config as KEYS 1 only to
+    route the call on a Redis Cluster: their headers say so, as the doc does (not "KEYS: none")."""
+    for name in ("read", "queue_depth", "bump_batch"):
+        header = (LUA / f"{name}.lua").read_text().split("\n#", 1)[0]
+        assert "-- KEYS: 1 {ns}:config, only to route" in header and "KEYS: none" not in header, name
+    assert Keys("NS").routing_key == "{NS}:config"

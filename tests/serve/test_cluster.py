@@ -96,7 +96,7 @@ def test_two_namespaces_end_to_end_on_their_own_shards(cluster, serve_model_dir)
 def test_the_gateway_keeps_its_data_on_the_shard_and_rq_on_a_plain_redis(cluster, redis_server, tmp_path):
     """RQ cannot run on a cluster: the settings refuse it, naming the fix; with TOKENBUS_GATEWAY_RQ_REDIS_URL the
     gateway's keys go to the namespace's shard (capacity reads that shard's INFO) and RQ's to the plain Redis."""
-    from gateway import capacity
+    from gateway.batches import capacity
     from gateway.context import GatewayContext
     from gateway.settings import GatewaySettings
 

@@ -11,7 +11,7 @@ from collections import Counter, deque
 from producer import Client
 from protocol import scripts
 from protocol.keys import Keys
-from protocol.models import GROUP
+from protocol.models import GROUP, MAX_STOP_STRINGS
 
 K = Keys("tokenbus")
 
@@ -288,3 +288,19 @@ def test_gauges_and_heartbeat_drop_when_cancelled_jobs_leave(serve_engine, serve
         assert handle.stop() == 0
     finally:
         metrics.stop_http()
+
+
+def test_a_plain_redis_job_with_a_huge_stop_list_fails_alone(serve_engine, serve, redis_server):
+    """A client in another language skips the producer's checks: the worker refuses the stop list itself, so the
+    step never checks 20,000 strings after every token for everyone sharing it."""
+    r = redis_server.client()
+    client = Client(redis_server.url)
+    good = long_jobs(client, 2, max_tokens=8)
+    request = {"prompt": "x", "max_tokens": 4, "stop": [f"never-{i}" for i in range(20_000)]}
+    submit_raw(r, "stops", json.dumps(request))
+    handle = serve(serve_engine)
+    jobs = {j.id: j for j in client.as_completed([*good, "stops"], timeout=120)}
+    assert jobs["stops"].status == "failed" and jobs["stops"].error_code == "invalid_request"
+    assert f"at most {MAX_STOP_STRINGS} stop strings" in jobs["stops"].error
+    assert all(jobs[g].status == "finished" for g in good)
+    assert handle.stop() == 0, "the worker kept serving"

@@ -18,8 +18,8 @@ from worker.engine.errors import InvalidRequest
 
 class SamplingParams(GenerationParams):
     @cached_property
-    def stop_strings(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     @cached_property
     def stop_hold(self) -> int:

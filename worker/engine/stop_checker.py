@@ -3,7 +3,22 @@ detokenizer's text), min_tokens, and the length rule (Sequence.max_num_tokens)."
 
 from __future__ import annotations
 
+from functools import lru_cache
+
+import ahocorasick
+
 from worker.engine.sequence import Sequence
+
+
+@lru_cache(maxsize=1024)  # a batch's lines share one stop list: built once, not once per job
+def stop_automaton(stop_strings: tuple[str, ...]) -> ahocorasick.Automaton:
+    """One Aho-Corasick automaton over a request's stop strings: a scan of the text's tail finds every one of
+    them in one pass, whatever their number (a value is its string's length)."""
+    automaton = ahocorasick.Automaton()
+    for s in stop_strings:
+        automaton.add_word(s, len(s))
+    automaton.make_automaton()
+    return automaton
 
 
 class StopChecker:
@@ -38,7 +53,10 @@ class StopChecker:
         """Where each stop string found in text starts: one completed by this token ends in the new text, so it
         starts at most stop_hold characters before it."""
         window_start = max(0, new_text_from - seq.params.stop_hold)
-        return [i for s in seq.params.stop_strings if (i := text.find(s, window_start)) != -1]
+        if window_start >= len(text):
+            return []
+        automaton = stop_automaton(seq.params.stop_strings)
+        return [end - length + 1 for end, length in automaton.iter(text, window_start)]
 
     @staticmethod
     def _cut_at_stop_string(seq: Sequence, new_text_from: int) -> bool:

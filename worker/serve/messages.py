@@ -32,6 +32,7 @@ class StartedJob:
     # owned by the engine thread once the job is in the engine
     first_token_at: float | None = None
     published: int = 0  # tokens already sent as Partials
+    published_chars: int = 0  # and the length of their text
 
 
 @dataclass

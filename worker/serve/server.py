@@ -55,7 +55,7 @@ class Server:
         seats = min(engine.max_num_seqs, settings.engine.max_num_seqs or engine.max_num_seqs)
         self.capacity = seats + settings.intake_lookahead
         # never more than `capacity` jobs leased here, however far behind the writer is
-        self.budget = IntakeBudget(self.capacity, leases=self.leases, limit=self.capacity)
+        self.budget = IntakeBudget(self._room(0, 0), leases=self.leases, limit=self.capacity)
         self.leases.on_release = self.budget.wake
 
         self.writer = CompletionWriter(self.jobs, self.leases, metrics=metrics)
@@ -113,8 +113,7 @@ class Server:
                 self._step()
             stats = self.engine.stats()
             set_aside = len(self.suspects) + len(self.held)
-            # choices waiting to fork take seats all the same
-            self.budget.set_room(self.capacity - stats.running - stats.waiting - stats.forking - set_aside)
+            self.budget.set_room(self._room(stats.running, stats.waiting + stats.forking + set_aside))
             self._publish_stats(stats)
             if self.exit_code:
                 break
@@ -127,6 +126,14 @@ class Server:
                     self._hand_back_all("drain grace period over", count_attempt=False)
                     break
         return self._shutdown()
+
+    def _room(self, running: int, unseated: int) -> int:
+        """Jobs intake may add: the capacity left, and with intake_max_waiting no more held without a seat than
+        that (`unseated`: waiting for a seat or KV blocks, set aside, or choices waiting to fork, which take
+        seats all the same), so a KV-bound worker leaves the backlog in the queue for the autoscaler to see."""
+        room = self.capacity - running - unseated
+        cap = self.settings.intake_max_waiting
+        return room if cap is None else min(room, cap - unseated)
 
     def _connect(self) -> bool:
         backoff = Backoff("connecting", self.stop_requested)
@@ -279,6 +286,7 @@ class Server:
             if job.stream:
                 self.writer.put(Partial(job_id, delta.token_ids, job.published, delta.text))
                 job.published += len(delta.token_ids)
+                job.published_chars += len(delta.text)
         for out in finished:
             job = self.running.pop(out.request_id, None)
             if job is not None:
@@ -373,7 +381,10 @@ class Server:
 
     def _end_with_output(self, job: StartedJob, out: Any) -> None:
         if job.stream:
-            self.writer.put(Partial(job.job_id, [], job.published, done=True))
+            # the done chunk carries what no delta did (an aborted job's last step), so the stream's tokens are the
+            # result's (docs/protocol.md, "How a token stream ends")
+            self.writer.put(Partial(job.job_id, out.token_ids[job.published:], job.published,
+                                    out.text[job.published_chars:], done=True))
         cancelled = out.finish_reason == "abort"
         result = job_result(out, self.engine.model_name, self.engine.tokenizer)
         completion_tokens = result.usage.completion_tokens

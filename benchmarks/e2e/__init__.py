@@ -1,0 +1,1 @@
+"""benchmarks/e2e: see benchmarks/README.md."""

@@ -1,0 +1,1 @@
+"""benchmarks/engine: see benchmarks/README.md."""

@@ -1,0 +1,1 @@
+"""benchmarks/queue: see benchmarks/README.md."""

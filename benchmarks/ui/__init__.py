@@ -1,0 +1,1 @@
+"""benchmarks/ui: see benchmarks/README.md."""

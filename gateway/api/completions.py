@@ -1,0 +1,113 @@
+"""POST /v1/chat/completions and /v1/completions: enqueue one job, wait for it, answer as OpenAI does.
+
+The body is mapped to a job exactly as a batch line's body is (producer.openai_batch.body_request), so the
+same request gives the same job either way. `stream: true` answers with server-sent events made from the
+job's token stream ({ns}:job:{id}:tokens; live/sse.py). Every answer carries the job id
+in the `x-tokenbus-job-id` header: after a timeout (504) the job goes on and GET /v1/jobs/{id} has it.
+"""
+
+from __future__ import annotations
+
+import uuid
+import weakref
+from typing import Any
+
+import structlog
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from gateway.auth import owner
+from gateway.context import GatewayContext
+from gateway.errors import APIError, invalid
+from gateway.http import get_ctx, json_body
+from gateway.jobs import job_error, record_ownership
+from gateway.live.sse import abandon, job_events
+from gateway.live.waiter import ClientGone
+from producer.batch_file import max_tokens_problem, request_tokens
+from producer.openai_batch import CHAT, COMPLETIONS, body_request, response_body
+from protocol.errors import InvalidJob
+from protocol.models import JobRequest, JobStatus
+from protocol.priority import Priority
+
+log = structlog.get_logger("tokenbus.gateway")
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, who: str = Depends(owner)) -> Any:
+    return await _complete(request, who, CHAT)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, who: str = Depends(owner)) -> Any:
+    return await _complete(request, who, COMPLETIONS)
+
+
+def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    """Pop the streaming fields a batch line may not have: (stream, include_usage)."""
+    stream = body.pop("stream", False)
+    options = body.pop("stream_options", None)
+    if not isinstance(stream, bool):
+        raise invalid(f"stream must be true or false (got {stream!r})", param="stream")
+    if options is not None and (not stream or not isinstance(options, dict)):
+        raise invalid("stream_options needs stream: true and must be an object", param="stream_options")
+    return stream, bool((options or {}).get("include_usage"))
+
+
+def submit(ctx: GatewayContext, who: str, endpoint: str, request: JobRequest) -> str:
+    job_id = uuid.uuid4().hex
+    # the key's priority comes from the gateway's configuration (key_priorities), never from the request
+    request = request.model_copy(update={"priority": Priority(ctx.priorities.get(who, Priority.interactive))})
+    record_ownership(ctx, job_id, who, endpoint)
+    ctx.client.submit_many([request], job_ids=[job_id])  # validated already (body_request): not again
+    log.info("gateway_job_submitted", job_id=job_id, endpoint=endpoint, owner=who, stream=request.stream)
+    return job_id
+
+
+async def _complete(request: Request, who: str, endpoint: str) -> Any:
+    ctx = get_ctx(request)
+    body = await json_body(request)
+    stream, include_usage = _stream_options(body)
+    try:
+        # off the event loop: a big constraint takes a while to check (a 60,000-entry choice took seconds)
+        job_request = await run_in_threadpool(body_request, endpoint, body)
+    except InvalidJob as err:
+        message = str(err).removeprefix("body: ").removeprefix("body.")
+        param = message.split(":", 1)[0] if ":" in message.split(" ", 1)[0] else None
+        raise invalid(message, param=param) from None
+    if problem := max_tokens_problem(job_request, ctx.settings.max_tokens_limit):
+        raise invalid(problem, param="max_tokens", code="max_tokens_too_large")
+    job_request = job_request.model_copy(update={"stream": stream})
+    timeout = ctx.settings.completion_timeout_s
+    # 429 before anything is queued when this key has too much in flight (live/quotas.py)
+    lease = ctx.quotas.acquire(who, stream, request_tokens(job_request), hold_s=timeout + 60)
+    try:
+        job_id = await run_in_threadpool(submit, ctx, who, endpoint, job_request)
+    except BaseException:
+        ctx.quotas.release(lease)
+        raise
+    headers = {"x-tokenbus-job-id": job_id}
+    if stream:
+        handled: list[bool] = []  # the generator's finally ran
+        events = job_events(ctx, job_id, endpoint, job_request.model, include_usage, lease, handled)
+        # A client gone before the first chunk: the generator may never start, so its finally never runs;
+        # when it is dropped unstarted, the same clean-up runs from here.
+        weakref.finalize(events, abandon, ctx, job_id, lease, handled)
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers=headers | {"cache-control": "no-cache"})
+    try:
+        job = await ctx.waiter.wait(job_id, timeout, request.is_disconnected)
+    except ClientGone:
+        ctx.cancels.cancel(job_id)  # nobody will read the answer: free the seat (never fails here)
+        return JSONResponse({}, status_code=499)
+    finally:
+        ctx.quotas.release(lease)
+    if job is None:
+        raise APIError(504, f"job {job_id} did not finish within {timeout:g} s; it is still running: poll "
+                            f"GET /v1/jobs/{job_id}", code="timeout", headers=headers)
+    if job.status != JobStatus.finished or job.result is None:
+        err = job_error(job)
+        err.headers = headers
+        raise err
+    return JSONResponse(response_body(job, endpoint), headers=headers)

@@ -1,0 +1,167 @@
+"""Files: content on a volume (files_dir), metadata in Redis.
+
+Why a volume and not Redis: batch files run to hundreds of MB, and Redis holds the job queue in memory with
+noeviction, so a few big files there would refuse the queue's own writes (and slow AOF rewrites). A file on
+disk also streams in and out in constant memory. The cost: every gateway and tasks process must mount the
+same files_dir (one box: a named volume; several boxes: a shared filesystem).
+
+A batch input file has its validated requests beside it (`{file_id}.requests`, producer/batch_spool.py's
+spool: one line each, the request JSON as the submit sends it), written by the upload as it validates each
+line; the submit task streams that to Redis and never reads or validates the file again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import IO, Any, BinaryIO
+
+import redis
+import structlog
+from pydantic import BaseModel
+
+from gateway.errors import invalid, not_found
+from gateway.keys import GatewayKeys
+from producer.batch_file import BatchFileReader
+from producer.batch_spool import spool_writer
+from producer.openai_batch import submit_fields
+from protocol.priority import Priority
+
+log = structlog.get_logger("tokenbus.gateway")
+
+PURPOSES_UPLOADED = ("batch",)  # what a client may upload; "batch_output" files are made by finalisation
+BATCH_PRIORITY = Priority.bulk  # every gateway batch's queue: set in each request as the upload validates it
+
+
+class FileMeta(BaseModel):
+    id: str
+    owner: str
+    filename: str
+    purpose: str
+    bytes: int
+    created_at: float
+    endpoint: str | None = None  # batch input files: the one endpoint of their lines
+    requests: int | None = None  # batch input files: non-blank lines
+    line_errors: list[dict[str, Any]] | None = None  # batch input files: invalid lines (a batch of it fails)
+    tokens: int | None = None  # batch input files: prompt + max_tokens x n, summed (per-key quotas)
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": int(self.created_at),
+                "filename": self.filename, "purpose": self.purpose, "status": "processed",
+                "expires_at": None, "status_details": None}
+
+
+class FileStore:
+    def __init__(self, r: redis.Redis, keys: GatewayKeys, root: Path, max_line_bytes: int,
+                 max_tokens: int = 2**31 - 1, max_requests: int = 2**31 - 1) -> None:
+        # No mkdir here: the serving processes make the directory (a mere import must not create one).
+        self.r, self.keys, self.root, self.max_line_bytes = r, keys, Path(root), max_line_bytes
+        self.max_tokens, self.max_requests = max_tokens, max_requests
+
+    def path(self, file_id: str) -> Path:
+        # Two hex characters of fan-out keep any one directory small.
+        return self.root / file_id[-2:] / file_id
+
+    def requests_path(self, file_id: str) -> Path:
+        """A batch input file's validated requests, as its submit sends them (written by its upload)."""
+        return self.path(file_id).with_name(f"{file_id}.requests")
+
+    def find(self, owner: str, file_id: str) -> FileMeta | None:
+        """The file's metadata, or None unless it exists and belongs to owner."""
+        raw = self.r.hgetall(self.keys.file(file_id)) if file_id.startswith("file-") else {}
+        if not raw or raw.get("owner") != owner:
+            return None
+        data: dict[str, Any] = {k: v for k, v in raw.items() if v != ""}
+        if "line_errors" in data:
+            data["line_errors"] = json.loads(data["line_errors"])
+        return FileMeta.model_validate(data)
+
+    def get(self, owner: str, file_id: str) -> FileMeta:
+        """The file's metadata; 404 unless it exists and belongs to owner."""
+        meta = self.find(owner, file_id)
+        if meta is None:
+            raise not_found("file", file_id)
+        return meta
+
+    def open_upload(self, owner: str) -> Upload:
+        return Upload(self, owner, "file-" + uuid.uuid4().hex[:24])
+
+    def register(self, meta: FileMeta) -> FileMeta:
+        fields = {k: ("" if v is None else json.dumps(v) if isinstance(v, list) else v)
+                  for k, v in meta.model_dump().items()}
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(self.keys.file(meta.id), mapping=fields)
+        pipe.zadd(self.keys.files(meta.owner), {meta.id: meta.created_at})
+        pipe.execute()
+        return meta
+
+    def delete(self, owner: str, file_id: str) -> None:
+        self.get(owner, file_id)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(self.keys.file(file_id))
+        pipe.zrem(self.keys.files(owner), file_id)
+        pipe.execute()
+        self.path(file_id).unlink(missing_ok=True)
+        self.requests_path(file_id).unlink(missing_ok=True)
+        log.info("file_deleted", file_id=file_id, owner=owner)
+
+
+class Upload:
+    """One file being uploaded: bytes go to a hidden part file and through the batch-line validator, which
+    writes each valid line's request JSON (with the batch priority set) to a hidden part file of its own."""
+
+    def __init__(self, store: FileStore, owner: str, file_id: str) -> None:
+        self.store, self.owner, self.id = store, owner, file_id
+        self.final, self.final_requests = store.path(file_id), store.requests_path(file_id)
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        self.part = self.final.with_name(f".{file_id}.part")
+        self.requests_part = self.final.with_name(f".{file_id}.requests.part")
+        self._f: BinaryIO | None = self.part.open("wb")
+        self._requests: IO[str] | None = self.requests_part.open("w", encoding="utf-8")
+        self.bytes = 0
+        self.validator = BatchFileReader(store.max_line_bytes, max_tokens=store.max_tokens,
+                                         max_requests=store.max_requests, on_request=spool_writer(self._requests),
+                                         overrides=submit_fields(None, BATCH_PRIORITY))
+
+    def write(self, data: bytes) -> None:
+        """Blocking (file I/O, validation): the caller runs it in a thread."""
+        assert self._f is not None
+        self._f.write(data)
+        self.bytes += len(data)
+        self.validator.feed(data)
+
+    def commit(self, filename: str, purpose: str) -> FileMeta:
+        """Validate, move into place, record. Raises a 400 naming the bad lines (and keeps nothing)."""
+        self.validator.close()  # first: its last line (no newline after it) is spooled now
+        self._close()
+        problem = self.validator.upload_problem()
+        if problem:
+            self.abort()
+            raise invalid(problem, param="file", code="invalid_batch_file")
+        if self.validator.error_count:  # a batch of it fails in validating: no request of it will be sent
+            self.requests_part.unlink(missing_ok=True)
+        else:
+            os.replace(self.requests_part, self.final_requests)
+        os.replace(self.part, self.final)
+        meta = FileMeta(id=self.id, owner=self.owner, filename=filename, purpose=purpose, bytes=self.bytes,
+                        created_at=time.time(), endpoint=self.validator.endpoint,
+                        requests=self.validator.requests, line_errors=self.validator.line_errors(),
+                        tokens=self.validator.tokens)
+        self.store.register(meta)
+        log.info("file_uploaded", file_id=self.id, owner=self.owner, bytes=self.bytes,
+                 requests=meta.requests, endpoint=meta.endpoint, invalid_lines=self.validator.error_count)
+        return meta
+
+    def abort(self) -> None:
+        self._close()
+        self.part.unlink(missing_ok=True)
+        self.requests_part.unlink(missing_ok=True)
+
+    def _close(self) -> None:
+        for f in (self._f, self._requests):
+            if f is not None:
+                f.close()
+        self._f = self._requests = None

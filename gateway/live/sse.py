@@ -1,0 +1,104 @@
+"""A streamed completion's answer: server-sent events made from the job's token stream (read by the StreamHub,
+streams.py), OpenAI's chunk shapes, then the record's end; a stream nobody reads any more has its job cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import structlog
+
+from gateway.context import GatewayContext
+from gateway.errors import APIError
+from gateway.jobs import job_error
+from gateway.live.quotas import Lease
+from gateway.live.streams import END
+from producer.openai_batch import CHAT
+from protocol.models import JobStatus
+
+log = structlog.get_logger("tokenbus.gateway")
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def job_events(ctx: GatewayContext, job_id: str, endpoint: str, model: str | None,
+               include_usage: bool, lease: Lease | None = None,
+               handled: list[bool] | None = None) -> AsyncIterator[str]:
+    chat = endpoint == CHAT
+    base = {"id": f"chatcmpl-{job_id}" if chat else f"cmpl-{job_id}",
+            "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+            "model": model or "tokenbus"}
+
+    def chunk(text: str | None, finish_reason: str | None, role: bool = False, index: int = 0) -> dict[str, Any]:
+        if chat:
+            delta: dict[str, Any] = ({"role": "assistant"} if role else {}) | ({} if text is None else
+                                                                               {"content": text})
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return base | {"choices": [choice]}
+
+    ended = False
+    # The hub's thread reads the job's token stream: waiting here holds no thread and no Redis connection.
+    sub = ctx.streams.open(job_id)
+    try:
+        if chat:
+            yield _event(chunk("", None, role=True))
+        limit = ctx.settings.completion_timeout_s
+        deadline = time.monotonic() + limit
+        streamed = ""
+        while True:
+            try:
+                part = await asyncio.wait_for(sub.queue.get(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                # Headers are sent: the error goes in the stream, where the SDKs look for it.
+                yield _event(APIError(504, f"job {job_id} did not finish within {limit:g} s, so it was cancelled; "
+                                           "ask for fewer tokens or use a batch", code="timeout").body())
+                return  # `ended` stays False: the finally below cancels the job
+            if part is END:
+                break
+            if part.text:
+                streamed += part.text
+                yield _event(chunk(part.text, None))
+            if part.done:
+                break
+        # The done chunk and the record's end are written together by the worker; wait for the record.
+        job = await ctx.waiter.wait(job_id, 30.0)
+        ended = job is not None
+        if job is None or job.status != JobStatus.finished or job.result is None:
+            err = job_error(job) if job is not None else APIError(504, f"job {job_id} did not end", code="timeout")
+            yield _event(err.body())
+        else:
+            if job.result.model:
+                base["model"] = job.result.model
+            # A worker run with stream_tokens off publishes nothing: the text then comes in one piece.
+            if len(job.result.text) > len(streamed) and job.result.text.startswith(streamed):
+                yield _event(chunk(job.result.text[len(streamed):], None))
+            yield _event(chunk(None, job.result.finish_reason))
+            for c in job.result.choices[1:]:  # the token stream carries choice 0; the others come whole
+                yield _event(chunk(c.text, c.finish_reason, role=chat, index=c.index))
+            if include_usage:
+                yield _event(base | {"choices": [], "usage": job.result.usage.model_dump()})
+        yield "data: [DONE]\n\n"
+    finally:
+        ctx.streams.close(sub)
+        if handled is not None:
+            handled.append(True)
+        ctx.quotas.release(lease)
+        if not ended:  # the client went away (or the stream broke): stop generating for nobody
+            abandon(ctx, job_id, None, [])
+
+
+def abandon(ctx: GatewayContext, job_id: str, lease: Lease | None, handled: list[bool]) -> None:
+    """Cancel a stream's job nobody reads. Queued to the canceller's own connection: cannot fail on the
+    shared pool, and needs no await (after a disconnect the task is cancelled, and an await would not run)."""
+    if handled:
+        return
+    ctx.quotas.release(lease)
+    ctx.cancels.cancel(job_id)
+    log.info("gateway_stream_abandoned", job_id=job_id)

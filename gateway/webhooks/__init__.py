@@ -1,0 +1,1 @@
+"""Batch webhooks: Standard Webhooks deliveries (delivery) signed with a secret per API key (secrets)."""

@@ -1,0 +1,110 @@
+"""`tokenbus exporter`: the jobs waiting per model and priority as Prometheus text, from a process that runs while
+no worker does.
+
+An autoscaler that scales workers from zero (KEDA's Prometheus scaler, deploy/kubernetes/) cannot read the
+backlog from a worker's /metrics when there is no worker, so this small process serves it, read from Redis at
+each scrape:
+
+    tokenbus_jobs_waiting{model, priority}   queued, not delivered to any worker yet
+    tokenbus_jobs_pending{model, priority}   delivered to a worker and not acknowledged (held: running or on
+                                             its way into an engine, or held by a dead worker until reclaimed)
+
+A namespace serves one model until routing by model lands, so every series carries the one `model` given on the
+command line. The counts are recounted from the queues (protocol.scripts.queue_counts, O(live batches) per
+scrape) because the depth counter does not split `pending` by priority.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import redis
+import structlog
+
+from protocol import scripts
+from protocol.keys import Keys
+
+log = structlog.get_logger("tokenbus.exporter")
+
+DEFAULT_PORT = 9401  # the worker's metrics port is 9400
+WAITING = "tokenbus_jobs_waiting"
+PENDING = "tokenbus_jobs_pending"
+HELP = {
+    WAITING: "Jobs queued and not yet delivered to any worker, by model and priority.",
+    PENDING: "Jobs delivered to a worker and not yet acknowledged, by model and priority.",
+}
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render(counts: dict[str, tuple[int, int]], model: str) -> str:
+    """Prometheus text of queue_counts' priority -> (depth, pending), every series labelled with `model`."""
+    lines: list[str] = []
+    for name, pick in ((WAITING, lambda d, p: max(0, d - p)), (PENDING, lambda d, p: p)):
+        lines += [f"# HELP {name} {HELP[name]}", f"# TYPE {name} gauge"]
+        lines += [f'{name}{{model="{_label(model)}",priority="{_label(priority)}"}} {pick(depth, pending)}'
+                  for priority, (depth, pending) in counts.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _handler_for(read: Callable[[], str]) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path not in ("/metrics", "/healthz"):
+                self._send(404, "text/plain; charset=utf-8", b"not found: try /metrics or /healthz\n")
+                return
+            try:
+                body = read()
+            except redis.RedisError as err:
+                # a scrape error, not zeros: an autoscaler must not read an outage as an empty queue
+                log.warning("exporter_redis_error", error=str(err))
+                self._send(503, "text/plain; charset=utf-8", f"redis unavailable: {err}\n".encode())
+                return
+            if path == "/healthz":
+                self._send(200, "application/json", b'{"status": "ok"}')
+            else:
+                self._send(200, CONTENT_TYPE, body.encode())
+
+        def _send(self, code: int, content_type: str, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # a scrape every few seconds would flood the log
+
+    return Handler
+
+
+def make_server(r: redis.Redis, keys: Keys, model: str, port: int = DEFAULT_PORT,
+                addr: str = "0.0.0.0") -> ThreadingHTTPServer:
+    """The HTTP server of /metrics and /healthz, bound and not yet serving."""
+    server = ThreadingHTTPServer((addr, port), _handler_for(lambda: render(scripts.queue_counts(r, keys), model)))
+    server.daemon_threads = True
+    return server
+
+
+def serve(r: redis.Redis, keys: Keys, model: str, port: int = DEFAULT_PORT, addr: str = "0.0.0.0") -> int:
+    """Serve /metrics and /healthz until SIGTERM or SIGINT."""
+    server = make_server(r, keys, model, port, addr)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    thread = threading.Thread(target=server.serve_forever, name="exporter-http", daemon=True)
+    thread.start()
+    # warning: the CLI logs warnings and up
+    log.warning("exporter_ready", port=server.server_address[1], namespace=keys.ns, model=model)
+    stop.wait()
+    server.shutdown()
+    server.server_close()
+    return 0
