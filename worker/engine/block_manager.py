@@ -79,7 +79,7 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks seq's tokens start with. At most (num_tokens - 1) // block_size of them: the last
         token is always computed, so the step that admits seq has the logits it samples from."""
-        if not self.enable_prefix_caching or seq.block_table:
+        if not self.enable_prefix_caching or seq.block_table or not seq.reads_prefix_cache:
             return []
         bs = self.block_size
         hits: list[int] = []
@@ -110,7 +110,7 @@ class BlockManager:
             seq.block_keys.append(self.block_keys[block_id])
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and seq.reads_prefix_cache:
             s = self.stats
             s.queried_tokens += seq.num_tokens
             s.hit_tokens += seq.num_computed_tokens
@@ -150,7 +150,7 @@ class BlockManager:
 
     def commit(self, seq: Sequence) -> None:
         """After a step: key seq's blocks that are now full and computed, so later sequences can reuse them."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.writes_prefix_cache:
             return
         bs = self.block_size
         for i in range(len(seq.block_keys), seq.num_computed_tokens // bs):

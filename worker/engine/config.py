@@ -51,6 +51,10 @@ class EngineConfig:
     quantization: str | None = None  # weights: None = as loaded; "int8" (CPU fp32, weight-only per-channel);
     # "w8a8" (CPU fp32: int8's weights and each linear's input rounded to int8 per token and group of 64, VNNI kernels);
     # "fp8" (CUDA sm_89+, e4m3 per-channel through torch._scaled_mm); worker/engine/quant/schemes.py
+    tensor_parallel_size: int = 1  # processes (one per GPU) one worker's model is sharded over; rank 0 runs the
+    # serve loop, scheduler and sampler (worker/engine/parallel/); NCCL on CUDA, gloo on the CPU
+    tensor_parallel_timeout_s: float = 30.0  # a collective (a step's all-reduce, the idle keep-alive) waiting this
+    # long means a rank hangs: the worker exits (code 3) and its jobs go to other workers
     kv_cache_dtype: str = "auto"  # "auto" = the model dtype; "bfloat16", "float32"; "int8" (CPU: the C++
     # kernels, a scale per token and KV head); "fp8" (CUDA sm_89+: e4m3, the same scales). kernels/kv_quant.py
     cascade_attention: str = "auto"  # decode rows sharing a cached prefix read it once per step (kernels/cascade.py):
@@ -89,5 +93,9 @@ class EngineConfig:
             problems.append(f"quantization must be unset or one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.cascade_attention not in CASCADE_MODES:
             problems.append(f"cascade_attention must be one of {list(CASCADE_MODES)}, got {self.cascade_attention!r}")
+        if self.tensor_parallel_size < 1:
+            problems.append(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_timeout_s <= 0:
+            problems.append(f"tensor_parallel_timeout_s must be > 0, got {self.tensor_parallel_timeout_s}")
         if problems:
             raise ValueError("invalid engine config: " + "; ".join(problems))

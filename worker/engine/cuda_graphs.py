@@ -90,15 +90,10 @@ class StaticDecode:
         return [(b, w) for b in self.buckets for w in self.widths.for_bucket(b)]
 
     def serves(self, batch: ScheduledBatch) -> bool:
-        return len(batch.seqs) <= self.buckets[-1] and all(n == 1 for n in batch.num_new_tokens)
+        return not batch.pooled and len(batch.seqs) <= self.buckets[-1] and all(n == 1 for n in batch.num_new_tokens)
 
     def bucket(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
-
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, PreparedStep]:
-        """The padded step's final hidden states [bucket, hidden] (rows past the batch are padding)."""
-        step = self.prepare(batch)
-        return self.execute(step), step
 
     def prepare(self, batch: ScheduledBatch, ahead: Ahead | None = None) -> PreparedStep:
         b = self.bucket(len(batch.seqs))

@@ -6,6 +6,12 @@ last; an admitted sequence first takes the cached blocks its tokens start with (
 computes only the rest. When blocks run out the newest running sequence is preempted by recompute: its blocks are freed
 and it goes back to the front of the waiting queue to be prefilled again later. After the forward pass,
 postprocess() is the one place sequences take their new tokens and those that are done leave.
+
+Embedding sequences (pool_state set) are prefill only: they take the same budget and chunks, sample nothing, and
+leave in the postprocess of the step that computed their last token (its pooling finished the vector). An
+encoder's (whole_prompt) bidirectional attention needs all its tokens in every layer, so it is never chunked: it
+is admitted when its whole input fits the budget left, or alone, first in a step, when it is longer than the
+budget.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ Ahead = dict[Sequence, tuple[int, int]]
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # per sequence, tokens fed in this step
+    pooled: bool = False  # an embedding sequence is among them (its rows are pooled, not sampled)
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +101,11 @@ class Scheduler:
                 n = 1
             else:
                 n = min(len(seq.token_ids) - seq.num_computed_tokens - fed, budget)
+                if n <= 0:  # an embedding sequence whose last chunk is in flight: nothing is left to feed
+                    i += 1
+                    continue
+            if seq.pool_state is not None:
+                batch.pooled = True
             if seq.num_computed_tokens + fed + n <= len(seq.block_table) * bs:  # room already (most decodes)
                 seqs.append(seq)
                 num_new.append(n)
@@ -123,6 +135,10 @@ class Scheduler:
                 continue  # its grammar is still compiling: those behind it go first
             hits = self.block_manager.match_prefix(seq)
             n = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
+            if seq.whole_prompt and n < seq.num_tokens:  # an encoder's input is never split
+                if batch.seqs:
+                    break  # it goes first in a later step
+                n = seq.num_tokens
             if not self.block_manager.can_admit(seq, hits, n):
                 break
             self.waiting.remove(seq)
@@ -132,6 +148,7 @@ class Scheduler:
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
+            batch.pooled |= seq.pool_state is not None
             budget -= n
         return batch
 
@@ -151,10 +168,14 @@ class Scheduler:
         token (and logprobs, and text), and those that are done leave, their blocks freed. Returns those."""
         bm = self.block_manager
         bs = bm.block_size
+        finished = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
             if seq.num_computed_tokens // bs > len(seq.block_keys):  # a block filled up: key it
                 bm.commit(seq)
+            if seq.pool_state is not None and seq.num_computed_tokens == seq.num_tokens:
+                self.finish(seq, "stop")  # its last position is pooled: the vector is done
+                finished.append(seq)
         # One pass over the batch does what every token needs; the rest is for the few it may concern: rows
         # whose text is read each step (stop strings), and those whose token may end them (StopChecker).
         eos = self.stop_checker.eos_token_ids
@@ -179,7 +200,6 @@ class Scheduler:
                     entry = dict(zip(top_ids, top_vals, strict=True))
                     entry[token] = token_logprob
                     seq.logprobs.append(entry)
-        finished = []
         for seq in texts:
             text_from = len(seq.text)
             if seq.detokenize() and self.stop_checker.finds_stop_string(seq, text_from):
@@ -200,6 +220,8 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        if seq.pool_state is not None:  # its rows are pooled again from the first
+            seq.pool_state.reset()
         if self.guided is not None:
             self.guided.reset(seq)
         self.num_preemptions += 1

@@ -17,13 +17,14 @@ and read the padding row of the table, so they never touch a real sequence's cac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from worker.engine.attention_metadata import AttentionMetadata
 from worker.engine.cascade import CascadePlanner
+from worker.engine.pooling import PooledRows
 from worker.engine.scheduler import Ahead, ScheduledBatch
 from worker.engine.sequence import Sequence, SequenceStatus
 
@@ -50,6 +51,7 @@ class PreparedStep:
     carry_src: torch.Tensor | None = None
     bucket: int | None = None  # the padded decode bucket (StaticDecode), None for an eager step
     width: int | None = None  # the padded decode step's table width (StaticDecode)
+    pooled: list[PooledRows] = field(default_factory=list)  # embedding sequences' rows, pooled after the forward
 
 
 
@@ -134,14 +136,17 @@ class StepInputs:
         carry_rows: list[int] = []
         carry_src: list[int] = []
         prefill_lens: list[int] = []
+        pooled: list[PooledRows] = []
         none = (0, -1)
         for seq, n in prefill:  # a few sequences, many tokens each
             start, end = seq.num_computed_tokens, len(seq.token_ids)
             start += ahead.get(seq, none)[0] if ahead else 0  # never a carried row: that is one token
-            ids += seq.token_ids[start : start + n]
-            if start + n == end:
-                sample_rows.append(len(ids) - 1)
+            if seq.pool_state is not None:  # an embedding: its rows are pooled, nothing is sampled
+                pooled.append((seq, len(ids), n, start, start + n == end))
+            elif start + n == end:
+                sample_rows.append(len(ids) + n - 1)
                 sampling_seqs.append(seq)
+            ids += seq.token_ids[start : start + n]
             prefill_lens.append(start + n)
             table = seq.block_table
             pos += range(start, start + n)
@@ -174,6 +179,11 @@ class StepInputs:
             carry_rows += (at + base).tolist()
             carry_src += d_src[at].tolist()
         samples = d_starts + 1 == d_end  # a mid-prompt chunk of one token samples nothing
+        if batch.pooled and decode:  # an embedding's one-token chunk (or input): pooled, not sampled
+            pool = np.array([s.pool_state is not None for s in decode], dtype=bool)
+            for i in np.flatnonzero(pool).tolist():
+                pooled.append((decode[i], base + i, 1, int(d_starts[i]), bool(samples[i])))
+            samples &= ~pool
         if samples.all():
             sampling_seqs += decode
             d_sample = np.arange(base, base + len(decode), dtype=np.int64)
@@ -221,7 +231,8 @@ class StepInputs:
         )
         sample_index = longs[s_sample] if len(all_sample) else None
         input_ids, positions = longs[s_ids], longs[s_pos]
-        step = PreparedStep(input_ids, positions, meta, order, sampling_seqs, sample_index, bucket=pad_to)
+        step = PreparedStep(input_ids, positions, meta, order, sampling_seqs, sample_index, bucket=pad_to,
+                            pooled=pooled)
         if carry_rows:
             step.carry_rows, step.carry_src = longs[s_cdst], longs[s_csrc]
         return step

@@ -38,7 +38,9 @@ class CpuBackend(ReferenceBackend):
 
     def prepare(self, model: torch.nn.Module) -> None:
         use_cpu_linears(model, self.ext)
-        self.fused = FusedDecodeLayers.build(model, self.ext)
+        # off under tensor parallelism: the one C++ call runs every layer with no way out between them, and a
+        # sharded layer needs two all-reduces (after o_proj and down_proj); the per-layer path takes them
+        self.fused = FusedDecodeLayers.build(model, self.ext) if self.tp is None else None
 
     # ---- attention ----------------------------------------------------------------------------------------
 
@@ -65,16 +67,17 @@ class CpuBackend(ReferenceBackend):
                                                    softcap)
 
     def prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                          scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                          scale: float, window: int = 0, softcap: float = 0.0, causal: bool = True) -> torch.Tensor:
         """Causal prefill (query token i of a sequence attends to the keys up to its position, and within the
-        window ending there, if any) in one C++ call: tiles of a sequence's query tokens against each block
-        of its context, the block widened once per tile (cpu_prefill_attention.cpp)."""
+        window ending there, if any), or with causal False every key of the sequence (an encoder), in one C++
+        call: tiles of a sequence's query tokens against each block of its context, the block widened once per
+        tile (cpu_prefill_attention.cpp)."""
         if not self._takes(q, k_cache):
             return super().prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                             window, softcap)
+                                             window, softcap, causal)
         return self.ext.paged_prefill_attention_cpu(
             q, k_cache, v_cache, block_tables.int(), cu_seqlens_q.int().contiguous(), seq_lens.int().contiguous(),
-            scale, window, softcap)
+            scale, window, softcap, causal)
 
     # ---- layer ops ----------------------------------------------------------------------------------------
 

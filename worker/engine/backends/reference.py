@@ -16,7 +16,9 @@ import torch
 from kernels.cascade import CascadeLayout, cascade_decode_attention_ref
 from kernels.reference import (
     add_rms_norm_ref,
+    gelu_ref,
     gelu_tanh_and_mul_ref,
+    layer_norm_ref,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     rms_norm_ref,
@@ -31,6 +33,13 @@ if TYPE_CHECKING:
 
 class ReferenceBackend:
     name = "torch-reference"
+    # the rank's TpGroup when the engine is one rank of a tensor-parallel worker (worker/engine/parallel/):
+    # the model sizes its sharded layers by it and sums row-parallel outputs through all_reduce
+    tp: Any = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel output summed over the ranks (as it is without tensor parallelism)."""
+        return x if self.tp is None else self.tp.all_reduce(x)
 
     def check_model(self, arch: Any, model_name: str) -> None:
         """Raises ValueError naming the model and the limit when the kernels cannot serve its shapes."""
@@ -48,6 +57,7 @@ class ReferenceBackend:
 
     # window: the layer's sliding window (0 = none); softcap: attention-logit soft-capping (0 = none);
     # cascade: the step's groups of rows sharing a prefix (kernels/cascade.py), None = plain decode
+    # causal False (prefill): every query sees all its sequence's keys (an encoder's bidirectional attention)
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int = 0,
                          softcap: float = 0.0, cascade: CascadeLayout | None = None) -> torch.Tensor:
         if cascade is not None:
@@ -56,9 +66,9 @@ class ReferenceBackend:
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
 
     def prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                          scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                          scale: float, window: int = 0, softcap: float = 0.0, causal: bool = True) -> torch.Tensor:
         return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                           window, softcap)
+                                           window, softcap, causal)
 
     # ---- the elementwise parts of a decoder layer ---------------------------------------------------------
 
@@ -78,6 +88,14 @@ class ReferenceBackend:
     def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[n, 2 * inter] -> gelu_tanh(gate) * up, [n, inter] (Gemma's GeGLU)."""
         return gelu_tanh_and_mul_ref(gate_up)
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+        """[n, hidden] -> LayerNorm(x) with weight and bias (an encoder's norm)."""
+        return layer_norm_ref(x, weight, bias, eps)
+
+    def gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """The exact (erf) GELU of an encoder's feed-forward."""
+        return gelu_ref(x)
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -66,9 +66,9 @@ class TritonBackend(ReferenceBackend):
                             window=window, softcap=softcap)
 
     def prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                          scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                          scale: float, window: int = 0, softcap: float = 0.0, causal: bool = True) -> torch.Tensor:
         return self._prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, window=window,
-                             softcap=softcap)
+                             softcap=softcap, causal=causal)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._rms_norm(x, weight, eps)
