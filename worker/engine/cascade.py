@@ -9,7 +9,7 @@ behind p shared tokens reads p once instead of n times, saving (n - 1) * p; what
 partial softmax written and merged (a head_dim vector per query head and chunk) and a second, short walk
 over its own blocks, charged MERGE_COST_TOKENS tokens. So a group cascades when (n - 1) * p > n *
 MERGE_COST_TOKENS: a pair needs a prefix of more than 64 tokens, a large group more than ~32. The constant
-is an estimate, not a measurement (benchmarks/ has the measurement to make on a quiet machine).
+is an estimate, not a measurement (benchmarks/e2e/cascade.py makes it, on a quiet machine).
 
 Modes (EngineConfig.cascade_attention): "auto" the rule; "off" never; "on" every group the block manager
 names, and every other decode row with a full block before its newest token as a group of one: each row's
