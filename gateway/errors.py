@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from protocol.errors import QueueFull
+from protocol.errors import ModelNotFound, QueueFull
 
 log = structlog.get_logger("tokenbus.gateway")
 
@@ -47,9 +47,31 @@ def not_found(kind: str, object_id: str) -> APIError:
     return APIError(404, f"No {kind} found with id '{object_id}'.", param="id", code=f"{kind}_not_found")
 
 
+def model_not_found(err: ModelNotFound) -> APIError:
+    """OpenAI's answer to an unknown model (404 `model_not_found`), listing the models this gateway serves."""
+    return APIError(404, f"The model '{err.model}' does not exist or you do not have access to it. Models: "
+                         f"{', '.join(err.declared) or 'none declared yet'} (GET /v1/models).",
+                    param="model", code="model_not_found")
+
+
 def too_large(limit: int, what: str) -> APIError:
     return APIError(413, f"{what} is larger than this gateway's limit of {limit} bytes; split it into smaller "
                          f"parts or ask the operator to raise the limit", code="request_too_large")
+
+
+def redis_error(err: redis.RedisError) -> APIError:
+    """What a Redis failure means to the client: Redis full (its maxmemory reached: writes refused until work
+    ends or the operator makes room) is not Redis unreachable, and neither is a command Redis refused."""
+    if isinstance(err, redis.exceptions.OutOfMemoryError):
+        return APIError(503, "the gateway's Redis is full (it reached its maxmemory and refuses writes); retry "
+                             "when running work has ended. Operators: raise Redis's maxmemory or lower the "
+                             "gateway's byte limits (docs/gateway.md)", code="redis_full",
+                        headers={"retry-after": "30"})
+    if isinstance(err, redis.ConnectionError | redis.TimeoutError):
+        return APIError(503, "the gateway cannot reach its Redis right now; retry shortly",
+                        code="redis_unavailable", headers={"retry-after": "5"})
+    return APIError(503, f"the gateway's Redis refused a command ({type(err).__name__}); retry shortly, and "
+                         "report it if it persists", code="redis_error", headers={"retry-after": "5"})
 
 
 def install(app: FastAPI) -> None:
@@ -72,15 +94,18 @@ def install(app: FastAPI) -> None:
         message = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in err.errors())
         return invalid(message or "invalid request", param=".".join(loc) or None).response()
 
+    @app.exception_handler(ModelNotFound)
+    async def _model_not_found(_req: Request, err: ModelNotFound) -> JSONResponse:
+        return model_not_found(err).response()
+
     @app.exception_handler(QueueFull)
     async def _queue_full(_req: Request, err: QueueFull) -> JSONResponse:
         return APIError(429, str(err), code="queue_full", headers={"retry-after": "10"}).response()
 
     @app.exception_handler(redis.RedisError)
     async def _redis(_req: Request, err: redis.RedisError) -> JSONResponse:
-        log.error("redis_error", error=str(err))
-        return APIError(503, "the gateway cannot reach its Redis right now; retry shortly",
-                        code="redis_unavailable", headers={"retry-after": "5"}).response()
+        log.error("redis_error", error=str(err), kind=type(err).__name__)
+        return redis_error(err).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(_req: Request, err: Exception) -> JSONResponse:

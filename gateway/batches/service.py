@@ -13,13 +13,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from gateway.batches import capacity, ingest
-from gateway.batches.quota import check_batch_quota
 from gateway.batches.records import WINDOWS, GatewayBatch, batch_object, load_core
 from gateway.context import GatewayContext
 from gateway.enqueue import enqueue_submit
 from gateway.errors import APIError, invalid, not_found
 from gateway.webhooks.delivery import check_url, literal_address_problem
-from producer import batches
+from producer import batches, models
 from producer.openai_batch import KNOWN, SERVED
 from protocol.models import describe_validation_error
 
@@ -97,29 +96,21 @@ def create(ctx: GatewayContext, owner: str, req: CreateBatch, retry_of: str | No
     if meta.endpoint != req.endpoint and not (meta.line_errors and meta.endpoint is None):
         raise invalid(f"the lines of file {meta.id} use url {meta.endpoint}, but this batch's endpoint is "
                       f"{req.endpoint}; they must match", param="endpoint", code="mismatched_endpoint")
-    check_batch_quota(ctx, owner, meta.requests or 0, meta.tokens or 0)  # 429 when the key has too much queued
+    if meta.models:  # 404 model_not_found, listing the declared ones, before anything is queued
+        models.resolve(ctx.client.redis, ctx.client.keys, meta.models)
     now = time.time()
     gw = GatewayBatch(id=f"batch_{uuid.uuid4().hex}", owner=owner, input_file_id=meta.id, endpoint=req.endpoint,
                       completion_window=req.completion_window, created_at=now,
                       expires_at=now + WINDOWS[req.completion_window], metadata=req.metadata,
                       webhook_url=req.webhook_url, total=meta.requests, errors=meta.line_errors,
-                      tokens=meta.tokens, model=meta.model, output_expires_s=expires_s, retry_of=retry_of)
-    if not gw.errors:  # a file with invalid lines queues nothing: it fails in validating (OpenAI's way)
-        gw.reserved_bytes = capacity.estimate(meta.requests or 0, meta.bytes)
-        capacity.reserve(ctx, owner, gw.reserved_bytes)  # 429 naming the limit: nothing was written
-    pipe = ctx.redis.pipeline(transaction=True)
-    pipe.hset(ctx.gkeys.batch(gw.id), mapping=gw.fields())
-    pipe.zadd(ctx.gkeys.batches(owner), {gw.id: now})
-    pipe.sadd(ctx.gkeys.validating, gw.id)
-    if retry_of:  # the link back: the ended batch names the batch that re-runs its failed lines
-        pipe.hset(ctx.gkeys.batch(retry_of), "retried_by", gw.id)
-    try:
-        pipe.execute()
-    except Exception:
-        if gw.reserved_bytes:
-            ctx.redis.hincrby(ctx.gkeys.queued_bytes, owner, -gw.reserved_bytes)
-            ctx.redis.hincrby(ctx.gkeys.queued_bytes, "*", -gw.reserved_bytes)
-        raise
+                      tokens=meta.tokens, model=next((m for m in meta.models or [] if m), None),
+                      output_expires_s=expires_s, retry_of=retry_of)
+    # A file with invalid lines queues nothing (it fails in validating, OpenAI's way): only its record counts.
+    queued = 0 if gw.errors else capacity.estimate(meta.requests or 0, meta.bytes, meta.result_bytes or 0)
+    # 429 naming the limit (the key's queued requests, tokens, bytes; everyone's bytes): nothing was written
+    capacity.admit(ctx, gw, 0 if gw.errors else meta.requests or 0, 0 if gw.errors else meta.tokens or 0, queued)
+    if retry_of:  # the link back: the ended batch names the batch that re-runs its unfinished lines
+        ctx.redis.hset(ctx.gkeys.batch(retry_of), "retried_by", gw.id)
     enqueue_submit(ctx, gw.id)
     return batch_object(gw, None)
 

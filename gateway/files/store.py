@@ -48,7 +48,8 @@ class FileMeta(BaseModel):
     requests: int | None = None  # batch input files: non-blank lines
     line_errors: list[dict[str, Any]] | None = None  # batch input files: invalid lines (a batch of it fails)
     tokens: int | None = None  # batch input files: prompt + max_tokens x n, summed (per-key quotas)
-    model: str | None = None  # batch input files: the model their first request names
+    models: list[str] | None = None  # batch input files: the models their lines name ('' = none)
+    result_bytes: int | None = None  # batch input files: their results' most Redis bytes (batches/capacity.py)
     expires_at: float | None = None  # output files of a batch with output_expires_after: gone after this
     # an upload's sha256 of purpose, filename and content (Idempotency-Key); never stored
     _digest: str = PrivateAttr("")
@@ -83,8 +84,9 @@ class FileStore:
             self.remove(file_id, owner)  # its output_expires_after passed: gone, as if deleted
             return None
         data: dict[str, Any] = {k: v for k, v in raw.items() if v != ""}
-        if "line_errors" in data:
-            data["line_errors"] = json.loads(data["line_errors"])
+        for listed in ("line_errors", "models"):
+            if listed in data:
+                data[listed] = json.loads(data[listed])
         return FileMeta.model_validate(data)
 
     def get(self, owner: str, file_id: str) -> FileMeta:
@@ -176,7 +178,8 @@ class Upload:
         meta = FileMeta(id=self.id, owner=self.owner, filename=filename, purpose=purpose, bytes=self.bytes,
                         created_at=time.time(), endpoint=self.validator.endpoint,
                         requests=self.validator.requests, line_errors=self.validator.line_errors(),
-                        tokens=self.validator.tokens, model=self.validator.model)
+                        tokens=self.validator.tokens, result_bytes=self.validator.result_bytes,
+                        models=sorted(self.validator.models))
         self.sha.update(f"\0{purpose}\0{filename}".encode())
         meta._digest = self.sha.hexdigest()[:32]
         self.store.register(meta)
