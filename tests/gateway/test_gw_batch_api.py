@@ -158,6 +158,7 @@ def test_idempotency_key_replays_the_first_object(light_stack, tmp_path):
     stored = [k for k in r.scan_iter("{tokenbus}:gw:idem:*")]
     assert stored and all(0 < r.ttl(k) <= 86400 and len(r.get(k)) < 80 for k in stored)
     client.batches.cancel(batch_id)  # the shared stack's later tests find no batch of this one open
+    light_stack.wait_status("alice", batch_id, ("cancelled",))
 
 
 def test_retry_batch_reruns_the_failed_lines_and_links_both_ways(light_stack, tmp_path):
