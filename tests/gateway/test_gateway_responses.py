@@ -63,7 +63,7 @@ def test_responses_refuse_what_is_not_served_naming_the_field(gateway_stack):
 
 
 def test_a_responses_batch_with_a_shared_system_prompt_reports_cached_tokens(gateway_stack, tmp_path):
-    client = gateway_stack.openai("carol")
+    client = gateway_stack.openai("bob")  # not carol: test_gateway_batches counts carol's batches
     system = f"Session {uuid.uuid4().hex}. " + "You answer questions about colours in one short word. " * 12
     lines = [json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/responses",
                          "body": {"model": MODEL, "instructions": system, "input": f"Colour number {i}?",

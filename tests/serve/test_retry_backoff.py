@@ -1,6 +1,6 @@
 """Retries with backoff (START_JOB's "not before"): a job whose worker is SIGKILLed twice finishes on its third
 attempt, each retry no sooner than its backoff allows (exponential, jittered), while permanent failures (a
-prompt past the context, a model this worker does not serve) fail at once on their first attempt, never
+prompt past the context, a prompt plus max_tokens past it) fail at once on their first attempt, never
 retried. Three real worker processes on a tiny random-weight model and a real redis-server."""
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ def test_transient_faults_back_off_and_permanent_ones_fail_at_once(redis_server,
     client = make_client()
     r = redis_server.client(decode_responses=True)
     job = client.submit("retry me", max_tokens=2000, ignore_eos=True, temperature=0.0)
-    too_long = client.submit_many([{"prompt_token_ids": [5] * 8300, "max_tokens": 4}])[0]
-    mismatch = client.submit_many([{"prompt": "x", "model": "not-served-here", "max_tokens": 4}])[0]
 
     starts, kills, not_before = [], [], []
     for attempt in (1, 2):
@@ -50,6 +48,9 @@ def test_transient_faults_back_off_and_permanent_ones_fail_at_once(redis_server,
         wait_until(lambda n=str(attempt): r.hget(K.job(job), "backoff_attempt") == n, 30,
                    f"the fault of attempt {attempt} seen")
         not_before.append(float(r.hget(K.job(job), "not_before")))
+    # permanent failures, submitted once no worker is left to kill (an attempt lost to a kill would count)
+    too_long = client.submit_many([{"prompt_token_ids": [5] * 8300, "max_tokens": 4}])[0]
+    past_context = client.submit_many([{"prompt": "x", "max_tokens": 9000}])[0]
     done = client.wait(job, timeout=180)
     assert done.status == "finished" and done.attempts == 3, (done.status, done.error)
     starts.append(done.started_at)
@@ -66,7 +67,7 @@ def test_transient_faults_back_off_and_permanent_ones_fail_at_once(redis_server,
     assert starts[2] - kills[1] >= LEASE_MS / 1000 + BACKOFF.bounds_s(2)[0] - 0.1
     assert starts[1] - kills[0] < starts[2] - kills[1] + BACKOFF.bounds_s(1)[1]
 
-    for jid, code in ((too_long, "invalid_request"), (mismatch, "model_mismatch")):
+    for jid, code in ((too_long, "invalid_request"), (past_context, "invalid_request")):
         failed = client.wait(jid, timeout=30)
         assert failed.status == "failed" and failed.error_code == code, (failed.status, failed.error)
         assert failed.attempts <= 1 and not r.hexists(K.job(jid), "backoff_attempt"), failed
