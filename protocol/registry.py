@@ -65,11 +65,16 @@ class ModelRecord(BaseModel):
     id: str
     names: list[str] = Field(default_factory=list)  # every name that routes to it, the id first
     kind: ModelKind = ModelKind.generate
+    kinds: list[ModelKind] = Field(default_factory=list)  # every job kind it serves ([] from older releases: kind)
     checkpoint: str = ""  # "<short name>#<config fingerprint>" of the weights ('' = declared by hand, none yet)
     context_length: int | None = None
     parent: str | None = None  # an adapter's base model (later)
     declared_at: float | None = None
     declared_by: str = ""  # the worker that declared it first, or "operator"
+
+    def served_kinds(self) -> list[str]:
+        """The job kinds its workers serve (a record written before kinds: its one kind)."""
+        return [str(k) for k in self.kinds] or [str(self.kind)]
 
     def to_json(self) -> str:
         return self.model_dump_json(exclude_none=True)

@@ -24,7 +24,7 @@ log = structlog.get_logger("tokenbus.worker")
 
 class ServedModels:
     def __init__(self, keys: Keys, worker: str, model_arg: str, short_name: str, checkpoint: str,
-                 aliases: list[str], context_length: int | None, kind: ModelKind = ModelKind.generate) -> None:
+                 aliases: list[str], context_length: int | None, kinds: list[str] | None = None) -> None:
         self.keys = keys
         candidates = [*aliases, short_name, model_arg]
         names = []
@@ -36,7 +36,9 @@ class ServedModels:
                 raise ValueError(f"--served-model-name / model name {name!r} cannot name a model: {problem}")
             else:  # a path with ':' or a long one: jobs name the model by its other names
                 log.info("model_name_skipped", name=name[:210], reason=problem)
-        self.record = ModelRecord(id=names[0], names=names, kind=kind, checkpoint=checkpoint,
+        kinds = [ModelKind(k) for k in kinds or [ModelKind.generate]]
+        # `kind`: what it does first (a model that only embeds is "embed"); `kinds`: every kind it serves
+        self.record = ModelRecord(id=names[0], names=names, kind=kinds[0], kinds=kinds, checkpoint=checkpoint,
                                   context_length=context_length, declared_at=time.time(), declared_by=worker)
         self.ids: list[str] = [self.record.id]  # the models whose queues it reads (after declare: the registry's)
         self.serves_default = False
@@ -74,4 +76,5 @@ class ServedModels:
         return None
 
     def heartbeat_fields(self) -> dict[str, Any]:
-        return {"model": self.id, "models": list(self.ids), "serves_default": self.serves_default}
+        return {"model": self.id, "models": list(self.ids), "serves_default": self.serves_default,
+                "kinds": [str(k) for k in self.record.kinds]}
