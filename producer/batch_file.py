@@ -30,6 +30,8 @@ from protocol.models import JobRequest
 def request_tokens(request: JobRequest) -> int:
     """What a job may cost in tokens: its prompt (about 4 bytes a token) plus max_tokens for each of n. The one
     estimate behind the gateway's per-key token limits (interactive and queued)."""
+    if request.input is not None:  # an embedding: its inputs, and nothing generated
+        return sum(len(x) if isinstance(x, list) else len(x.encode()) // 4 + 1 for x in request.embed_inputs())
     if request.prompt_token_ids is not None:
         prompt_tokens = len(request.prompt_token_ids)
     elif request.messages is not None:

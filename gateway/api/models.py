@@ -22,7 +22,8 @@ router = APIRouter()
 def model_object(info: ModelInfo, created: float | None) -> dict[str, Any]:
     """OpenAI's model object ({id, object, created, owned_by}) and tokenbus's fields beside it."""
     return {"id": info.id, "object": "model", "created": int(created or 0), "owned_by": "tokenbus",
-            "workers": info.workers, "kind": info.kind, "kinds": info.kinds, "aliases": [n for n in info.names if n != info.id],
+            "workers": info.workers, "kind": info.kind, "kinds": info.kinds,
+            "aliases": [n for n in info.names if n != info.id],
             "context_length": info.context_length, "default": info.default, "queued": info.queue_depth,
             "unserved": info.unserved}
 

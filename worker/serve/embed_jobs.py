@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from protocol.models import JobResult, Usage
 from worker.serve.messages import StartedJob
 
