@@ -1,7 +1,7 @@
 """/v1/embeddings through the official openai SDK against a real gateway and a real worker on all-MiniLM-L6-v2:
-client.embeddings.create (float and base64, which the SDK asks for and decodes by default) equals SentenceTransformer.encode; a
-/v1/embeddings batch round trip (files.create, batches.create, files.content) in OpenAI's output format, where a
-bad line fails alone; the model lists its kind."""
+client.embeddings.create (float, and base64, which the SDK asks for and decodes by default) equals
+SentenceTransformer.encode; a /v1/embeddings batch round trip (files.create, batches.create, files.content) in
+OpenAI's output format, where a bad line fails alone; the model lists its kind."""
 
 from __future__ import annotations
 
