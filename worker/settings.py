@@ -51,6 +51,9 @@ ENGINE_HELP = {
     "hung and exits (code 3)",
     "kv_cache_dtype": "KV-cache dtype: 'auto' (the model's), 'bfloat16', 'float32', 'int8' (CPU, scaled per "
     "token and head: ~3.8x the tokens of float32), 'fp8' (CUDA sm_89+, e4m3 with the same scales)",
+    "max_loras": "LoRA adapter slots on the device (0 = LoRA off); docs/adapters.md",
+    "max_lora_rank": "the largest LoRA rank a slot holds (memory per slot grows with it)",
+    "max_cpu_loras": "LoRA adapters kept in host memory for reloading into slots; unset = max_loras",
 }
 
 

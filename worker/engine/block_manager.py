@@ -1,7 +1,9 @@
 """The pool of fixed-size KV-cache blocks, each sequence's block table, and the prefix cache.
 
 Prefix caching: once a block is full and its K/V computed, it is keyed by a hash of (its parent block's
-hash, its token ids), so the key names the whole prefix up to the block's end. A new sequence takes every
+hash, its token ids), so the key names the whole prefix up to the block's end. The first block's parent is
+the sequence's cache_salt (its LoRA adapter's; None for the base model): K/V computed under one adapter are
+never served to another, nor to the base model, even for the same tokens. A new sequence takes every
 cached full block its tokens start with (the ref count goes up) and computes only the rest. A block whose
 count drops to 0 keeps its key and waits in an LRU; allocation takes never-hashed free blocks first and
 evicts the least recently freed cached block only when none is left. A block is shared only while it is
@@ -72,7 +74,7 @@ class BlockManager:
             return []
         bs = self.block_size
         hits: list[int] = []
-        parent = None
+        parent = seq.cache_salt
         for i in range((seq.num_tokens - 1) // bs):
             key = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
             block_id = self.key_to_block.get(key)
@@ -143,7 +145,7 @@ class BlockManager:
             return
         bs = self.block_size
         for i in range(len(seq.block_keys), seq.num_computed_tokens // bs):
-            parent = seq.block_keys[i - 1] if i else None
+            parent = seq.block_keys[i - 1] if i else seq.cache_salt
             key = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
             seq.block_keys.append(key)
             block_id = seq.block_table[i]

@@ -114,7 +114,9 @@ class Engine:
         self.guided = GuidedDecoding(self.tokenizer, spec.arch.vocab_size, self.eos_token_ids, self.device)
         self.scheduler = Scheduler(self.block_manager, self.stop_checker, self.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.guided,
-                                   bulk_min_seats=bulk_min_seats(cfg.bulk_min_fraction, self.max_num_seqs))
+                                   bulk_min_seats=bulk_min_seats(cfg.bulk_min_fraction, self.max_num_seqs),
+                                   loras=setup.loras)
+        self.loras = setup.loras
         self.sampler = Sampler(spec.arch.vocab_size, self.device, self.eos_token_ids, self.backend)
         self.can_generate = self.causal and getattr(self.model, "can_generate", True)
         self.embeddings, self.embed_refusal = embeddings_for(self.model_path, spec.source.directory, spec.arch,
@@ -131,6 +133,28 @@ class Engine:
             log.info("tensor_parallel_weights", bytes_per_rank=self.weight_bytes,
                      fused_decode="off: the one-call C++ decode step has no all-reduce between its layers")
         self.static_decode = setup.static_decode
+
+    # ---- LoRA adapters (docs/adapters.md) -------------------------------------------------------------------
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT LoRA adapter in directory `path` as `name` (add_request(lora=name)). Raises LoraError
+        naming the adapter and the field when it cannot be served; the engine serves on either way."""
+        if self.loras is None:
+            raise ValueError("this engine has no LoRA slots: start it with max_loras >= 1")
+        self.loras.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving adapter `name`; refused (InvalidRequest) while requests inside the engine use it."""
+        if self.loras is None:
+            raise ValueError("this engine has no LoRA slots")
+        self.loras.remove(name)
+
+    def lora_names(self) -> list[str]:
+        return self.loras.names() if self.loras is not None else []
+
+    def _release_lora(self, seqs: list[Sequence]) -> None:
+        if seqs and seqs[0].lora is not None:
+            self.loras.request_done(seqs[0].lora)
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (nothing to do for one rank)."""
@@ -151,11 +175,12 @@ class Engine:
 
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams | EmbedParams | dict[str, Any] | None = None,
-        priority: Priority | str | int = 0,
+        priority: Priority | str | int = 0, lora: str | None = None,
     ) -> None:
         """Queue a request: a generation, or with EmbedParams an embedding of `prompt` (a string or token ids).
         priority: the job's Priority (or its name or rank, protocol.priority.rank_of); lower ranks are seated
-        sooner, and requests of one priority in arrival order."""
+        sooner, and requests of one priority in arrival order. lora: the name of an adapter add_lora registered
+        (generation only), None for the base model."""
         if request_id in self.requests:
             raise EngineFault(f"request id {request_id!r} is already in the engine")  # the caller's bug
         if isinstance(params, EmbedParams):
@@ -191,6 +216,12 @@ class Engine:
                 f"({self.block_manager.num_blocks * self.config.block_size} tokens); raise kv_cache_gb"
             )
         rank = rank_of(priority)
+        salt = None
+        if lora is not None:
+            if self.loras is None:
+                raise InvalidRequest(f"LoRA adapter {lora!r} asked for, but this engine serves none (max_loras 0)",
+                                     code="model_not_found")
+            salt = self.loras.request_added(lora)  # its weights held in host memory until the request ends
         now = time.time()
         seqs = []
         for i in range(params.n):
@@ -200,9 +231,13 @@ class Engine:
                 generator.manual_seed(params.seed + i)
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             seqs.append(Sequence(request_id, prompt_ids, params, now, detokenizer, generator=generator,
-                                 choice_index=i, priority=rank))
-        for seq in seqs:  # compiles response_format / regex / choice off this thread (GrammarError: failed before)
-            self.guided.add(seq)
+                                 choice_index=i, priority=rank, lora=lora, cache_salt=salt))
+        try:
+            for seq in seqs:  # compiles response_format / regex / choice off this thread (GrammarError: failed before)
+                self.guided.add(seq)
+        except BaseException:
+            self._release_lora(seqs)
+            raise
         self.requests[request_id] = seqs[0]
         self.choices[request_id] = seqs
         self.scheduler.add(seqs[0])
@@ -239,6 +274,7 @@ class Engine:
             return None
         del self.requests[request_id]
         self.forks.pop(request_id, None)
+        self._release_lora(seqs)
         for seq in seqs:
             if seq.finish_reason is None:
                 self.scheduler.remove(seq)  # frees only its own references: a block another holds stays
@@ -264,6 +300,7 @@ class Engine:
             self.forks.pop(seq.request_id, None)
             for choice in seqs:
                 self.scheduler.remove(choice)
+            self._release_lora(seqs)
             self.rejected[seq.request_id] = err
         if self.overlap is not None:
             return self.overlap.step()
@@ -287,6 +324,7 @@ class Engine:
             seqs = self.choices.get(seq.request_id)
             if seqs is not None and all(s.finish_reason is not None for s in seqs):
                 del self.choices[seq.request_id], self.requests[seq.request_id]
+                self._release_lora(seqs)
                 outputs.append(self._output(seqs))
         return outputs
 
@@ -330,20 +368,22 @@ class Engine:
             prefix_queried_tokens=pc.queried_tokens, prefix_hit_tokens=pc.hit_tokens,
             prefix_queried_blocks=pc.queried_blocks, prefix_hit_blocks=pc.hit_blocks,
             prefix_evictions=pc.evictions, forking=sum(len(f) for f in self.forks.values()),
+            **(self.loras.stats() if self.loras is not None else {}),
         )
 
     def generate(
         self,
         prompts: Seq[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
+        loras: list[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Offline: run every prompt to the end and return the outputs in input order. InvalidRequest (with the
         code), once every other request ended, when the engine refused a prompt's grammar (structured output);
-        EngineFault when compiling one broke."""
+        EngineFault when compiling one broke. loras: each prompt's adapter name (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt given bare
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        return self._run_offline("generate", prompts, params_list)
+        return self._run_offline("generate", prompts, params_list, loras)
 
     def embed(self, inputs: Seq[str | list[int]] | str,
               params: EmbedParams | list[EmbedParams] | None = None) -> list[RequestOutput]:
@@ -354,12 +394,13 @@ class Engine:
         params_list = params if isinstance(params, list) else [params or EmbedParams()] * len(inputs)
         return self._run_offline("embed", inputs, params_list)
 
-    def _run_offline(self, kind: str, prompts: Seq[Any], params_list: list[Any]) -> list[RequestOutput]:
+    def _run_offline(self, kind: str, prompts: Seq[Any], params_list: list[Any],
+                     loras: list[str | None] | None = None) -> list[RequestOutput]:
         ids = [f"{kind}-{self.steps}-{i}" for i in range(len(prompts))]
         added: list[str] = []
-        for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
+        for rid, prompt, p, lora in zip(ids, prompts, params_list, loras or [None] * len(ids), strict=True):
             try:
-                self.add_request(rid, prompt, p)
+                self.add_request(rid, prompt, p, lora=lora)
             except EngineError as err:  # nothing of this call stays behind in the engine
                 for other in added:
                     self.abort(other)

@@ -112,3 +112,7 @@ class EngineStats:
     prefix_hit_blocks: int = 0
     prefix_evictions: int = 0
     forking: int = 0  # choices 1..n-1 of n > 1 requests, waiting for choice 0's first token to fork
+    lora_loads: int = 0  # LoRA adapters copied into a device slot (each eviction's reload counts)
+    lora_disk_reads: int = 0  # adapters read from their directories (registration included)
+    loras_registered: int = 0
+    loras_resident: int = 0  # adapters in a device slot now

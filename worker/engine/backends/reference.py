@@ -28,10 +28,14 @@ from kernels.reference import (
 
 if TYPE_CHECKING:
     from worker.engine.attention_metadata import AttentionMetadata
+    from worker.engine.lora.layer import LoraBatch, LoraState
 
 
 class ReferenceBackend:
     name = "torch-reference"
+    # the model's adapters' shared state, when the engine serves LoRA (lora/manager.py sets it): a backend that
+    # fuses whole layers (CpuBackend) runs a step with adapter rows layer by layer instead
+    lora_state: LoraState | None = None
     # the rank's TpGroup when the engine is one rank of a tensor-parallel worker (worker/engine/parallel/):
     # the model sizes its sharded layers by it and sums row-parallel outputs through all_reduce
     tp: Any = None
@@ -112,6 +116,14 @@ class ReferenceBackend:
         from kernels.moe_reference import fused_moe_ref
 
         return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+
+    def lora(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             slices: tuple[tuple[int, int], ...], batch: LoraBatch) -> torch.Tensor:
+        """In place: y += (x · A_slot) · B_slot for every row of the batch that uses an adapter (kernels/
+        lora_reference.py has the layout): grouped torch matmuls, one shrink and one expand a slice per slot."""
+        from kernels.lora_reference import lora_apply_ref
+
+        return lora_apply_ref(y, x, a, b, slices, batch.rows, batch.groups)
 
     # ---- whole layers and sampling ------------------------------------------------------------------------
 
