@@ -23,8 +23,8 @@ from pydantic_core import from_json as _from_json
 
 from producer.openai_batch import batch_request
 from producer.seen_ids import SeenIds
-from protocol.errors import MAX_ERRORS_SHOWN, InvalidJob
 from protocol.embeddings import vector_bytes
+from protocol.errors import MAX_ERRORS_SHOWN, InvalidJob
 from protocol.models import JobRequest
 from protocol.text import bounded, clip, surrogate_problem
 
