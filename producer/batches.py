@@ -226,8 +226,11 @@ def wait_batch(
 
 
 def export_batch(client: ClientApi, batch_id: str, out: str | Path, *, allow_partial: bool = False,
-                 on_progress: Progress | None = None) -> int:
+                 on_progress: Progress | None = None, drop_vectors: bool = False) -> int:
     """Write OpenAI Batch output lines (input order) to `out`; returns how many lines were written.
+
+    drop_vectors: once the file is complete, delete the exported embedding jobs' vectors from Redis (the big
+    part of an embedding batch; the records stay, small, until their result_ttl).
 
     Refuses a batch that has not ended unless allow_partial (then jobs still queued/running are left out).
     Streams: CHUNK records read, written and dropped at a time. on_progress("export", jobs, total).
@@ -253,5 +256,8 @@ def export_batch(client: ClientApi, batch_id: str, out: str | Path, *, allow_par
                 f.write("\n")
                 written += 1
     os.replace(tmp, out)
-    log.info("batch_exported", batch_id=batch_id, lines=written, out=str(out))
+    if drop_vectors and record.endpoint == EMBEDDINGS:
+        for chunk in iter_batch_job_ids(client, batch_id):
+            client.redis.delete(*[client.keys.vectors(jid) for jid in chunk])
+    log.info("batch_exported", batch_id=batch_id, lines=written, out=str(out), dropped_vectors=drop_vectors)
     return written

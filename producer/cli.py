@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("out")
     be.add_argument("--partial", action="store_true",
                     help="export a batch that has not ended (its ended jobs only)")
+    be.add_argument("--drop-vectors", action="store_true",
+                    help="an embedding batch: delete its vectors from Redis once the file is written")
     return p
 
 
@@ -337,7 +339,8 @@ def _batch_command(c: Client, a: argparse.Namespace, cmd: str, bars: _Bars) -> i
     elif cmd == "cancel":
         _print_json(batches.cancel_batch(c, a.batch_id))
     elif cmd == "export":
-        n = batches.export_batch(c, a.batch_id, a.out, allow_partial=a.partial, on_progress=bars)
+        n = batches.export_batch(c, a.batch_id, a.out, allow_partial=a.partial, on_progress=bars,
+                                 drop_vectors=a.drop_vectors)
         bars.close()
         print(f"wrote {n} lines to {a.out}", file=sys.stderr)
     return 0

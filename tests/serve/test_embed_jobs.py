@@ -102,3 +102,44 @@ def test_one_decoder_serves_both_kinds(tmp_path, serve, make_client):
     assert min(cos) >= 0.99999
     assert sorted(client.info().models[0].kinds) == ["embed", "generate"]
     assert handle.stop() == 0
+
+
+def test_batch_export_in_openai_format_then_drop_vectors(minilm, serve, make_client, redis_server, tmp_path,
+                                                         capsys):
+    import json
+
+    from producer.cli import main
+
+    client = make_client()
+    handle = serve(minilm)
+    lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/embeddings",
+                         "body": {"input": [f"text {i}", f"more {i}"], "encoding_format": "float"}})
+             for i in range(5)]
+    lines.append(json.dumps({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings",
+                             "body": {"input": ["fine", "word " * 300]}}))  # too long: this line alone fails
+    record = client.submit_batch(lines)
+    from producer.batches import wait_batch
+
+    wait_batch(client, record.id, timeout=120)
+    r = redis_server.client()
+    ids = [f"{record.id}-{i}" for i in range(6)]
+    assert sum(r.exists(K.vectors(j)) for j in ids) == 5
+    stored = sum(r.memory_usage(K.vectors(j)) for j in ids[:5])
+    # 3,072 bytes of vectors a job: the string's allocation rounds to 3,584, plus the key (docs/embeddings.md)
+    assert stored < 5 * (2 * 384 * 4 + 1024)
+    out = tmp_path / "out.jsonl"
+    assert main(["--url", redis_server.url, "batch", "export", record.id, str(out), "--drop-vectors"]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [row["custom_id"] for row in rows] == [*(f"c{i}" for i in range(5)), "bad"]
+    body = rows[0]["response"]["body"]
+    assert body["object"] == "list" and [d["index"] for d in body["data"]] == [0, 1]
+    assert len(body["data"][0]["embedding"]) == 384 and body["usage"]["prompt_tokens"] > 0
+    assert rows[5]["response"] is None and rows[5]["error"]["code"] == "invalid_request"
+    assert sum(r.exists(K.vectors(j)) for j in ids) == 0  # dropped once exported; the records stay
+    assert all(r.exists(K.job(j)) for j in ids)
+
+    capsys.readouterr()
+    assert main(["--url", redis_server.url, "embed", "hello", "world", "--dimensions", "8"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert [len(d["embedding"]) for d in answer["data"]] == [8, 8] and answer["model"] == "all-minilm-l6-v2"
+    assert handle.stop() == 0
