@@ -207,8 +207,8 @@ class JobRequest(GenerationParams):
         given = [n for n in ("prompt", "messages", "prompt_token_ids", "input") if getattr(self, n) is not None]
         if len(given) != 1:
             what = "none" if not given else " and ".join(given)
-            raise ValueError(f"give exactly one of prompt, messages, prompt_token_ids (a generation) or input "
-                             f"(an embedding) (got {what})")
+            raise ValueError(f"give exactly one of prompt, messages, prompt_token_ids (got {what}), or input for an "
+                             "embedding job")
         if self.input is not None:
             wrong = sorted((self.model_fields_set & set(GenerationParams.model_fields)) | (
                 {"stream"} if self.stream else set()))

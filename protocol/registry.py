@@ -13,7 +13,7 @@ import json
 import unicodedata
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from protocol.errors import InvalidJob
 
@@ -71,6 +71,11 @@ class ModelRecord(BaseModel):
     parent: str | None = None  # an adapter's base model (later)
     declared_at: float | None = None
     declared_by: str = ""  # the worker that declared it first, or "operator"
+
+    @field_validator("kinds", "names", mode="before")
+    @classmethod
+    def _empty_list(cls, v: object) -> object:
+        return [] if v == {} else v  # Redis's cjson encodes an empty list as {} (DECLARE_MODEL re-encodes records)
 
     def served_kinds(self) -> list[str]:
         """The job kinds its workers serve (a record written before kinds: its one kind)."""
