@@ -152,8 +152,8 @@ class Upload:
         meta = FileMeta(id=self.id, owner=self.owner, filename=filename, purpose=purpose, bytes=self.bytes,
                         created_at=time.time(), endpoint=self.validator.endpoint,
                         requests=self.validator.requests, line_errors=self.validator.line_errors(),
-                        tokens=self.validator.tokens, models=sorted(self.validator.models),
-                        result_bytes=self.validator.result_bytes)
+                        tokens=self.validator.tokens, result_bytes=self.validator.result_bytes,
+                        models=sorted(self.validator.models))
         self.store.register(meta)
         log.info("file_uploaded", file_id=self.id, owner=self.owner, bytes=self.bytes,
                  requests=meta.requests, endpoint=meta.endpoint, invalid_lines=self.validator.error_count)
