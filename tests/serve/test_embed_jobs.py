@@ -5,6 +5,12 @@ unsupported_kind; one tiny decoder serves both kinds in one worker; the vectors 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -15,6 +21,7 @@ from testbed.tiny_embedders import make_tiny_decoder
 from worker.engine import loader
 
 K = Keys("tokenbus")
+ROOT = str(Path(__file__).resolve().parents[2])
 TEXTS = ["A man is eating food.", "tokenbus embeds through the same queue", "short", "x " * 300]
 
 
@@ -104,11 +111,15 @@ def test_one_decoder_serves_both_kinds(tmp_path, serve, make_client):
     assert handle.stop() == 0
 
 
-def test_batch_export_in_openai_format_then_drop_vectors(minilm, serve, make_client, redis_server, tmp_path,
-                                                         capsys):
-    import json
+def cli(url: str, *args: str) -> str:
+    """`tokenbus ...` as its own process (its main() configures structlog for the whole process)."""
+    out = subprocess.run([sys.executable, "-m", "producer", "--url", url, *args], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stderr
+    return out.stdout
 
-    from producer.cli import main
+
+def test_batch_export_in_openai_format_then_drop_vectors(minilm, serve, make_client, redis_server, tmp_path):
 
     client = make_client()
     handle = serve(minilm)
@@ -128,7 +139,7 @@ def test_batch_export_in_openai_format_then_drop_vectors(minilm, serve, make_cli
     # 3,072 bytes of vectors a job: the string's allocation rounds to 3,584, plus the key (docs/embeddings.md)
     assert stored < 5 * (2 * 384 * 4 + 1024)
     out = tmp_path / "out.jsonl"
-    assert main(["--url", redis_server.url, "batch", "export", record.id, str(out), "--drop-vectors"]) == 0
+    cli(redis_server.url, "batch", "export", record.id, str(out), "--drop-vectors")
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [row["custom_id"] for row in rows] == [*(f"c{i}" for i in range(5)), "bad"]
     body = rows[0]["response"]["body"]
@@ -138,8 +149,6 @@ def test_batch_export_in_openai_format_then_drop_vectors(minilm, serve, make_cli
     assert sum(r.exists(K.vectors(j)) for j in ids) == 0  # dropped once exported; the records stay
     assert all(r.exists(K.job(j)) for j in ids)
 
-    capsys.readouterr()
-    assert main(["--url", redis_server.url, "embed", "hello", "world", "--dimensions", "8"]) == 0
-    answer = json.loads(capsys.readouterr().out)
+    answer = json.loads(cli(redis_server.url, "embed", "hello", "world", "--dimensions", "8"))
     assert [len(d["embedding"]) for d in answer["data"]] == [8, 8] and answer["model"] == "all-minilm-l6-v2"
     assert handle.stop() == 0
