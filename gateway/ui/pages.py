@@ -104,7 +104,8 @@ async def workers(request: Request, sess: Current, fragment: bool = False) -> HT
 @router.get("/dead", response_class=HTMLResponse)
 async def dead(request: Request, sess: Current,
                before: str | None = Query(None, pattern=r"^\d{1,20}-\d{1,20}$")) -> HTMLResponse:
-    rows, total, more = await run_in_threadpool(data.dead_letters, get_ctx(request), before)
+    rows, total, more = await run_in_threadpool(data.dead_letters, get_ctx(request), before,
+                                                None if sess.operator else sess.owner)
     return page("dead.html", request, sess, active="dead", rows=rows, total=total, more=more, before=before)
 
 
