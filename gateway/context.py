@@ -46,7 +46,7 @@ class GatewayContext:
         self.streams = StreamHub(settings.redis_url, self.keys)
         self.cancels = Canceller(settings.redis_url, self.keys)
         self.quotas = KeyQuotas(settings.max_requests_per_key, settings.max_streams_per_key,
-                                settings.max_tokens_per_key)
+                                settings.max_tokens_per_key, max_streams_total=settings.max_streams)
         self.priorities = settings.priority_by_owner
         self.auth_throttle = AuthThrottle(settings.auth_max_failures, settings.auth_failure_window_s)
 

@@ -45,7 +45,7 @@ def _goto(url: str) -> Response:
 async def login_form(request: Request, error: str = "") -> HTMLResponse:
     """The one page served without a session. Its form carries a one-off token also set as a cookie."""
     token = secrets.token_urlsafe(24)
-    resp = page("login.html", request, None, 401 if error else 200, login_token=token, error=error)
+    resp = await page("login.html", request, None, 401 if error else 200, login_token=token, error=error)
     resp.set_cookie(session.LOGIN_COOKIE, token, httponly=True, samesite="strict", path="/ui/login", max_age=900)
     return resp
 
@@ -61,7 +61,7 @@ async def login(request: Request, api_key: str = Form("", max_length=512),
     # Throttled before the key is compared, like the API's bearer keys (gateway/throttle.py)
     names = (client_of(request.client.host if request.client else None), key_of(api_key.strip()))
     if wait_s := ctx.auth_throttle.retry_after(*names):
-        resp = page("login.html", request, None, 429, login_token=login_token, error="throttled", wait_s=wait_s)
+        resp = await page("login.html", request, None, 429, login_token=login_token, error="throttled", wait_s=wait_s)
         resp.headers["retry-after"] = str(wait_s)
         return resp
     made = await run_in_threadpool(session.create, ctx, api_key.strip())

@@ -15,6 +15,7 @@ from protocol.records import BatchRecord, DeadLetter, QueueInfo
 
 PAGE = 25
 DEAD_PAYLOAD_CHARS = 8000  # a dead letter's request shown up to this (the rest is cut, with a note)
+LINE_READ_CHARS = 64 * 1024  # an output/error file's line parsed for the page up to this (longer: its start shown)
 DEAD_SCAN = 200  # a tenant's dead letters: entries read a call while looking for its own
 DEAD_SCAN_LIMIT = 2000  # ... and at most this many a page, so a page costs the same whatever the stream holds
 
@@ -83,13 +84,17 @@ def file_lines(ctx: GatewayContext, owner: str, file_id: str | None, limit: int 
     if not path.is_file():
         return []
     with path.open(encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if len(out) >= limit:
-                break
+        while len(out) < limit and (line := f.readline(LINE_READ_CHARS)):
+            if not line.endswith("\n") and len(line) == LINE_READ_CHARS:
+                while (rest := f.readline(LINE_READ_CHARS)) and not rest.endswith("\n"):
+                    pass  # the rest of a long line: read through, never held (the page shows its start only)
+                out.append({"custom_id": None, "error": {"message": f"(a line longer than {LINE_READ_CHARS:,} "
+                                                                    f"characters; download the file) {line}"}})
+                continue
             try:
                 out.append(json.loads(line))
             except ValueError:
-                out.append({"custom_id": None, "error": {"message": line[:500]}})
+                out.append({"custom_id": None, "error": {"message": line}})
     return out
 
 
