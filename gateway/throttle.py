@@ -33,9 +33,11 @@ def client_of(address: str | None) -> str:
         ip = ipaddress.ip_address(address)
     except ValueError:
         return f"addr:{address[:64]}"
-    if ip.version == 6 and ip.ipv4_mapped is None:
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return f"addr:{ip.ipv4_mapped}"
         return f"addr:{ipaddress.ip_network(f'{ip}/64', strict=False)}"
-    return f"addr:{ip.ipv4_mapped or ip}"
+    return f"addr:{ip}"
 
 
 def key_of(api_key: str) -> str:
