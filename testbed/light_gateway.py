@@ -90,7 +90,7 @@ class LightStack(Deployment):
     def resume(self, name: str) -> None:
         os.kill(self.procs[name].proc.pid, signal.SIGCONT)
 
-    def end_job(self, job_id: str, *, error_code: str | None = None, text: str = "ok") -> None:
+    def end_job(self, job_id: str, *, error_code: str | None = None, text: str = "ok", error: str = "") -> None:
         """End a queued job as a worker would (start_job then finish_job: the worker's own Lua)."""
         from protocol import scripts
         from protocol.keys import Keys
@@ -101,7 +101,7 @@ class LightStack(Deployment):
         assert status == "running", status
         if error_code:
             scripts.finish_job(r, keys, job_id, "failed", entry_id=entry, queue=queue, error_code=error_code,
-                               error=f"the test worker says {error_code}")
+                               error=error or f"the test worker says {error_code}")
         else:
             scripts.finish_job(r, keys, job_id, "finished", entry_id=entry, queue=queue,
                                result={"text": text, "finish_reason": "stop", "model": "smollm2-135m"})

@@ -4,6 +4,7 @@ jobs or all batches (a batch of 1M jobs costs one HGETALL; the batch list one ZR
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,7 @@ from protocol.records import BatchRecord, DeadLetter, QueueInfo
 PAGE = 25
 DEAD_PAYLOAD_CHARS = 8000  # a dead letter's request shown up to this (the rest is cut, with a note)
 LINE_READ_CHARS = 64 * 1024  # an output/error file's line parsed for the page up to this (longer: its start shown)
+CUSTOM_ID = re.compile(r'"custom_id": ?"([^"\\]{0,500})"')  # a long line's id, from the start it shows
 DEAD_SCAN = 200  # a tenant's dead letters: entries read a call while looking for its own
 DEAD_SCAN_LIMIT = 2000  # ... and at most this many a page, so a page costs the same whatever the stream holds
 
@@ -88,8 +90,10 @@ def file_lines(ctx: GatewayContext, owner: str, file_id: str | None, limit: int 
             if not line.endswith("\n") and len(line) == LINE_READ_CHARS:
                 while (rest := f.readline(LINE_READ_CHARS)) and not rest.endswith("\n"):
                     pass  # the rest of a long line: read through, never held (the page shows its start only)
-                out.append({"custom_id": None, "error": {"message": f"(a line longer than {LINE_READ_CHARS:,} "
-                                                                    f"characters; download the file) {line}"}})
+                cid = CUSTOM_ID.search(line)
+                out.append({"custom_id": cid and cid.group(1),
+                            "error": {"message": f"(a line longer than {LINE_READ_CHARS:,} characters: download the "
+                                                 f"file) {line}"}})
                 continue
             try:
                 out.append(json.loads(line))
