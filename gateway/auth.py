@@ -25,10 +25,10 @@ def owner(request: Request) -> str:
                             "'Authorization: Bearer YOUR_KEY' (the keys are set by TOKENBUS_GATEWAY_API_KEYS).")
     key = key.strip()
     ctx = request.app.state.ctx
-    names = (client_of(request.client.host if request.client else None), key_of(key))
-    throttled(ctx.auth_throttle.retry_after(*names))
     # Looked up by its hash: the lookup time says nothing about how much of a key was right.
     who = owner_id(key)
+    names = (client_of(request.client.host if request.client else None), key_of(who))
+    throttled(ctx.auth_throttle.retry_after(*names))
     known = ctx.api_keys.get(who)
     if known is None or not hmac.compare_digest(known.encode(), key.encode()):
         ctx.auth_throttle.failed(*names)

@@ -40,9 +40,9 @@ def client_of(address: str | None) -> str:
     return f"addr:{ip}"
 
 
-def key_of(api_key: str) -> str:
-    """The throttle's name for a key tried: its owner id (a hash), never the key."""
-    return f"key:{owner_id(api_key)}"
+def key_of(owner: str) -> str:
+    """The throttle's name for a key tried, by its owner id (a hash, settings.owner_id): never the key."""
+    return f"key:{owner}"
 
 
 class AuthThrottle:

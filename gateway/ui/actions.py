@@ -18,6 +18,7 @@ from gateway.errors import APIError
 from gateway.files.upload import receive_upload
 from gateway.http import get_ctx
 from gateway.jobs import owned_job
+from gateway.settings import owner_id
 from gateway.throttle import client_of, key_of
 from gateway.ui import data, session
 from gateway.ui.render import HEADERS, Acting, page
@@ -58,8 +59,10 @@ async def login(request: Request, api_key: str = Form("", max_length=512),
     expected = request.cookies.get(session.LOGIN_COOKIE, "")
     if not expected or not secrets.compare_digest(expected, login_token):
         return RedirectResponse("/ui/login?error=expired", status_code=303, headers=HEADERS)
-    # Throttled before the key is compared, like the API's bearer keys (gateway/throttle.py)
-    names = (client_of(request.client.host if request.client else None), key_of(api_key.strip()))
+    # Throttled before the key is compared, like the API's bearer keys (gateway/throttle.py): the address's bucket
+    # is the API's, the key's is the login's own (a key refused here must not lose its API calls)
+    names = (client_of(request.client.host if request.client else None),
+             "login-" + key_of(owner_id(api_key.strip())))
     if wait_s := ctx.auth_throttle.retry_after(*names):
         resp = await page("login.html", request, None, 429, login_token=login_token, error="throttled", wait_s=wait_s)
         resp.headers["retry-after"] = str(wait_s)
