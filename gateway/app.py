@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from gateway import errors
 from gateway.api import ROUTERS
 from gateway.api.service import Health
+from gateway.batches import capacity
 from gateway.context import GatewayContext
 from gateway.limits import BodyLimit
 from gateway.settings import GatewaySettings
@@ -34,6 +35,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             check_master(name, value)
     parse_networks(settings.webhook_allow_networks)  # ValueError naming a bad CIDR
     ctx = GatewayContext(settings)
+    capacity.check_at_start(ctx)  # ValueError: a maxmemory below redis_reserve_bytes refuses every batch
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -52,6 +52,21 @@ def too_large(limit: int, what: str) -> APIError:
                          f"parts or ask the operator to raise the limit", code="request_too_large")
 
 
+def redis_error(err: redis.RedisError) -> APIError:
+    """What a Redis failure means to the client: Redis full (its maxmemory reached: writes refused until work
+    ends or the operator makes room) is not Redis unreachable, and neither is a command Redis refused."""
+    if isinstance(err, redis.exceptions.OutOfMemoryError):
+        return APIError(503, "the gateway's Redis is full (it reached its maxmemory and refuses writes); retry "
+                             "when running work has ended. Operators: raise Redis's maxmemory or lower the "
+                             "gateway's byte limits (docs/gateway.md)", code="redis_full",
+                        headers={"retry-after": "30"})
+    if isinstance(err, redis.ConnectionError | redis.TimeoutError):
+        return APIError(503, "the gateway cannot reach its Redis right now; retry shortly",
+                        code="redis_unavailable", headers={"retry-after": "5"})
+    return APIError(503, f"the gateway's Redis refused a command ({type(err).__name__}); retry shortly, and "
+                         "report it if it persists", code="redis_error", headers={"retry-after": "5"})
+
+
 def install(app: FastAPI) -> None:
     """Answer every failure, ours or the framework's, in the one shape OpenAI clients parse."""
 
@@ -78,9 +93,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(redis.RedisError)
     async def _redis(_req: Request, err: redis.RedisError) -> JSONResponse:
-        log.error("redis_error", error=str(err))
-        return APIError(503, "the gateway cannot reach its Redis right now; retry shortly",
-                        code="redis_unavailable", headers={"retry-after": "5"}).response()
+        log.error("redis_error", error=str(err), kind=type(err).__name__)
+        return redis_error(err).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(_req: Request, err: Exception) -> JSONResponse:

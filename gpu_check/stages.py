@@ -292,6 +292,7 @@ STAGE_IMPORTS = {
     "k": ("gpu_check.kv", "kernels.kv_quant", "kernels.decode_attention", "worker", "gpu_check.engine_bench"),
     "q": ("gpu_check.fp8", "kernels.fp8_linear", "worker.engine.quant.fp8", "testbed.fp8_checkpoints", "worker",
           "triton.testing"),
+    "t": ("gpu_check.tp", "torch.distributed", "worker.engine.parallel.follower", "testbed.tiny_models", "worker"),
 }
 
 
@@ -363,7 +364,14 @@ def stage_kv_fp8(ctx: Ctx) -> None:
     kv.stage_kv_fp8(ctx)
 
 
-# caps in seconds on the GPU with a cold Triton cache: 540 in all
+def stage_tensor_parallel(ctx: Ctx) -> None:
+    """Stage t (issue 37, run alone: --stages t): TP=2 against TP=1, in gpu_check/tp.py."""
+    from gpu_check import tp
+
+    tp.stage_tensor_parallel(ctx)
+
+
+# caps in seconds on the GPU with a cold Triton cache: 540 in all (t, run alone, apart)
 STAGES = {
     "a": ("kernels vs reference", stage_kernels, 70),
     "b": ("kernel bandwidth", stage_bandwidth, 50),
@@ -373,8 +381,9 @@ STAGES = {
     "m": ("fused MoE vs reference", stage_moe, 20),
     "k": ("fp8 KV cache vs bf16: attention error, engine tok/s", stage_kv_fp8, 60),
     "q": ("FP8 weights vs bf16", stage_fp8, 150),
+    "t": ("tensor parallel TP=2 vs TP=1 (skipped on 1 GPU)", stage_tensor_parallel, 120),
 }
-SMOKE_CAPS = {"a": 240, "b": 240, "c": 240, "d": 240, "e": 240, "m": 240, "k": 240, "q": 240,
+SMOKE_CAPS = {"a": 240, "b": 240, "c": 240, "d": 240, "e": 240, "m": 240, "k": 240, "q": 240, "t": 240,
               "z": 8}  # a loaded 2-core CI box
 HIDDEN_STAGES = {"z": ("self-test: overrun", stage_overrun_selftest, 8)}
 

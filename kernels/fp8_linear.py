@@ -21,6 +21,8 @@ row): the same numbers, one layout for the GEMM.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 FP8 = torch.float8_e4m3fn
@@ -28,17 +30,21 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448
 MIN_SCALE = 1e-12  # an all-zero row still divides by something: its e4m3 is 0 whatever the scale
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (per token, or per output channel for a weight) symmetric e4m3 of a [R, C] tensor:
-    (q [R, C] float8_e4m3fn, scale [R, 1] float32) with x ≈ q · scale and scale = max|row| / 448."""
+    (q [R, C] float8_e4m3fn, scale [R, 1] float32) with x ≈ q · scale and scale = max|row| / 448. reduce: the
+    rows' max |x| combined with the other parts of each row held elsewhere (a tensor-parallel row shard)."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = ((reduce(amax) if reduce is not None else amax) / FP8_MAX).clamp_min(MIN_SCALE)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(weight: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """A float [N, K] weight as e4m3 with one scale per output channel: (qweight [N, K], w_scale [N])."""
-    q, scale = quantize_rows(weight.detach())
+    q, scale = quantize_rows(weight.detach(), reduce)
     return q, scale.view(-1)
 
 

@@ -1,4 +1,4 @@
-"""Triton kernel: causal paged prefill attention for chunked prefill.
+"""Triton kernel: paged prefill attention for chunked prefill, causal (decoders) or not (encoders).
 
 q             [num_tokens, num_q_heads, head_dim] (any strides): each sequence's newest q_len tokens, packed
 cu_seqlens_q  int32 [num_seqs + 1]: sequence i owns q rows cu_seqlens_q[i] : cu_seqlens_q[i + 1]
@@ -11,8 +11,9 @@ out           [num_tokens, num_q_heads, head_dim], contiguous, dtype of q
 
 Query j of sequence i sits at position seq_lens[i] - q_len + j and sees keys at positions <= its own; with
 a sliding window (window > 0) only those > its own - window. softcap > 0 soft-caps the scores
-(s -> softcap * tanh(s / softcap), Gemma 2). Both are constexpr switches (SLIDING, SOFTCAP): a model
-without them runs the kernel it always ran.
+(s -> softcap * tanh(s / softcap), Gemma 2). causal False (CAUSAL off: an encoder's bidirectional
+attention, no window) lets every query see all seq_lens[i] keys. All three are constexpr switches (SLIDING,
+SOFTCAP, CAUSAL): a model without them runs the kernel it always ran.
 
 Grid (num_tokens // BLOCK_Q + num_seqs, num_kv_heads). A program owns BLOCK_Q query tokens of one sequence
 times all `group` query heads of one KV head: a [BLOCK_M = BLOCK_Q * group (+ pad), head_dim] tile whose
@@ -32,6 +33,7 @@ import triton.language as tl
 
 from kernels import attention_tiles as tiles
 from kernels.launch import Launch, attention_out, head_pad
+from kernels.reference import check_causal
 
 
 @triton.jit
@@ -45,7 +47,7 @@ def _prefill_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, FP32_DOT: tl.constexpr,
-    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, CAUSAL: tl.constexpr,
 ):
     """Grid (num_tokens // BLOCK_Q + num_seqs, num_kv_heads): BLOCK_Q query tokens of one sequence x the GROUP
     q heads of one KV head, as BLOCK_M rows (token r // GROUP, head r % GROUP) -> out rows."""
@@ -89,6 +91,8 @@ def _prefill_kernel(
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch + dims[None, :] * stride_cd
     kv_end = ctx_len - q_len + tl.minimum(q_start + BLOCK_Q, q_len)  # last query position + 1
+    if not CAUSAL:
+        kv_end = ctx_len  # every query sees every key
     kv_start = 0
     if SLIDING:
         kv_start = tl.maximum(q_first - window + 1, 0)  # no query of this tile sees a key before it
@@ -98,7 +102,9 @@ def _prefill_kernel(
             stride_cb, stride_co, stride_ch, q.dtype, HEAD_DIM, BLOCK_N, BLOCK_SIZE, KV_FP8,
         )
         s = tiles.qk_scores(q, k, softcap, DOT_FP32, FP32_DOT, SOFTCAP)
-        visible = tok_ok[None, :] & (tokens[None, :] <= q_pos[:, None])
+        visible = tok_ok[None, :]
+        if CAUSAL:
+            visible = visible & (tokens[None, :] <= q_pos[:, None])
         if SLIDING:
             visible = visible & (tokens[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
@@ -149,11 +155,13 @@ def plan_prefill(
     on_gpu: bool,
     window: int = 0,
     softcap: float = 0.0,
+    causal: bool = True,
 ) -> list[Launch]:
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     k_scale, v_scale, fp8 = tiles.check_attention("prefill", q, k_cache, v_cache, out)
+    check_causal(causal, window)
     if cu_seqlens_q.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
         raise ValueError("prefill: cu_seqlens_q / block_tables do not match seq_lens")
     if num_tokens == 0 or num_seqs == 0:
@@ -171,7 +179,7 @@ def plan_prefill(
         "BLOCK_N": block_n,
         "BLOCK_SIZE": block_size, "DOT_FP32": (not on_gpu) or q.dtype == torch.float32,
         "FP32_DOT": "tf32x3" if on_gpu else "ieee", "SLIDING": window > 0, "SOFTCAP": softcap > 0,
-        "KV_FP8": fp8, "num_warps": warps, "num_stages": 2,
+        "KV_FP8": fp8, "CAUSAL": causal, "num_warps": warps, "num_stages": 2,
     }
     return [Launch(_prefill_kernel, (num_tokens // block_q + num_seqs, num_kv_heads), args, meta)]
 
@@ -188,10 +196,11 @@ def paged_prefill_attention_triton(
     out: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Chunked-prefill attention; see the module docstring. `out` exists for tests/benchmarks."""
     out = attention_out(_prefill_kernel, q, out)
     for launch in plan_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out, q.is_cuda,
-                              window, softcap):
+                              window, softcap, causal):
         launch()
     return out

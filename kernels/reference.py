@@ -10,6 +10,8 @@ Layout shared by every kernel here and in the Triton files:
                     p - window < t <= p (Hugging Face's sliding_window_overlay)
   softcap           attention-logit soft-capping (0 = none): a score s becomes softcap * tanh(s / softcap),
                     applied to the scaled score before masking (Gemma 2's attn_logit_softcapping)
+  causal            prefill only: False lets every query of a sequence see all its seq_lens[i] keys (an
+                    encoder's bidirectional attention; no window)
 The CPU serving path runs these, so they are vectorised rather than looped per token.
 
 The decoder layer's elementwise ops at the end of this file (RMSNorm with the residual add, rotary, SiLU*mul,
@@ -68,6 +70,12 @@ def _heads(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int]:
     return block_size, num_kv_heads, q.shape[1] // num_kv_heads
 
 
+def check_causal(causal: bool, window: int) -> None:
+    """A sliding window is a causal notion (the keys before a query): non-causal attention takes none."""
+    if not causal and window:
+        raise ValueError(f"non-causal prefill attention takes no sliding window, got window {window}")
+
+
 def _soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     return torch.tanh(scores / softcap) * softcap if softcap else scores
 
@@ -119,14 +127,16 @@ def paged_prefill_attention_ref(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Causal attention of each sequence's newest q_len tokens over all its seq_lens[i] cached tokens.
 
     q [num_tokens, num_q_heads, head_dim], sequences packed back to back as given by
     cu_seqlens_q int32 [num_seqs + 1]. Query j of sequence i sits at position seq_lens[i] - q_len + j and
     sees keys at positions <= its own (earlier chunks and prefix-cache hits included), and with a window
-    only those > its own - window.
+    only those > its own - window. causal False: every query sees all seq_lens[i] keys.
     """
+    check_causal(causal, window)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads, group = _heads(q, k_cache)
     out = torch.empty_like(q)
@@ -141,12 +151,13 @@ def paged_prefill_attention_ref(
                                                            -(-ctx_len // block_size)))
         qi = q[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
         scores = _soft_cap(torch.einsum("qkgd,tkd->kgqt", qi, keys) * scale, softcap)
-        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
-        k_pos = torch.arange(ctx_len, device=q.device)
-        future = k_pos[None, :] > q_pos[:, None]  # [q_len, ctx_len]
-        if window:
-            future |= k_pos[None, :] <= q_pos[:, None] - window  # fallen out of the window
-        scores = scores.masked_fill(future, float("-inf"))
+        if causal:  # non-causal: every key is visible, nothing is masked
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+            k_pos = torch.arange(ctx_len, device=q.device)
+            future = k_pos[None, :] > q_pos[:, None]  # [q_len, ctx_len]
+            if window:
+                future |= k_pos[None, :] <= q_pos[:, None] - window  # fallen out of the window
+            scores = scores.masked_fill(future, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         oi = torch.einsum("kgqt,tkd->qkgd", probs, values)
         out[q_start:q_end] = oi.reshape(q_len, num_q_heads, head_dim).to(q.dtype)
@@ -215,3 +226,13 @@ def gelu_tanh_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [n, 2 * inter] -> gelu_tanh(gate) * up [n, inter]: Gemma's GeGLU, HF's gelu_pytorch_tanh."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [n, hidden] -> LayerNorm with weight and bias (an encoder's: BERT's nn.LayerNorm, to the bit)."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def gelu_ref(x: torch.Tensor) -> torch.Tensor:
+    """The exact (erf) GELU: an encoder's feed-forward activation (BERT's `gelu`)."""
+    return F.gelu(x)

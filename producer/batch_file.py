@@ -25,6 +25,7 @@ from producer.openai_batch import batch_request
 from producer.seen_ids import SeenIds
 from protocol.errors import MAX_ERRORS_SHOWN, InvalidJob
 from protocol.models import JobRequest
+from protocol.text import bounded, clip, surrogate_problem
 
 
 def request_tokens(request: JobRequest) -> int:
@@ -37,6 +38,18 @@ def request_tokens(request: JobRequest) -> int:
     else:
         prompt_tokens = len((request.prompt or "").encode()) // 4
     return prompt_tokens + request.max_tokens * request.n
+
+
+RESULT_TOKEN_BYTES = 24  # a generated token in a stored result without logprobs (~18 measured, issue #34)
+LOGPROB_BYTES = 44  # one logprob entry of a token (its text, bytes, logprob): ~40 measured at top_logprobs 20
+
+
+def result_bytes(request: JobRequest) -> int:
+    """What a job's result may make Redis hold at most: max_tokens x n tokens, each with 1 + top_logprobs
+    logprob entries when it asks for logprobs (854 bytes a token at 20, against 18 without). The one estimate
+    behind the gateway's byte reservations of results (batches/capacity.py)."""
+    entries = 0 if request.logprobs is None else 1 + request.logprobs
+    return request.max_tokens * request.n * (RESULT_TOKEN_BYTES + entries * LOGPROB_BYTES)
 
 
 def max_tokens_problem(request: JobRequest, limit: int | None) -> str | None:
@@ -75,6 +88,7 @@ class BatchFileReader:
         self.lines = 0  # lines seen (blank ones too): the next line's number is lines + 1
         self.requests = 0  # non-blank lines
         self.tokens = 0  # what the valid lines may cost: prompt + max_tokens x n each (request_tokens)
+        self.result_bytes = 0  # what their results may hold in Redis, logprobs included (result_bytes)
         self.endpoint: str | None = None
         self.parsed: list[tuple[str, JobRequest]] = []
         self.errors: list[tuple[int, str]] = []  # (line number, message), the first max_errors
@@ -163,6 +177,9 @@ class BatchFileReader:
                     raise _LineError(f"not valid JSON ({err})", "invalid_json_line") from None
                 except RecursionError:
                     raise _LineError("not a batch line: its JSON is nested too deeply", "invalid_json_line") from None
+                if bad := surrogate_problem(text.encode("utf-8", "surrogatepass"), raw):
+                    self._unstorable(number, bad[1])
+                    return
             custom_id, url, request, request_json = batch_request(raw, self.overrides)
             if self.endpoint is None:
                 self.endpoint, self._first_line = url, number
@@ -170,10 +187,11 @@ class BatchFileReader:
                 raise _LineError(f"url {url} differs from the batch's endpoint {self.endpoint} (line "
                                  f"{self._first_line}); one batch has one endpoint", "mismatched_url")
             if (first := self._seen.add(custom_id, number)) is not None:
-                raise _LineError(f"custom_id {custom_id!r} already used on line {first}", "duplicate_custom_id")
+                raise _LineError(f"custom_id {clip(custom_id)} already used on line {first}", "duplicate_custom_id")
             if problem := max_tokens_problem(request, self.max_tokens):
                 self._limit(number, problem)
             self.tokens += request_tokens(request)
+            self.result_bytes += result_bytes(request)
             if self.keep:
                 self.parsed.append((custom_id, request))
             if self.on_request is not None:
@@ -184,8 +202,15 @@ class BatchFileReader:
     def _error(self, number: int, message: str, code: str = "invalid_request") -> None:
         self.error_count += 1
         if self.max_errors is None or len(self.errors) < self.max_errors:
-            self.errors.append((number, message))
+            self.errors.append((number, bounded(message)))  # kept in the file's and its batches' records
             self.error_codes.append(code)
+
+    def _unstorable(self, number: int, message: str) -> None:
+        """A line whose text Redis cannot store (a lone surrogate): refuses an upload as non-UTF-8 bytes do,
+        since the submit would crash on it."""
+        self._error(number, message, "invalid_encoding")
+        if self.encoding_error is None:
+            self.encoding_error = f"line {number} is not storable text: {message}"
 
     def _limit(self, number: int, message: str) -> None:
         """A line past one of the gateway's limits: refuses an upload, and is a bad line for problem()."""

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from worker.engine import Engine, EngineConfig, EngineStats, RequestOutput, SamplingParams
+    from worker.engine import EmbedParams, Engine, EngineConfig, EngineStats, RequestOutput, SamplingParams
 
-__all__ = ["Engine", "EngineConfig", "EngineStats", "RequestOutput", "SamplingParams"]
+__all__ = ["EmbedParams", "Engine", "EngineConfig", "EngineStats", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:

@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return server.run()
     finally:
+        engine.close()  # a tensor-parallel engine's other ranks stop once its jobs are drained
         metrics.stop_http()
 
 

@@ -45,8 +45,15 @@ ENGINE_HELP = {
                     "float32, per-channel weight-only); 'w8a8' (CPU float32, int8 weights and activations rounded "
                     "to int8 per token and group of 64: faster on VNNI CPUs); 'fp8' (GPU sm_89+, e4m3 weights per "
                     "channel)",
+    "tensor_parallel_size": "shard the model over this many processes, one per GPU (cuda:0.. from --device); "
+    "rank 0 serves, the others follow; a safetensors checkpoint of a native family",
+    "tensor_parallel_timeout_s": "seconds a rank may wait in a collective before the worker counts a rank as "
+    "hung and exits (code 3)",
     "kv_cache_dtype": "KV-cache dtype: 'auto' (the model's), 'bfloat16', 'float32', 'int8' (CPU, scaled per "
     "token and head: ~3.8x the tokens of float32), 'fp8' (CUDA sm_89+, e4m3 with the same scales)",
+    "max_loras": "LoRA adapter slots on the device (0 = LoRA off); docs/adapters.md",
+    "max_lora_rank": "the largest LoRA rank a slot holds (memory per slot grows with it)",
+    "max_cpu_loras": "LoRA adapters kept in host memory for reloading into slots; unset = max_loras",
 }
 
 

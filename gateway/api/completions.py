@@ -2,8 +2,9 @@
 
 The body is mapped to a job exactly as a batch line's body is (producer.openai_batch.body_request), so the
 same request gives the same job either way. `stream: true` answers with server-sent events made from the
-job's token stream ({ns}:job:{id}:tokens; live/sse.py). Every answer carries the job id
-in the `x-tokenbus-job-id` header: after a timeout (504) the job goes on and GET /v1/jobs/{id} has it.
+job's token stream ({ns}:job:{id}:tokens; live/sse.py). Every answer carries the job id in the
+`x-tokenbus-job-id` header. A call that times out (504) or whose client goes has its job cancelled, and the
+key's slot (live/quotas.py) comes back only once that job has really ended (live/cancels.py).
 """
 
 from __future__ import annotations
@@ -99,13 +100,19 @@ async def _complete(request: Request, who: str, endpoint: str) -> Any:
     try:
         job = await ctx.waiter.wait(job_id, timeout, request.is_disconnected)
     except ClientGone:
-        ctx.cancels.cancel(job_id)  # nobody will read the answer: free the seat (never fails here)
+        abandon(ctx, job_id, lease, [])  # nobody will read the answer: free the seat (never fails here)
         return JSONResponse({}, status_code=499)
-    finally:
+    except BaseException:
         ctx.quotas.release(lease)
+        raise
     if job is None:
-        raise APIError(504, f"job {job_id} did not finish within {timeout:g} s; it is still running: poll "
-                            f"GET /v1/jobs/{job_id}", code="timeout", headers=headers)
+        # Left queued, the job held a slot nobody counted: a key repeating this held 8 jobs against a
+        # limit of 2 (issue #34). The key's slot comes back once the job has really ended.
+        abandon(ctx, job_id, lease, [])
+        raise APIError(504, f"job {job_id} did not finish within {timeout:g} s, so it was cancelled; ask for "
+                            "fewer tokens, or send long work as a batch (/v1/batches)", code="timeout",
+                       headers=headers)
+    ctx.quotas.release(lease)
     if job.status != JobStatus.finished or job.result is None:
         err = job_error(job)
         err.headers = headers

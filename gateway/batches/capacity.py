@@ -15,43 +15,112 @@ from __future__ import annotations
 
 import time
 
+import redis
+
+from gateway.batches.quota import RECENT_BATCHES, quota_refusal
+from gateway.batches.records import GatewayBatch
 from gateway.context import GatewayContext
 from gateway.errors import APIError
 from protocol.connection import on_shard
+from protocol.models import TERMINAL_BATCH_STATUSES
 from protocol.scripts import lua, script
 
 JOB_OVERHEAD_BYTES = 500  # measured: 401 per job (fit over lines of 235-3,195 bytes, gateway-long ids), rounded up
 BODY_FACTOR = 1.25  # measured: 1.14 x the input line's bytes (the request JSON once, as stored), rounded up
+RECORD_OVERHEAD_BYTES = 200  # allowance for a gateway batch record's hash beyond its fields' bytes
 
 _RESERVE = lua("reserve_bytes")  # protocol/lua/reserve_bytes.lua
+_ADMIT = lua("admit_batch")  # protocol/lua/admit_batch.lua: the quotas, the bytes and the record in one step
 _RELEASE = lua("release_bytes")  # protocol/lua/release_bytes.lua
 
 
-def estimate(requests: int, file_bytes: int) -> int:
-    """Redis bytes a batch of `requests` lines totalling `file_bytes` takes while queued."""
-    return int(requests * JOB_OVERHEAD_BYTES + file_bytes * BODY_FACTOR)
+def estimate(requests: int, file_bytes: int, result_bytes: int = 0) -> int:
+    """Redis bytes a batch of `requests` lines totalling `file_bytes` takes while open: its queued requests, and
+    the `result_bytes` its results may hold (producer.batch_file.result_bytes: logprobs included)."""
+    return int(requests * JOB_OVERHEAD_BYTES + file_bytes * BODY_FACTOR) + result_bytes
 
 
 def _refuse(message: str, code: str) -> APIError:
     return APIError(429, message, code=code, headers={"retry-after": "60"})
 
 
-def reserve(ctx: GatewayContext, owner: str, need: int) -> None:
-    """Reserve `need` bytes for one batch of `owner`, or raise 429 naming the limit."""
-    per_key, total, reserve_free = limits(ctx)
-    mem = ctx.redis.info("memory", **on_shard(ctx.redis, ctx.keys.routing_key))  # the namespace's shard
-    maxmemory, used = int(mem.get("maxmemory", 0)), int(mem.get("used_memory", 0))
+def reserve_problem(maxmemory: int, reserve_free: int) -> str | None:
+    """Why no batch can ever be admitted with this maxmemory (0 = none) and redis_reserve_bytes, or None."""
+    if not maxmemory or reserve_free < maxmemory:
+        return None
+    return (f"Redis's maxmemory ({maxmemory} bytes) is not above the gateway's redis_reserve_bytes "
+            f"({reserve_free}), so every batch would be refused however empty Redis is. Raise Redis's maxmemory, "
+            "or set redis_reserve_bytes below it (TOKENBUS_GATEWAY_REDIS_RESERVE_BYTES, or HSET {ns}:gw:config "
+            f"redis_reserve_bytes N; e.g. {maxmemory // 8})")
+
+
+def check_at_start(ctx: GatewayContext) -> None:
+    """ValueError when Redis's maxmemory leaves no room for any batch (reserve_problem); a Redis that does not
+    answer yet is left to /healthz."""
+    try:
+        maxmemory = _memory(ctx)[0]
+        reserve_free = limits(ctx)[2]
+    except redis.RedisError:
+        return
+    if problem := reserve_problem(maxmemory, reserve_free):
+        raise ValueError(problem)
+
+
+def _memory(ctx: GatewayContext) -> tuple[int, int]:
+    """(maxmemory, used_memory) of the namespace's shard."""
+    mem = ctx.redis.info("memory", **on_shard(ctx.redis, ctx.keys.routing_key))
+    return int(mem.get("maxmemory", 0)), int(mem.get("used_memory", 0))
+
+
+def _check_memory(ctx: GatewayContext, need: int, reserve_free: int) -> None:
+    """503 when no batch can ever fit (reserve_problem); 429 when Redis has no room for `need` bytes now."""
+    maxmemory, used = _memory(ctx)
+    if problem := reserve_problem(maxmemory, reserve_free):
+        raise APIError(503, f"this gateway cannot queue batches: {problem}", code="redis_reserve_too_large")
     if maxmemory and used + need + reserve_free > maxmemory:
         raise _refuse(f"Redis has no room for this batch now: it needs about {need} bytes, Redis uses {used} of "
                       f"its maxmemory {maxmemory} and keeps {reserve_free} free for the queue; retry "
                       "when running batches have ended, or split the file", "redis_capacity")
+
+
+def reserve(ctx: GatewayContext, owner: str, need: int) -> None:
+    """Reserve `need` bytes for `owner`, or raise 429 naming the limit (admit does it for a new batch)."""
+    per_key, total, reserve_free = limits(ctx)
+    _check_memory(ctx, need, reserve_free)
     code, value = script(_RESERVE)(keys=[ctx.gkeys.queued_bytes], args=[owner, need, per_key, total],
                                    client=ctx.redis)
-    if int(code) == -1:
+    _raise_for(int(code), int(value), need, per_key, total)
+
+
+def admit(ctx: GatewayContext, gw: GatewayBatch, requests: int, tokens: int, queued_bytes: int) -> None:
+    """Admit and write a new batch in one step: the key's quotas on queued requests and tokens (quota.py),
+    its bytes (`queued_bytes` for its jobs, plus its own record) against the byte limits, then its record, its
+    place in the key's list and in `validating`. Raises 429 (503) naming the limit; nothing is written then."""
+    per_key, total, reserve_free = limits(ctx)
+    gw.reserved_bytes = 0  # a field of the record it measures
+    record_bytes = sum(len(k) + len(str(v).encode()) for k, v in gw.fields().items()) + RECORD_OVERHEAD_BYTES
+    need = gw.reserved_bytes = queued_bytes + record_bytes  # the record counts too (its errors once held 24 MB)
+    _check_memory(ctx, need, reserve_free)
+    s = ctx.settings
+    pairs = [x for kv in gw.fields().items() for x in kv]
+    code, value = script(_ADMIT)(
+        keys=[ctx.gkeys.queued_bytes, ctx.gkeys.batch(gw.id), ctx.gkeys.batches(gw.owner), ctx.gkeys.validating],
+        args=[gw.owner, need, per_key, total, requests, tokens, s.max_queued_requests_per_key,
+              s.max_queued_tokens_per_key, ctx.gkeys.batch(""), ctx.keys.batch(""), RECENT_BATCHES, gw.created_at,
+              gw.id, ",".join(str(x.value) for x in TERMINAL_BATCH_STATUSES), *pairs],
+        client=ctx.redis)
+    code, value = int(code), int(value)
+    if code in (-3, -4):
+        raise quota_refusal(s, code == -4, value, requests, tokens)
+    _raise_for(code, value, need, per_key, total)
+
+
+def _raise_for(code: int, value: int, need: int, per_key: int, total: int) -> None:
+    if code == -1:
         raise _refuse(f"this API key's open batches already hold about {value} bytes in Redis; with this one "
                       f"(about {need}) they would pass max_queued_bytes_per_key {per_key}. "
                       "Wait for a batch to end, or split the file", "queued_bytes_per_key_exceeded")
-    if int(code) == -2:
+    if code == -2:
         raise _refuse(f"the gateway's open batches already hold about {value} bytes in Redis; with this one "
                       f"(about {need}) they would pass max_queued_bytes {total}. Retry later",
                       "queued_bytes_exceeded")

@@ -15,18 +15,22 @@ import json
 from typing import Any
 
 import redis
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from gateway.keys import GatewayKeys
+from protocol.errors import MAX_ERRORS_SHOWN
 from protocol.keys import Keys
 from protocol.models import BatchStatus
 from protocol.records import BatchRecord
+from protocol.text import bounded
 
 FINAL = ("completed", "failed", "cancelled", "expired")
 WINDOWS = {"24h": 24 * 3600}  # OpenAI accepts only 24h
 
 
 class GatewayBatch(BaseModel):
+    model_config = ConfigDict(validate_assignment=True)  # the errors' bound holds for `gw.errors = ...` too
+
     id: str
     owner: str
     input_file_id: str
@@ -52,6 +56,21 @@ class GatewayBatch(BaseModel):
     failed: int | None = None
     in_progress_at: float | None = None
     reserved_bytes: int | None = None  # estimated Redis bytes reserved at create (capacity.py)
+
+    @field_validator("errors")
+    @classmethod
+    def _bounded_errors(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        """What a record holds of errors is bounded, whatever produced them (a 400 KB custom_id copied into
+        each of 21 messages made one 109-byte POST store ~24 MB): MAX_ERRORS_SHOWN entries and a summary,
+        each message bounded."""
+        if not v:
+            return v
+        keep = MAX_ERRORS_SHOWN + 1  # the upload's own summary line after them fits
+        out = [{**e, "message": bounded(str(e.get("message", "")))} for e in v[:keep]]
+        if len(v) > keep:
+            out.append({"code": "too_many_errors", "param": None, "line": None,
+                        "message": f"... and {len(v) - keep} more errors"})
+        return out
 
     @classmethod
     def load(cls, r: redis.Redis, gkeys: GatewayKeys, batch_id: str) -> GatewayBatch | None:

@@ -13,7 +13,6 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from gateway.batches import capacity, ingest
-from gateway.batches.quota import check_batch_quota
 from gateway.batches.records import WINDOWS, GatewayBatch, batch_object, load_core
 from gateway.context import GatewayContext
 from gateway.enqueue import enqueue_submit
@@ -81,27 +80,16 @@ def create(ctx: GatewayContext, owner: str, req: CreateBatch) -> dict[str, Any]:
     if meta.endpoint != req.endpoint and not (meta.line_errors and meta.endpoint is None):
         raise invalid(f"the lines of file {meta.id} use url {meta.endpoint}, but this batch's endpoint is "
                       f"{req.endpoint}; they must match", param="endpoint", code="mismatched_endpoint")
-    check_batch_quota(ctx, owner, meta.requests or 0, meta.tokens or 0)  # 429 when the key has too much queued
     now = time.time()
     gw = GatewayBatch(id=f"batch_{uuid.uuid4().hex}", owner=owner, input_file_id=meta.id, endpoint=req.endpoint,
                       completion_window=req.completion_window, created_at=now,
                       expires_at=now + WINDOWS[req.completion_window], metadata=req.metadata,
                       webhook_url=req.webhook_url, total=meta.requests, errors=meta.line_errors,
                       tokens=meta.tokens)
-    if not gw.errors:  # a file with invalid lines queues nothing: it fails in validating (OpenAI's way)
-        gw.reserved_bytes = capacity.estimate(meta.requests or 0, meta.bytes)
-        capacity.reserve(ctx, owner, gw.reserved_bytes)  # 429 naming the limit: nothing was written
-    pipe = ctx.redis.pipeline(transaction=True)
-    pipe.hset(ctx.gkeys.batch(gw.id), mapping=gw.fields())
-    pipe.zadd(ctx.gkeys.batches(owner), {gw.id: now})
-    pipe.sadd(ctx.gkeys.validating, gw.id)
-    try:
-        pipe.execute()
-    except Exception:
-        if gw.reserved_bytes:
-            ctx.redis.hincrby(ctx.gkeys.queued_bytes, owner, -gw.reserved_bytes)
-            ctx.redis.hincrby(ctx.gkeys.queued_bytes, "*", -gw.reserved_bytes)
-        raise
+    # A file with invalid lines queues nothing (it fails in validating, OpenAI's way): only its record counts.
+    queued = 0 if gw.errors else capacity.estimate(meta.requests or 0, meta.bytes, meta.result_bytes or 0)
+    # 429 naming the limit (the key's queued requests, tokens, bytes; everyone's bytes): nothing was written
+    capacity.admit(ctx, gw, 0 if gw.errors else meta.requests or 0, 0 if gw.errors else meta.tokens or 0, queued)
     enqueue_submit(ctx, gw.id)
     return batch_object(gw, None)
 

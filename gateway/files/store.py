@@ -47,6 +47,7 @@ class FileMeta(BaseModel):
     requests: int | None = None  # batch input files: non-blank lines
     line_errors: list[dict[str, Any]] | None = None  # batch input files: invalid lines (a batch of it fails)
     tokens: int | None = None  # batch input files: prompt + max_tokens x n, summed (per-key quotas)
+    result_bytes: int | None = None  # batch input files: their results' most Redis bytes (batches/capacity.py)
 
     def to_openai(self) -> dict[str, Any]:
         return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": int(self.created_at),
@@ -149,7 +150,7 @@ class Upload:
         meta = FileMeta(id=self.id, owner=self.owner, filename=filename, purpose=purpose, bytes=self.bytes,
                         created_at=time.time(), endpoint=self.validator.endpoint,
                         requests=self.validator.requests, line_errors=self.validator.line_errors(),
-                        tokens=self.validator.tokens)
+                        tokens=self.validator.tokens, result_bytes=self.validator.result_bytes)
         self.store.register(meta)
         log.info("file_uploaded", file_id=self.id, owner=self.owner, bytes=self.bytes,
                  requests=meta.requests, endpoint=meta.endpoint, invalid_lines=self.validator.error_count)

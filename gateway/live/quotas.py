@@ -67,7 +67,12 @@ class KeyQuotas:
             if stream and streams >= self.max_streams:
                 raise self._refuse(f"{streams} streams of this key are open, the limit max_streams_per_key = "
                                    f"{self.max_streams}")
-            if held and queued_tokens + tokens > self.max_tokens:
+            if tokens > self.max_tokens:  # never fits, so no retry helps: 400 (a key's first call was let through)
+                raise APIError(400, f"this request may cost {tokens} tokens (prompt + max_tokens x n), more than "
+                                    f"one key may have in flight (max_tokens_per_key = {self.max_tokens}); lower "
+                                    "max_tokens or n, or send the work as a batch (/v1/batches)",
+                               param="max_tokens", code="tokens_per_key_exceeded")
+            if queued_tokens + tokens > self.max_tokens:
                 raise self._refuse(f"this key's requests in flight may generate {queued_tokens} tokens; "
                                    f"{tokens} more would pass the limit max_tokens_per_key = {self.max_tokens}")
             lease = Lease(owner, next(self._ids), stream, tokens, now + hold_s)

@@ -89,16 +89,17 @@ async def job_events(ctx: GatewayContext, job_id: str, endpoint: str, model: str
         ctx.streams.close(sub)
         if handled is not None:
             handled.append(True)
-        ctx.quotas.release(lease)
-        if not ended:  # the client went away (or the stream broke): stop generating for nobody
-            abandon(ctx, job_id, None, [])
+        if ended:
+            ctx.quotas.release(lease)
+        else:  # the client went away (or the stream broke): stop generating for nobody
+            abandon(ctx, job_id, lease, [])
 
 
 def abandon(ctx: GatewayContext, job_id: str, lease: Lease | None, handled: list[bool]) -> None:
-    """Cancel a stream's job nobody reads. Queued to the canceller's own connection: cannot fail on the
-    shared pool, and needs no await (after a disconnect the task is cancelled, and an await would not run)."""
+    """Cancel a job nobody reads (a stream's or a call's); its lease comes back once the job has ended. Queued
+    to the canceller's own connection: cannot fail on the shared pool, and needs no await (after a disconnect
+    the task is cancelled, and an await would not run)."""
     if handled:
         return
-    ctx.quotas.release(lease)
-    ctx.cancels.cancel(job_id)
-    log.info("gateway_stream_abandoned", job_id=job_id)
+    ctx.cancels.cancel(job_id, then=lambda: ctx.quotas.release(lease))
+    log.info("gateway_job_abandoned_by_client", job_id=job_id)

@@ -1,5 +1,5 @@
-// The CPU serving path's paged prefill attention over a float32, bfloat16 or int8 KV cache: the causal
-// attention of each sequence's newest q_len tokens over all its cached tokens (the same function and results
+// The CPU serving path's paged prefill attention over a float32, bfloat16 or int8 KV cache: the causal (or,
+// for an encoder, bidirectional) attention of each sequence's newest q_len tokens over all its cached tokens (the same function and results
 // as kernels/reference.py's paged_prefill_attention over the cache dequantized). Built after
 // cpu_decode_attention.cpp in the same translation unit (kernels/cpu.py), whose cache kinds, vectors, exp and
 // row widening (cpu_attention.cpp, cpu_attention_block.cpp, cpu_decode_attention.cpp) it reuses.
@@ -11,7 +11,8 @@
 //   cu_seqlens_q  int32 [num_seqs + 1]: sequence s's new tokens are q[cu[s] : cu[s + 1]]
 //   seq_lens      int32 [num_seqs]: cached tokens, the new ones included; new token i of sequence s sits at
 //                 position seq_lens[s] - q_len + i and sees keys at positions <= its own (and, with a sliding
-//                 window, > its own - window)
+//                 window, > its own - window); causal false: every new token sees all seq_lens[s] keys
+//                 (it is treated as sitting at the last position, so the causal mask hides nothing; no window)
 //
 // Why not one decode per query token (what the backend ran before): each query then re-read and re-widened
 // the whole context, and each score was a dot product summed across lanes. Here one work item is (sequence,
@@ -170,22 +171,24 @@ void softmax_pv(LaneIdx pos, const float* vb, int64_t row, int64_t n, int64_t ba
   }
 }
 
-// One work item: `tokens` query tokens, the first at position pos0 (w.qt: their rows transposed and scaled,
+// One work item: `tokens` query tokens, the first at position pos0 and each next one `advance` further (1:
+// causal; 0: non-causal, every token at pos0, the last key's position) (w.qt: their rows transposed and scaled,
 // chunks of kLanes rows), over the KV head's cached keys up to the last one's position. k, v: the KV head's
 // first row (block 0, token 0), rows `row` elements apart. Leaves the unnormalised output in w.acc and the
 // softmax sums in w.l.
 template <typename Kind, int D>
-void attend_tile(int64_t tokens, int64_t group, int64_t dim, int64_t pos0, const typename Kind::T* k,
-                 const typename Kind::T* v, int64_t row, const int32_t* table, int64_t bs, int64_t window,
-                 float softcap, Scratch& w) {
+void attend_tile(int64_t tokens, int64_t group, int64_t dim, int64_t pos0, int64_t advance,
+                 const typename Kind::T* k, const typename Kind::T* v, int64_t row, const int32_t* table, int64_t bs,
+                 int64_t window, float softcap, Scratch& w) {
   using T = typename Kind::T;
   constexpr bool kInPlace = std::is_same_v<Kind, KvF32>;  // fp32 rows are read where they are
-  const int64_t chunks = (tokens * group + kLanes - 1) / kLanes, last = pos0 + tokens - 1;
+  const int64_t chunks = (tokens * group + kLanes - 1) / kLanes, last = pos0 + (tokens - 1) * advance;
   std::fill(w.m.begin(), w.m.begin() + chunks * kLanes, -1e30f);
   std::fill(w.l.begin(), w.l.begin() + chunks * kLanes, 0.f);
   std::fill(w.acc.begin(), w.acc.begin() + chunks * kLanes * dim, 0.f);
   for (int64_t c = 0; c < chunks; ++c)
-    for (int i = 0; i < kLanes; ++i) w.pos[c][i] = static_cast<int32_t>(pos0 + (c * kLanes + i) / group);
+    for (int i = 0; i < kLanes; ++i)
+      w.pos[c][i] = static_cast<int32_t>(pos0 + (c * kLanes + i) / group * advance);
   const int64_t first_key = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
   const Ahead none = {nullptr, 0, 0};
   for (int64_t b = first_key / bs; b <= last / bs; ++b) {
@@ -204,7 +207,7 @@ void attend_tile(int64_t tokens, int64_t group, int64_t dim, int64_t pos0, const
     // where both do
     const auto sees = [&](int64_t c) {
       const int64_t t_first = c * kLanes / group, t_last = std::min(tokens - 1, ((c + 1) * kLanes - 1) / group);
-      return pos0 + t_last >= base && !(window > 0 && pos0 + t_first - window >= base + n - 1);
+      return pos0 + t_last * advance >= base && !(window > 0 && pos0 + t_first - window >= base + n - 1);
     };
     for (int64_t c = 0; c < chunks;) {
       const bool one = sees(c), two = c + 1 < chunks && sees(c + 1);
@@ -227,7 +230,8 @@ void attend_tile(int64_t tokens, int64_t group, int64_t dim, int64_t pos0, const
 template <typename Kind>
 void prefill_batch(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    const torch::Tensor& block_tables, const torch::Tensor& cu_seqlens_q,
-                   const torch::Tensor& seq_lens, float scale, int64_t window, float softcap, torch::Tensor& out) {
+                   const torch::Tensor& seq_lens, float scale, int64_t window, float softcap, bool causal,
+                   torch::Tensor& out) {
   const int64_t num_seqs = seq_lens.size(0), num_q_heads = q.size(1), dim = q.size(2);
   const int64_t bs = k_cache.size(1), num_kv_heads = k_cache.size(2), group = num_q_heads / num_kv_heads;
   const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / group);
@@ -260,9 +264,9 @@ void prefill_batch(const torch::Tensor& q, const torch::Tensor& k_cache, const t
           float* dst = w.qt.data() + r / kLanes * dim * kLanes + r % kLanes;
           for (int64_t d = 0; d < dim; ++d) dst[d * kLanes] = src[d] * scale;
         }
-      const int64_t pos0 = lens[s] - (cu[s + 1] - cu[s]) + first;
-      attend(tokens, group, dim, pos0, kv.k + g * kv.width, kv.v + g * kv.width, kv.row, kv.table(s), bs, window,
-             softcap, w);
+      const int64_t pos0 = causal ? lens[s] - (cu[s + 1] - cu[s]) + first : lens[s] - 1;
+      attend(tokens, group, dim, pos0, causal ? 1 : 0, kv.k + g * kv.width, kv.v + g * kv.width, kv.row,
+             kv.table(s), bs, window, softcap, w);
       for (int64_t t = 0; t < tokens; ++t)
         for (int64_t h = 0; h < group; ++h) {
           const int64_t r = t * group + h;
@@ -278,17 +282,19 @@ void prefill_batch(const torch::Tensor& q, const torch::Tensor& k_cache, const t
 
 torch::Tensor paged_prefill_attention_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                           torch::Tensor block_tables, torch::Tensor cu_seqlens_q,
-                                          torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
+                                          torch::Tensor seq_lens, double scale, int64_t window, double softcap,
+                                          bool causal) {
   const int kind = check_paged_attention(q, k_cache, v_cache, block_tables);
   TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous() &&
                   cu_seqlens_q.scalar_type() == torch::kInt32 && cu_seqlens_q.is_contiguous(),
               "seq_lens and cu_seqlens_q must be contiguous int32 tensors");
   TORCH_CHECK(cu_seqlens_q.size(0) == seq_lens.size(0) + 1, "cu_seqlens_q must have num_seqs + 1 entries");
+  TORCH_CHECK(causal || window <= 0, "non-causal prefill attention takes no sliding window, got window ", window);
   // every query row is written: each sees at least its own key
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   with_cache_kind(kind, [&](auto k) {
     prefill_batch<decltype(k)>(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, static_cast<float>(scale),
-                               window, static_cast<float>(softcap), out);
+                               window, static_cast<float>(softcap), causal, out);
   });
   return out;
 }

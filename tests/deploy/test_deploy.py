@@ -100,11 +100,23 @@ def compose() -> dict:
 
 # ---- compose.yaml ------------------------------------------------------------------------------------
 
+def uncomment_service(name: str) -> str:
+    """compose.yaml with the commented recipe `name` (its `  # name:` line and the commented lines indented
+    under it) made live, the other recipes left commented."""
+    lines, out, inside = COMPOSE_TEXT.splitlines(), [], False
+    for line in lines:
+        if line == f"  # {name}:":
+            inside = True
+        elif inside and not line.startswith("  #   "):
+            inside = False
+        out.append("  " + line[4:] if inside else line)
+    return "\n".join(out) + "\n"
+
+
 def test_compose_file_passes_the_compose_spec_parser(compose):
     validate(compose)
     # The commented recipe for a second GPU stays valid and differs from `worker` only in its GPU.
-    uncommented = re.sub(r"(?m)^  # ?(?=( {2,}|worker-gpu1:))", "  ", COMPOSE_TEXT)
-    multi = load_compose(uncommented)
+    multi = load_compose(uncomment_service("worker-gpu1"))
     validate(multi)
     gpu1 = multi["services"]["worker-gpu1"]
     assert gpu1["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["1"]
@@ -115,6 +127,24 @@ def test_compose_file_passes_the_compose_spec_parser(compose):
                    COMPOSE_TEXT.replace("interval: 5s", "interval: 5 sec")):
         with pytest.raises(ValueError):
             validate(load_compose(broken))
+
+
+def test_the_tensor_parallel_example_reserves_two_gpus_for_one_tp2_worker(monkeypatch):
+    """The commented worker-tp2 recipe: valid, two GPUs reserved, and its environment (the worker's, merged)
+    parses as a TP=2 worker of the model it names."""
+    from worker.settings import WorkerSettings
+
+    uncommented = load_compose(uncomment_service("worker-tp2"))
+    validate(uncommented)
+    tp2 = uncommented["services"]["worker-tp2"]
+    (reservation,) = tp2["deploy"]["resources"]["reservations"]["devices"]
+    assert len(reservation["device_ids"]) == 2 and reservation["capabilities"] == ["gpu"]
+    env = tp2["environment"]
+    assert env["TOKENBUS_TENSOR_PARALLEL_SIZE"] == "2" and "TOKENBUS_REDIS_URL" in env and tp2["shm_size"]
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(value))
+    settings = WorkerSettings()
+    assert settings.engine.tensor_parallel_size == 2 and settings.engine.model == env["TOKENBUS_MODEL"]
 
 
 def test_compose_refuses_to_start_without_the_passwords():

@@ -23,34 +23,39 @@ def _set(r, **limits):
 
 def test_byte_limits_refuse_before_anything_is_queued(light_stack, tmp_path):
     r = light_stack.r()
-    line = chat_line("x", "Hello there")
-    one = estimate(1, len(line) + 1)
+    probe = light_stack.batch("alice", [chat_line(f"p{i}", "Hello there") for i in range(2)], tmp_path)
+    two = int(r.hget(f"{{tokenbus}}:gw:batch:{probe.id}", "reserved_bytes"))  # a 2-line batch's reservation
+    assert two > 2 * estimate(1, len(chat_line("p0", "Hello there")) + 1), "its jobs, their results and its record"
+    light_stack.wait_status("alice", probe.id, ("in_progress",))  # its jobs written: they stay, cancelled
+    light_stack.openai("alice").batches.cancel(probe.id)
+    light_stack.wait_status("alice", probe.id, ("cancelled",))
+    jobs_before = len(r.keys("{tokenbus}:job:*"))
     try:
-        _set(r, max_queued_bytes_per_key=3 * one, max_queued_bytes=5 * one)
+        _set(r, max_queued_bytes_per_key=int(1.5 * two), max_queued_bytes=int(2.5 * two))
         a1 = light_stack.batch("alice", [chat_line(f"a{i}", "Hello there") for i in range(2)], tmp_path)
         light_stack.wait_status("alice", a1.id, ("in_progress",))
-        with pytest.raises(openai.RateLimitError) as err:  # alice's 2 + 2 more > her 3
+        with pytest.raises(openai.RateLimitError) as err:  # alice's 2 lines + 2 more > her 1.5 batches' worth
             light_stack.batch("alice", [chat_line(f"b{i}", "Hello there") for i in range(2)], tmp_path)
         assert err.value.code == "queued_bytes_per_key_exceeded" and err.value.response.headers["retry-after"]
         b1 = light_stack.batch("bob", [chat_line(f"c{i}", "Hello there") for i in range(2)], tmp_path)
-        with pytest.raises(openai.RateLimitError) as err:  # 2 + 2 + 2 > 5 for everyone together
+        with pytest.raises(openai.RateLimitError) as err:  # 3 batches > 2.5 for everyone together
             light_stack.batch("carol", [chat_line(f"d{i}", "Hello there") for i in range(2)], tmp_path)
         assert err.value.code == "queued_bytes_exceeded"
-        assert len(r.keys("{tokenbus}:job:*")) == 4, "a refused batch wrote no job"
+        assert len(r.keys("{tokenbus}:job:*")) == jobs_before + 4, "a refused batch wrote no job"
         # An ended batch gives its bytes back: alice fits again.
         light_stack.openai("alice").batches.cancel(a1.id)
         light_stack.wait_status("alice", a1.id, ("cancelled",))
         a2 = light_stack.batch("alice", [chat_line(f"e{i}", "Hello there") for i in range(2)], tmp_path)
         # Redis itself: refused unless redis_reserve_bytes stay free under maxmemory.
         used = int(r.info("memory")["used_memory"])
-        r.config_set("maxmemory", used + 32 * 1024 * 1024)
-        _set(r, max_queued_bytes_per_key=None, max_queued_bytes=None)  # the settings' large defaults again
-        with pytest.raises(openai.RateLimitError) as err:  # 64 MiB reserve by default > 32 MiB headroom
+        _set(r, max_queued_bytes_per_key=None, max_queued_bytes=None, redis_reserve_bytes=16 << 20)
+        r.config_set("maxmemory", used + (16 << 20) - (256 << 10))  # above the reserve, but not by this batch
+        with pytest.raises(openai.RateLimitError) as err:  # 16 MiB reserve > the 16 MiB - 256 KiB headroom
             light_stack.batch("carol", [chat_line("f", "Hello there")], tmp_path)
         assert err.value.code == "redis_capacity"
     finally:
         r.config_set("maxmemory", 0)
-        _set(r, max_queued_bytes_per_key=None, max_queued_bytes=None)
+        _set(r, max_queued_bytes_per_key=None, max_queued_bytes=None, redis_reserve_bytes=None)
     for who, b in (("bob", b1), ("alice", a2)):
         light_stack.openai(who).batches.cancel(b.id)
 

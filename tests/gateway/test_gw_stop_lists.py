@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from protocol.models import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from tests.support.light_gateway import chat_line
+from testbed.light_gateway import chat_line
 
 
 def test_a_chat_with_too_many_stop_strings_is_refused(light_stack):

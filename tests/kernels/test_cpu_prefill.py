@@ -2,7 +2,8 @@
 over the same cache dequantized: fp32, bf16 and int8 caches; sequences with cached prefixes, single tokens,
 chunks longer than a work item's tile, an empty entry, several lengths in one call; GQA, MHA, MQA, a group
 wider than a tile; block sizes that hold whole vectors and ones that do not; compile-time and run-time
-head_dims; sliding windows and soft-capping; junk (NaN) past each sequence; the AVX-512 and AVX2 builds."""
+head_dims; sliding windows and soft-capping; non-causal (an encoder's bidirectional attention); junk (NaN) past
+each sequence; the AVX-512 and AVX2 builds."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def prefill_pairs(bs: int) -> list[tuple[int, int]]:
             (4 * bs + 7, 2 * bs + 5), (3 * bs + 90, 70)]
 
 
-def check_prefill(module, dtype, block_size, hq, hk, head_dim, window=0, softcap=0.0, nan_junk=False):
+def check_prefill(module, dtype, block_size, hq, hk, head_dim, window=0, softcap=0.0, nan_junk=False, causal=True):
     gen = torch.Generator().manual_seed(block_size * 1000 + hq * 10 + head_dim + window)
     pairs = prefill_pairs(block_size)
     lens = [c for c, _ in pairs]
@@ -39,9 +40,9 @@ def check_prefill(module, dtype, block_size, hq, hk, head_dim, window=0, softcap
     q, cu_seqlens_q, seq_lens = prefill_inputs(pairs, hq, head_dim, torch.float32, gen, device="cpu")
     scale = head_dim**-0.5
     out = module.paged_prefill_attention_cpu(q, k_cache, v_cache, table, cu_seqlens_q, seq_lens, scale, window,
-                                             softcap)
+                                             softcap, causal)
     ref = paged_prefill_attention_ref(q, dequantize(k_cache), dequantize(v_cache), table, cu_seqlens_q, seq_lens,
-                                      scale, window, softcap)
+                                      scale, window, softcap, causal)
     assert out.shape == ref.shape and out.is_contiguous()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -74,6 +75,30 @@ WINDOW_CASES = [
 @pytest.mark.parametrize("block_size,hq,hk,head_dim,window,softcap", WINDOW_CASES)
 def test_prefill_window_and_softcap(ext, dtype, block_size, hq, hk, head_dim, window, softcap):
     check_prefill(ext, dtype, block_size, hq, hk, head_dim, window=window, softcap=softcap)
+
+
+# non-causal: every query sees the whole sequence, the keys after it included (the cases' chunks after a cached
+# prefix too, which an encoder never sends but the kernel serves the same way); awkward shapes, soft-capping
+NONCAUSAL_CASES = [(16, 9, 3, 64, 0.0), (8, 7, 1, 48, 0.0), (12, 6, 2, 80, 3.0), (16, 70, 1, 16, 0.0),
+                   (32, 12, 12, 32, 0.0)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size,hq,hk,head_dim,softcap", NONCAUSAL_CASES)
+def test_prefill_noncausal_matches_reference(ext, dtype, block_size, hq, hk, head_dim, softcap):
+    check_prefill(ext, dtype, block_size, hq, hk, head_dim, softcap=softcap, causal=False)
+    check_prefill(ext, dtype, block_size, hq, hk, head_dim, softcap=softcap, nan_junk=True, causal=False)
+
+
+def test_noncausal_differs_from_causal(ext):
+    """The switch bites: a query before the last sees later keys only without the causal mask."""
+    gen = torch.Generator().manual_seed(9)
+    k_cache, v_cache, table = paged_cache([20], 16, 2, 32, torch.float32, gen, device="cpu")
+    q, cu, lens = prefill_inputs([(20, 20)], 4, 32, torch.float32, gen, device="cpu")
+    causal = ext.paged_prefill_attention_cpu(q, k_cache, v_cache, table, cu, lens, 0.2, 0, 0.0, True)
+    full = ext.paged_prefill_attention_cpu(q, k_cache, v_cache, table, cu, lens, 0.2, 0, 0.0, False)
+    torch.testing.assert_close(causal[-1], full[-1], rtol=1e-5, atol=1e-5)  # the last query sees all in both
+    assert (causal[:-1] - full[:-1]).abs().amax(dim=(1, 2)).min() > 1e-3
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -114,7 +139,10 @@ def test_bad_offsets_are_refused(ext):
     table = torch.zeros(1, 2, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="seq_lens counts the new tokens"):
         ext.paged_prefill_attention_cpu(q, cache, cache, table, torch.tensor([0, 5], dtype=torch.int32),
-                                        torch.tensor([4], dtype=torch.int32), 1.0, 0, 0.0)
+                                        torch.tensor([4], dtype=torch.int32), 1.0, 0, 0.0, True)
+    with pytest.raises(RuntimeError, match="non-causal prefill attention takes no sliding window"):
+        ext.paged_prefill_attention_cpu(q, cache, cache, table, torch.tensor([0, 5], dtype=torch.int32),
+                                        torch.tensor([5], dtype=torch.int32), 1.0, 8, 0.0, False)
 
 
 @pytest.mark.slow  # a second build of the extension (~40 s) the first time on a machine, cached afterwards
@@ -125,3 +153,4 @@ def test_prefill_avx2_build(dtype):
     for case in [(16, 9, 3, 64), (8, 7, 1, 48), (32, 16, 2, 128), (12, 6, 2, 64)]:
         check_prefill(module, dtype, *case)
     check_prefill(module, dtype, 8, 6, 2, 80, window=19, softcap=2.0)
+    check_prefill(module, dtype, 12, 6, 2, 80, softcap=3.0, causal=False)

@@ -142,6 +142,35 @@ def test_prefill_matches_reference(dtype, block_size, hq, hk, head_dim):
     assert_close(out, paged_prefill_attention_ref(q, k_cache, v_cache, table, cu_seqlens_q, seq_lens, scale))
 
 
+# non-causal (an encoder): MiniLM's 12 heads of 32 (MHA), GQA, head_dim 96 (padded lanes) and 24
+NONCAUSAL_CASES = [(torch.float32, 16, 12, 12, 32), (torch.float32, 16, 6, 2, 96), (torch.bfloat16, 32, 8, 1, 64),
+                   (torch.float16, 16, 4, 2, 24)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,block_size,hq,hk,head_dim", NONCAUSAL_CASES, ids=case_id)
+def test_prefill_noncausal_matches_reference(dtype, block_size, hq, hk, head_dim):
+    """Every query sees its whole sequence: whole inputs of awkward lengths (one token, a block and one, longer
+    than a tile), and a chunk after cached keys, which the kernel serves the same way."""
+    from kernels.prefill_attention import paged_prefill_attention_triton
+
+    gen = torch.Generator().manual_seed(hash((block_size, hq, hk, head_dim, 2)) % 2**31)
+    bs = block_size
+    pairs = [(1, 1), (bs + 1, bs + 1), (3 * bs + 5, 3 * bs + 5), (2 * bs, 0), (2 * bs + 3, 7)]
+    k_cache, v_cache, table = paged_cache([c for c, _ in pairs], block_size, hk, head_dim, dtype, gen)
+    q, cu_seqlens_q, seq_lens = prefill_inputs(pairs, hq, head_dim, dtype, gen)
+    scale = head_dim**-0.5
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
+    paged_prefill_attention_triton(q, k_cache, v_cache, table, cu_seqlens_q, seq_lens, scale, out=out, causal=False)
+    ref = paged_prefill_attention_ref(q, k_cache, v_cache, table, cu_seqlens_q, seq_lens, scale, causal=False)
+    assert_close(out, ref)
+    causal = paged_prefill_attention_ref(q, k_cache, v_cache, table, cu_seqlens_q, seq_lens, scale)
+    assert (causal.float() - ref.float()).abs().max() > 1e-2, "the case does not tell causal from non-causal"
+    with pytest.raises(ValueError, match="no sliding window"):
+        paged_prefill_attention_triton(q, k_cache, v_cache, table, cu_seqlens_q, seq_lens, scale, window=4,
+                                       causal=False)
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype,block_size,hk,head_dim", [
     (torch.float32, 16, 2, 32), (torch.bfloat16, 32, 3, 64), (torch.float16, 64, 8, 128),
@@ -249,11 +278,13 @@ def test_gpu_plans_compile_for_sm90(dtype, hq, hk, head_dim, tmp_path):
                      partition_size=128),  # partitions + reduce
         *plan_prefill(q_prefill, k_cache, k_cache, table, cu, seq_lens, 0.1, torch.empty_like(q_prefill),
                       on_gpu=True),
+        *plan_prefill(q_prefill, k_cache, k_cache, table, cu, seq_lens, 0.1, torch.empty_like(q_prefill),
+                      on_gpu=True, causal=False),  # an encoder's
         *plan_write_kv(q_prefill[:, :hk], q_prefill[:, :hk], k_cache, k_cache, torch.arange(40), on_gpu=True),
     ]
     assert [launch.kernel.__name__ for launch in launches] == [
         "_decode_partition_kernel", "_decode_partition_kernel", "_decode_reduce_kernel", "_prefill_kernel",
-        "_write_kv_kernel",
+        "_prefill_kernel", "_write_kv_kernel",
     ]
     check_attention_compiles(launches, tmp_path)
 

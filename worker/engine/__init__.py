@@ -15,12 +15,13 @@ if TYPE_CHECKING:
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
     from worker.engine.outputs import Delta, EngineStats, RequestOutput
+    from worker.engine.pooling import EmbedParams
     from worker.engine.sampling_params import SamplingParams
 
-__all__ = ["Delta", "Engine", "EngineConfig", "EngineStats", "RequestOutput", "SamplingParams"]
+__all__ = ["Delta", "EmbedParams", "Engine", "EngineConfig", "EngineStats", "RequestOutput", "SamplingParams"]
 
 _HOMES = {"EngineConfig": "config", "SamplingParams": "sampling_params", "Delta": "outputs", "EngineStats": "outputs",
-          "RequestOutput": "outputs"}
+          "RequestOutput": "outputs", "EmbedParams": "pooling"}
 
 
 def __getattr__(name: str) -> Any:

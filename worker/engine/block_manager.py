@@ -1,7 +1,9 @@
 """The pool of fixed-size KV-cache blocks, each sequence's block table, and the prefix cache.
 
 Prefix caching: once a block is full and its K/V computed, it is keyed by a hash of (its parent block's
-hash, its token ids), so the key names the whole prefix up to the block's end. A new sequence takes every
+hash, its token ids), so the key names the whole prefix up to the block's end. The first block's parent is
+the sequence's cache_salt (its LoRA adapter's; None for the base model): K/V computed under one adapter are
+never served to another, nor to the base model, even for the same tokens. A new sequence takes every
 cached full block its tokens start with (the ref count goes up) and computes only the rest. A block whose
 count drops to 0 keeps its key and waits in an LRU; allocation takes never-hashed free blocks first and
 evicts the least recently freed cached block only when none is left. A block is shared only while it is
@@ -68,11 +70,11 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks seq's tokens start with. At most (num_tokens - 1) // block_size of them: the last
         token is always computed, so the step that admits seq has the logits it samples from."""
-        if not self.enable_prefix_caching or seq.block_table:
+        if not self.enable_prefix_caching or seq.block_table or not seq.reads_prefix_cache:
             return []
         bs = self.block_size
         hits: list[int] = []
-        parent = None
+        parent = seq.cache_salt
         for i in range((seq.num_tokens - 1) // bs):
             key = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
             block_id = self.key_to_block.get(key)
@@ -99,7 +101,7 @@ class BlockManager:
             seq.block_keys.append(self.block_keys[block_id])
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and seq.reads_prefix_cache:
             s = self.stats
             s.queried_tokens += seq.num_tokens
             s.hit_tokens += seq.num_computed_tokens
@@ -139,11 +141,11 @@ class BlockManager:
 
     def commit(self, seq: Sequence) -> None:
         """After a step: key seq's blocks that are now full and computed, so later sequences can reuse them."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.writes_prefix_cache:
             return
         bs = self.block_size
         for i in range(len(seq.block_keys), seq.num_computed_tokens // bs):
-            parent = seq.block_keys[i - 1] if i else None
+            parent = seq.block_keys[i - 1] if i else seq.cache_salt
             key = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
             seq.block_keys.append(key)
             block_id = seq.block_table[i]

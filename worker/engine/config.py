@@ -50,8 +50,17 @@ class EngineConfig:
     quantization: str | None = None  # weights: None = as loaded; "int8" (CPU fp32, weight-only per-channel);
     # "w8a8" (CPU fp32: int8's weights and each linear's input rounded to int8 per token and group of 64, VNNI kernels);
     # "fp8" (CUDA sm_89+, e4m3 per-channel through torch._scaled_mm); worker/engine/quant/schemes.py
+    tensor_parallel_size: int = 1  # processes (one per GPU) one worker's model is sharded over; rank 0 runs the
+    # serve loop, scheduler and sampler (worker/engine/parallel/); NCCL on CUDA, gloo on the CPU
+    tensor_parallel_timeout_s: float = 30.0  # a collective (a step's all-reduce, the idle keep-alive) waiting this
+    # long means a rank hangs: the worker exits (code 3) and its jobs go to other workers
     kv_cache_dtype: str = "auto"  # "auto" = the model dtype; "bfloat16", "float32"; "int8" (CPU: the C++
     # kernels, a scale per token and KV head); "fp8" (CUDA sm_89+: e4m3, the same scales). kernels/kv_quant.py
+    max_loras: int = 0  # LoRA adapter slots on the device (0 = no LoRA: no wrapped linears, no cost);
+    # docs/adapters.md. Each slot holds one adapter at max_lora_rank for every target linear
+    max_lora_rank: int = 16  # the largest adapter rank a slot holds; a higher one is refused at load
+    max_cpu_loras: int | None = None  # adapters kept in host memory (LRU) for reloading into slots; None =
+    # max_loras. Adapters of requests inside the engine are always kept
 
     def __post_init__(self) -> None:
         problems = []
@@ -84,5 +93,14 @@ class EngineConfig:
             problems.append(f"bulk_min_fraction must be in [0, 1], got {self.bulk_min_fraction}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             problems.append(f"quantization must be unset or one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.max_loras < 0 or not 1 <= self.max_lora_rank <= 512:
+            problems.append(f"max_loras must be >= 0 and max_lora_rank in [1, 512]; got {self.max_loras}, "
+                            f"{self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            problems.append(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.tensor_parallel_size < 1:
+            problems.append(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_timeout_s <= 0:
+            problems.append(f"tensor_parallel_timeout_s must be > 0, got {self.tensor_parallel_timeout_s}")
         if problems:
             raise ValueError("invalid engine config: " + "; ".join(problems))

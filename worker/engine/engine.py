@@ -1,8 +1,11 @@
 """The engine: requests in, one forward pass per step over every running sequence, results out as each ends.
 
-    add_request ──▶ Scheduler.schedule ──▶ ModelRunner.run (model + backend kernels, Sampler)
+    add_request ──▶ Scheduler.schedule ──▶ ModelRunner.run (model + backend kernels, Sampler, Pooler)
                          ▲                                │
-                         └──── Scheduler.postprocess ◀────┘  tokens, text, stops; finished ones leave
+                         └──── Scheduler.postprocess ◀────┘  tokens, text, stops, vectors; finished ones leave
+
+A request is a generation (SamplingParams) or an embedding (EmbedParams: embedding.py, pooling.py); one engine
+serves both when its model can: a decoder with an LM head does, an encoder (bert.py) only embeds.
 """
 
 from __future__ import annotations
@@ -16,18 +19,18 @@ import structlog
 import torch
 
 from protocol.priority import Priority, rank_of
-from worker.engine import kv_cache, loader, warmup
-from worker.engine.backends import select_backend
+from worker.engine import loader, model_setup, pooling, prompts
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig, bulk_min_seats
 from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.embedding import embeddings_for, refuse_kind
 from worker.engine.errors import EngineError, EngineFault, InvalidRequest, fault
 from worker.engine.guided import GuidedDecoding
-from worker.engine.model_runner import ModelRunner, kv_bytes_per_block
-from worker.engine.models import registry
 from worker.engine.outputs import Choice, EngineStats, RequestOutput, StepDeltas
 from worker.engine.overlap import Overlap
-from worker.engine.quant import fp8, schemes
+from worker.engine.parallel import sharded_loading
+from worker.engine.parallel.launch import TensorParallel
+from worker.engine.pooling import EmbedParams
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import ScheduledBatch, Scheduler
@@ -37,9 +40,6 @@ from worker.engine.stop_checker import StopChecker
 log = structlog.get_logger("tokenbus.engine")
 
 Prompt = str | list[int] | list[dict[str, Any]]
-CUDA_MAX_NUM_SEQS = 256  # max_num_seqs when the config leaves it None: a GPU step is cheap per row
-CPU_MAX_NUM_SEQS = 64  # the CPU's panel linears serve up to 64 rows (backends/cpu_linear.py)
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class Engine:
@@ -52,58 +52,27 @@ class Engine:
         else:
             self.config = EngineConfig(model=model, **options)
         cfg = self.config
-        self.device = torch.device(_resolve_device(cfg.device))
-        self.dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else (
-            torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         started = time.perf_counter()
-        source = loader.resolve(cfg.model, cfg.cache_dir)
-        hf_config = loader.load_config(source)
-        arch = registry.model_arch(hf_config, cfg.model, cfg.model_impl)
-        self.model_path = registry.model_path(arch)  # "native" or "transformers"
+        self.device = model_setup.resolve_device(cfg.device)
+        spec = model_setup.resolve(cfg, self.device)
+        self.dtype, self.max_model_len, arch = spec.dtype, spec.max_model_len, spec.arch
+        self.model_path = spec.model_path  # "native" or "transformers"
+        self.causal = getattr(arch, "causal", True)  # False: an encoder (bidirectional attention, embeddings only)
         self.model_name = cfg.model
-        self.tokenizer = loader.load_tokenizer(source)
-        self.eos_token_ids = loader.load_generation_eos(source, hf_config, self.tokenizer)
-        self.max_model_len = min(cfg.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
-        schemes.check_scheme(cfg.quantization, self.device, self.dtype)
-        fp8_loading = fp8.plan(hf_config, source.directory, cfg, self.device, self.model_path)
-        self.backend = select_backend(self.device, self.dtype, cfg.cpu_kernels, cfg.cache_dir)
-        self.backend.check_model(arch, cfg.model)
-        self.kv_dtype = kv_cache.storage_dtype(cfg.kv_cache_dtype, self.device, self.dtype, self.backend.name)
-        self.max_num_seqs = cfg.max_num_seqs or (CUDA_MAX_NUM_SEQS if self.device.type == "cuda" else CPU_MAX_NUM_SEQS)
-        if cfg.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}) on {self.device.type}: each running sequence needs one token of the budget"
-            )
-        # graphs replay the padded decode path, so they need it; static_decode None follows the graphs
-        self.cuda_graphs = self.device.type == "cuda" and cfg.cuda_graphs and cfg.static_decode is not False
-        # transformers' own modeling code was never checked under graph capture: the fallback runs eagerly
-        self.cuda_graphs = self.cuda_graphs and self.model_path == "native"
-        static_decode = cfg.static_decode if cfg.static_decode is not None else self.cuda_graphs
-        self.model = registry.build_model(arch, hf_config, source, self.backend, self.dtype, self.device,
-                                          self.max_model_len, fp8_loading.weights(loader.iter_weights),
-                                          prepare=fp8_loading.prepare)
-        fp8_loading.finish(self.model, self.device)
-        self.quantized_cache = None  # the int8 cache file this engine read or wrote
-        if cfg.quantization in ("int8", "w8a8"):
-            self.quantized_cache = schemes.apply_int8(self.model, source.directory, cfg.cache_dir,
-                                                           w8a8=cfg.quantization == "w8a8")
-            self.model.eval().requires_grad_(False)
-        self.backend.prepare(self.model)
-        max_blocks_per_seq = -(-self.max_model_len // cfg.block_size)
-        self.backend.reserve(arch, self.max_num_seqs, max_blocks_per_seq * cfg.block_size, self.device)
-        num_blocks = self._num_kv_blocks()
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.stop_checker = StopChecker(self.eos_token_ids)
-        self.guided = GuidedDecoding(self.tokenizer, arch.vocab_size, self.eos_token_ids, self.device)
-        self.scheduler = Scheduler(self.block_manager, self.stop_checker, self.max_num_seqs,
-                                   cfg.max_num_batched_tokens, self.guided,
-                                   bulk_min_seats=bulk_min_seats(cfg.bulk_min_fraction, self.max_num_seqs))
-        self.sampler = Sampler(arch.vocab_size, self.device, self.eos_token_ids, self.backend)
-        self.runner = ModelRunner(self.model, self.sampler, num_blocks, cfg.block_size, self.device, self.kv_dtype,
-                                  self.max_num_seqs, self.max_model_len, static_decode, guided=self.guided)
-        if self.device.type == "cuda":
-            self._warm_up()
+        self.tokenizer = loader.load_tokenizer(spec.source)
+        self.eos_token_ids = loader.load_generation_eos(spec.source, spec.hf_config, self.tokenizer)
+        # tensor parallelism (worker/engine/parallel/): this process is rank 0; the other ranks start here
+        self.parallel: TensorParallel | None = None
+        if cfg.tensor_parallel_size > 1:
+            shard = sharded_loading.check_shardable(spec.source, arch, self.model_path, spec.hf_config,
+                                                    cfg.tensor_parallel_size, cfg.quantization)
+            self.parallel = TensorParallel(cfg, shard, self.device)
+        try:
+            self._set_up(cfg, spec)
+        except BaseException:
+            if self.parallel is not None:
+                self.parallel.abort()
+            raise
         self.requests: dict[str, Sequence] = {}  # choice 0 of every request inside
         self.choices: dict[str, list[Sequence]] = {}  # all n choices of every request inside
         # choices 1.. of an n > 1 request wait here until choice 0 has computed (and so cached) the prompt:
@@ -118,91 +87,107 @@ class Engine:
             self.device.type == "cuda" or os.environ.get("TOKENBUS_OVERLAP") == "1")  # the env: test suites
         self.overlap = Overlap(self.scheduler, self.runner, self.guided, self.finish_step) if overlap else None
         log.info(
-            "engine_ready", model=cfg.model, device=str(self.device), dtype=str(self.dtype), kv_blocks=num_blocks,
+            "engine_ready", model=cfg.model, device=str(self.device), dtype=str(self.dtype),
+            kv_blocks=self.block_manager.num_blocks, tensor_parallel_size=cfg.tensor_parallel_size,
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             block_size=cfg.block_size, max_model_len=self.max_model_len, backend=self.backend.name,
-            max_num_seqs=self.max_num_seqs, static_decode=static_decode, cuda_graphs=self.cuda_graphs,
+            max_num_seqs=self.max_num_seqs, static_decode=self.static_decode, cuda_graphs=self.cuda_graphs,
             model_path=self.model_path, overlap=overlap, load_s=round(time.perf_counter() - started, 2),
+            kinds=self.kinds, pooling=self.embeddings.pooling.mode if self.embeddings else None,
         )
 
-    def _num_kv_blocks(self) -> int:
-        """Blocks for the sequences (the runner adds one pad block): a fixed count, kv_cache_gb, or on CUDA
-        what the card has left after the profiled peak of the largest step and the graphs' pool."""
-        cfg = self.config
-        per_block = kv_bytes_per_block(self.model, cfg.block_size, self.kv_dtype)
-        if cfg.num_kv_blocks:
-            return cfg.num_kv_blocks
-        if cfg.kv_cache_gb is not None:
-            budget = cfg.kv_cache_gb * 1024**3
-        elif self.device.type == "cuda":
-            budget = self._cuda_kv_budget()
-        else:
-            budget = 1024**3
-        blocks = int(budget // per_block) - 1
-        if blocks < 1:
-            raise ValueError("no memory left for the KV cache: raise kv_cache_gb / gpu_memory_utilization")
-        return blocks
+    @property
+    def kinds(self) -> list[str]:
+        """The request kinds this engine serves: "generate", "embed" or both."""
+        return [kind for kind, ok in (("generate", self.can_generate), ("embed", self.embeddings is not None)) if ok]
 
-    def _cuda_kv_budget(self) -> float:
-        cfg = self.config
-        width = -(-self.max_model_len // cfg.block_size)
-        args = (cfg.block_size, self.kv_dtype, self.device)
-        peak = warmup.profile_peak(self.model, cfg.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
-                                   *args)
-        graphs = warmup.decode_peak(self.model, self.max_num_seqs, width, *args) if self.cuda_graphs else 0
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = total * cfg.gpu_memory_utilization - peak - graphs
-        # another process on the card shrinks what is really free
-        budget = min(budget, free - graphs - (peak - torch.cuda.memory_allocated(self.device)))
-        log.info("kv_cache_plan", total_gib=round(total / 1024**3, 2), peak_gib=round(peak / 1024**3, 3),
-                 graph_pool_gib=round(graphs / 1024**3, 3), kv_gib=round(max(budget, 0) / 1024**3, 2))
-        return max(budget, 0)
+    def _set_up(self, cfg: EngineConfig, spec: model_setup.ModelSpec) -> None:
+        """The model, its KV cache, the scheduler and the sampler (on every rank's side: model_setup.py)."""
+        tp = self.parallel.group if self.parallel is not None else None
+        setup = model_setup.set_up(cfg, self.device, spec, tp)
+        self.model, self.backend, self.kv_dtype = setup.model, setup.backend, setup.kv_dtype
+        self.quantized_cache, self.max_num_seqs, self.cuda_graphs = setup.quantized_cache, setup.max_num_seqs, \
+            setup.cuda_graphs
+        self.block_manager = BlockManager(setup.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.stop_checker = StopChecker(self.eos_token_ids)
+        self.guided = GuidedDecoding(self.tokenizer, spec.arch.vocab_size, self.eos_token_ids, self.device)
+        self.scheduler = Scheduler(self.block_manager, self.stop_checker, self.max_num_seqs,
+                                   cfg.max_num_batched_tokens, self.guided,
+                                   bulk_min_seats=bulk_min_seats(cfg.bulk_min_fraction, self.max_num_seqs),
+                                   loras=setup.loras)
+        self.loras = setup.loras
+        self.sampler = Sampler(spec.arch.vocab_size, self.device, self.eos_token_ids, self.backend)
+        self.can_generate = self.causal and getattr(self.model, "can_generate", True)
+        self.embeddings, self.embed_refusal = embeddings_for(self.model_path, spec.source.directory, spec.arch,
+                                                             self.causal, self.max_model_len, self.tokenizer,
+                                                             setup.num_blocks * cfg.block_size)
+        pooler = pooling.Pooler(self.embeddings.pooling) if self.embeddings is not None else None
+        self.runner = model_setup.make_runner(setup, cfg, self.device, self.max_model_len, self.sampler, self.guided,
+                                              pooler)
+        self.weight_bytes = [setup.weight_bytes]  # per rank
+        if self.parallel is not None:
+            self.weight_bytes = tp.gather_ints(setup.weight_bytes)
+            self.runner.channel = self.parallel.channel
+            self.parallel.start_serving()
+            log.info("tensor_parallel_weights", bytes_per_rank=self.weight_bytes,
+                     fused_decode="off: the one-call C++ decode step has no all-reduce between its layers")
+        self.static_decode = setup.static_decode
 
-    def _warm_up(self) -> None:
-        """Every kernel variant the serve loop hits, compiled before the first request; then the graphs."""
-        started = time.perf_counter()
-        runner, cfg = self.runner, self.config
-        shapes = runner.static.shapes() if runner.static is not None and not self.cuda_graphs else None
-        warmup.warm_up(self.model, runner.kv_caches, runner.pad_block, cfg.block_size, runner.max_blocks_per_seq,
-                       self.max_num_seqs, cfg.max_num_batched_tokens, shapes)
-        torch.cuda.synchronize(self.device)
-        warm_s = time.perf_counter() - started
-        graph_s = runner.static.capture() if self.cuda_graphs else 0.0
-        log.info("engine_warmed_up", kernels_s=round(warm_s, 2), graphs_s=round(graph_s, 2))
+    # ---- LoRA adapters (docs/adapters.md) -------------------------------------------------------------------
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT LoRA adapter in directory `path` as `name` (add_request(lora=name)). Raises LoraError
+        naming the adapter and the field when it cannot be served; the engine serves on either way."""
+        if self.loras is None:
+            raise ValueError("this engine has no LoRA slots: start it with max_loras >= 1")
+        self.loras.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving adapter `name`; refused (InvalidRequest) while requests inside the engine use it."""
+        if self.loras is None:
+            raise ValueError("this engine has no LoRA slots")
+        self.loras.remove(name)
+
+    def lora_names(self) -> list[str]:
+        return self.loras.names() if self.loras is not None else []
+
+    def _release_lora(self, seqs: list[Sequence]) -> None:
+        if seqs and seqs[0].lora is not None:
+            self.loras.request_done(seqs[0].lora)
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing to do for one rank)."""
+        if self.parallel is not None:
+            self.parallel.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ---- requests -------------------------------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("the prompt is empty")
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            for m in prompt:
-                if "role" not in m or "content" not in m:
-                    raise InvalidRequest(f"each chat message needs 'role' and 'content', got {m!r}")
-            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return list(ids)
-        if isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if not prompt:
-                raise InvalidRequest("the prompt is empty")
-            vocab = self.model.arch.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequest(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
-            return list(prompt)
-        raise InvalidRequest("a prompt is a non-empty string, a list of token ids, or a list of chat messages")
+        """A generation prompt's token ids (prompts.py), or InvalidRequest."""
+        return prompts.tokenize(self.tokenizer, self.model.arch.vocab_size, prompt)
 
     def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams | dict[str, Any] | None = None,
-        priority: Priority | str | int = 0,
+        self, request_id: str, prompt: Prompt, params: SamplingParams | EmbedParams | dict[str, Any] | None = None,
+        priority: Priority | str | int = 0, lora: str | None = None,
     ) -> None:
-        """Queue a request. priority: the job's Priority (or its name or rank, protocol.priority.rank_of); lower
-        ranks are seated sooner, and requests of one priority in arrival order."""
+        """Queue a request: a generation, or with EmbedParams an embedding of `prompt` (a string or token ids).
+        priority: the job's Priority (or its name or rank, protocol.priority.rank_of); lower ranks are seated
+        sooner, and requests of one priority in arrival order. lora: the name of an adapter add_lora registered
+        (generation only), None for the base model."""
         if request_id in self.requests:
             raise EngineFault(f"request id {request_id!r} is already in the engine")  # the caller's bug
+        if isinstance(params, EmbedParams):
+            self._add_embedding(request_id, prompt, params, rank_of(priority))
+            return
+        if not self.can_generate:
+            why = "it is an encoder" if not self.causal else "its checkpoint has no LM head (lm_head.weight)"
+            raise refuse_kind(self.model_name, "generation", f"{why}; it serves embedding requests")
         if params is None:
             params = SamplingParams()
         elif isinstance(params, dict):
@@ -230,6 +215,12 @@ class Engine:
                 f"({self.block_manager.num_blocks * self.config.block_size} tokens); raise kv_cache_gb"
             )
         rank = rank_of(priority)
+        salt = None
+        if lora is not None:
+            if self.loras is None:
+                raise InvalidRequest(f"LoRA adapter {lora!r} asked for, but this engine serves none (max_loras 0)",
+                                     code="model_not_found")
+            salt = self.loras.request_added(lora)  # its weights held in host memory until the request ends
         now = time.time()
         seqs = []
         for i in range(params.n):
@@ -239,9 +230,13 @@ class Engine:
                 generator.manual_seed(params.seed + i)
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             seqs.append(Sequence(request_id, prompt_ids, params, now, detokenizer, generator=generator,
-                                 choice_index=i, priority=rank))
-        for seq in seqs:  # compiles response_format / regex / choice off this thread (GrammarError: failed before)
-            self.guided.add(seq)
+                                 choice_index=i, priority=rank, lora=lora, cache_salt=salt))
+        try:
+            for seq in seqs:  # compiles response_format / regex / choice off this thread (GrammarError: failed before)
+                self.guided.add(seq)
+        except BaseException:
+            self._release_lora(seqs)
+            raise
         self.requests[request_id] = seqs[0]
         self.choices[request_id] = seqs
         self.scheduler.add(seqs[0])
@@ -251,6 +246,19 @@ class Engine:
             else:
                 for seq in seqs[1:]:
                     self.scheduler.add(seq)
+
+    def _add_embedding(self, request_id: str, prompt: Prompt, params: EmbedParams, priority: int) -> None:
+        if self.embeddings is None:
+            raise refuse_kind(self.model_name, "embedding", self.embed_refusal)
+        try:
+            seq = self.embeddings.sequence(request_id, prompt, params, priority)
+        except EngineError:
+            raise
+        except Exception as err:  # the tokenizer's own failure is the engine's
+            raise fault(err, "tokenizing the input") from err
+        self.requests[request_id] = seq
+        self.choices[request_id] = [seq]
+        self.scheduler.add(seq)
 
     def _check_stop_token_ids(self, params: SamplingParams) -> None:
         # An id past the vocabulary would fail the sampler's min_tokens ban (an IndexError mid-step).
@@ -265,6 +273,7 @@ class Engine:
             return None
         del self.requests[request_id]
         self.forks.pop(request_id, None)
+        self._release_lora(seqs)
         for seq in seqs:
             if seq.finish_reason is None:
                 self.scheduler.remove(seq)  # frees only its own references: a block another holds stays
@@ -290,6 +299,7 @@ class Engine:
             self.forks.pop(seq.request_id, None)
             for choice in seqs:
                 self.scheduler.remove(choice)
+            self._release_lora(seqs)
             self.rejected[seq.request_id] = err
         if self.overlap is not None:
             return self.overlap.step()
@@ -313,6 +323,7 @@ class Engine:
             seqs = self.choices.get(seq.request_id)
             if seqs is not None and all(s.finish_reason is not None for s in seqs):
                 del self.choices[seq.request_id], self.requests[seq.request_id]
+                self._release_lora(seqs)
                 outputs.append(self._output(seqs))
         return outputs
 
@@ -326,6 +337,9 @@ class Engine:
 
     def _output(self, seqs: list[Sequence]) -> RequestOutput:
         seq = seqs[0]
+        embedding = None
+        if seq.pool_state is not None and seq.finish_reason == "stop":
+            embedding = pooling.output_vector(self.embeddings.pooling, seq.pool_state)
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -340,6 +354,7 @@ class Engine:
             num_cached_tokens=seq.num_cached_tokens,
             choices=[Choice(s.choice_index, s.output_token_ids, s.output_text, s.finish_reason or "abort",
                             s.logprobs) for s in seqs],
+            embedding=embedding,
         )
 
     def stats(self) -> EngineStats:
@@ -352,22 +367,44 @@ class Engine:
             prefix_queried_tokens=pc.queried_tokens, prefix_hit_tokens=pc.hit_tokens,
             prefix_queried_blocks=pc.queried_blocks, prefix_hit_blocks=pc.hit_blocks,
             prefix_evictions=pc.evictions, forking=sum(len(f) for f in self.forks.values()),
+            **(self.loras.stats() if self.loras is not None else {}),
         )
 
     def generate(
         self,
         prompts: Seq[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
+        loras: list[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Offline: run every prompt to the end and return the outputs in input order. InvalidRequest (with the
         code), once every other request ended, when the engine refused a prompt's grammar (structured output);
-        EngineFault when compiling one broke."""
+        EngineFault when compiling one broke. loras: each prompt's adapter name (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt given bare
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = [f"generate-{self.steps}-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
-            self.add_request(rid, prompt, p)
+        return self._run_offline("generate", prompts, params_list, loras)
+
+    def embed(self, inputs: Seq[str | list[int]] | str,
+              params: EmbedParams | list[EmbedParams] | None = None) -> list[RequestOutput]:
+        """Offline: embed every input (strings or token-id lists) and return the outputs, each with its
+        `embedding`, in input order."""
+        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]  # one input given bare
+        params_list = params if isinstance(params, list) else [params or EmbedParams()] * len(inputs)
+        return self._run_offline("embed", inputs, params_list)
+
+    def _run_offline(self, kind: str, prompts: Seq[Any], params_list: list[Any],
+                     loras: list[str | None] | None = None) -> list[RequestOutput]:
+        ids = [f"{kind}-{self.steps}-{i}" for i in range(len(prompts))]
+        added: list[str] = []
+        for rid, prompt, p, lora in zip(ids, prompts, params_list, loras or [None] * len(ids), strict=True):
+            try:
+                self.add_request(rid, prompt, p, lora=lora)
+            except EngineError as err:  # nothing of this call stays behind in the engine
+                for other in added:
+                    self.abort(other)
+                raise type(err)(f"{kind} input {len(added)}: {err}", code=err.code) from err
+            added.append(rid)
         results: dict[str, RequestOutput] = {}
         rejected: dict[str, EngineError] = {}
         while len(results) + len(rejected) < len(ids):
@@ -381,11 +418,3 @@ class Engine:
                 raise InvalidRequest(why, code=errors[0].code)
             raise EngineFault(why)
         return [results[rid] for rid in ids]
-
-
-def _resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for, but CUDA is not available here")
-    return device

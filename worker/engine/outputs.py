@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from worker.engine.sequence import Sequence
 
 
@@ -24,7 +26,8 @@ class Choice:
 
 @dataclass
 class RequestOutput:
-    """A finished request. token_ids, text, finish_reason and logprobs are choice 0's; `choices` holds all n."""
+    """A finished request. token_ids, text, finish_reason and logprobs are choice 0's; `choices` holds all n.
+    An embedding request's has no tokens or text: its `embedding` (finish_reason "stop")."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -38,6 +41,7 @@ class RequestOutput:
     num_preemptions: int
     num_cached_tokens: int = 0  # prompt tokens its latest admission took from the prefix cache
     choices: list[Choice] = field(default_factory=list)
+    embedding: torch.Tensor | None = None  # float32 [width or dimensions] on the host: an embedding request's
 
 
 class Delta:
@@ -108,3 +112,7 @@ class EngineStats:
     prefix_hit_blocks: int = 0
     prefix_evictions: int = 0
     forking: int = 0  # choices 1..n-1 of n > 1 requests, waiting for choice 0's first token to fork
+    lora_loads: int = 0  # LoRA adapters copied into a device slot (each eviction's reload counts)
+    lora_disk_reads: int = 0  # adapters read from their directories (registration included)
+    loras_registered: int = 0
+    loras_resident: int = 0  # adapters in a device slot now

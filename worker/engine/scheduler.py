@@ -6,6 +6,12 @@ last; an admitted sequence first takes the cached blocks its tokens start with (
 computes only the rest. When blocks run out the newest running sequence is preempted by recompute: its blocks are freed
 and it goes back to the front of the waiting queue to be prefilled again later. After the forward pass,
 postprocess() is the one place sequences take their new tokens and those that are done leave.
+
+Embedding sequences (pool_state set) are prefill only: they take the same budget and chunks, sample nothing, and
+leave in the postprocess of the step that computed their last token (its pooling finished the vector). An
+encoder's (whole_prompt) bidirectional attention needs all its tokens in every layer, so it is never chunked: it
+is admitted when its whole input fits the budget left, or alone, first in a step, when it is longer than the
+budget.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from worker.engine.stop_checker import StopChecker
 
 if TYPE_CHECKING:
     from worker.engine.guided import GuidedDecoding
+    from worker.engine.lora.manager import LoraManager
 
 # overlap: per sequence of the step in flight, (tokens it feeds, index among its sampled rows or -1)
 Ahead = dict[Sequence, tuple[int, int]]
@@ -30,6 +37,7 @@ Ahead = dict[Sequence, tuple[int, int]]
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # per sequence, tokens fed in this step
+    pooled: bool = False  # an embedding sequence is among them (its rows are pooled, not sampled)
 
     @property
     def num_tokens(self) -> int:
@@ -42,7 +50,7 @@ BULK = Priority.bulk.rank  # bulk requests' rank: the seats kept for them (bulk_
 class Scheduler:
     def __init__(self, block_manager: BlockManager, stop_checker: StopChecker, max_num_seqs: int,
                  max_num_batched_tokens: int, guided: GuidedDecoding | None = None,
-                 bulk_min_seats: int = 0) -> None:
+                 bulk_min_seats: int = 0, loras: LoraManager | None = None) -> None:
         self.block_manager = block_manager
         self.stop_checker = stop_checker
         self.max_num_seqs = max_num_seqs
@@ -54,6 +62,8 @@ class Scheduler:
         # While fewer bulk sequences run than this, a waiting bulk one is admitted before more urgent ones:
         # a batch keeps a guaranteed share of the seats however much interactive traffic waits.
         self.bulk_min_seats = bulk_min_seats
+        # LoRA: a sequence is seated only when its adapter is resident or a slot can take it
+        self.loras = loras
 
     def add(self, seq: Sequence, first_of_its_priority: bool = False) -> None:
         """Queue seq behind every waiting sequence of a more urgent priority and, unless
@@ -94,6 +104,11 @@ class Scheduler:
                 n = 1
             else:
                 n = min(len(seq.token_ids) - seq.num_computed_tokens - fed, budget)
+                if n <= 0:  # an embedding sequence whose last chunk is in flight: nothing is left to feed
+                    i += 1
+                    continue
+            if seq.pool_state is not None:
+                batch.pooled = True
             if seq.num_computed_tokens + fed + n <= len(seq.block_table) * bs:  # room already (most decodes)
                 seqs.append(seq)
                 num_new.append(n)
@@ -116,22 +131,36 @@ class Scheduler:
             budget -= n
             i += 1
         # Admitting while we just preempted would only thrash the same blocks.
+        waiting_for_slot = False
         for seq in self._admission_order():
             if budget <= 0 or preempted or len(self.running) >= self.max_num_seqs:
                 break
             if self.guided is not None and not self.guided.is_ready(seq):
                 continue  # its grammar is still compiling: those behind it go first
+            if seq.lora is not None:
+                # every slot is pinned: base requests behind it still go, other adapters' wait their turn
+                # (seating them would keep the slots pinned and starve it)
+                if waiting_for_slot or not self.loras.can_seat(seq.lora):
+                    waiting_for_slot = True
+                    continue
             hits = self.block_manager.match_prefix(seq)
             n = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
+            if seq.whole_prompt and n < seq.num_tokens:  # an encoder's input is never split
+                if batch.seqs:
+                    break  # it goes first in a later step
+                n = seq.num_tokens
             if not self.block_manager.can_admit(seq, hits, n):
                 break
             self.waiting.remove(seq)
             self.block_manager.admit(seq, hits)
             self.block_manager.allocate(seq, n)
+            if seq.lora is not None:
+                self.loras.seat(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
+            batch.pooled |= seq.pool_state is not None
             budget -= n
         return batch
 
@@ -151,10 +180,14 @@ class Scheduler:
         token (and logprobs, and text), and those that are done leave, their blocks freed. Returns those."""
         bm = self.block_manager
         bs = bm.block_size
+        finished = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
             if seq.num_computed_tokens // bs > len(seq.block_keys):  # a block filled up: key it
                 bm.commit(seq)
+            if seq.pool_state is not None and seq.num_computed_tokens == seq.num_tokens:
+                self.finish(seq, "stop")  # its last position is pooled: the vector is done
+                finished.append(seq)
         # One pass over the batch does what every token needs; the rest is for the few it may concern: rows
         # whose text is read each step (stop strings), and those whose token may end them (StopChecker).
         eos = self.stop_checker.eos_token_ids
@@ -179,7 +212,6 @@ class Scheduler:
                     entry = dict(zip(top_ids, top_vals, strict=True))
                     entry[token] = token_logprob
                     seq.logprobs.append(entry)
-        finished = []
         for seq in texts:
             text_from = len(seq.text)
             if seq.detokenize() and self.stop_checker.finds_stop_string(seq, text_from):
@@ -195,11 +227,19 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    def _release(self, seq: Sequence) -> None:
+        """seq gives back what it holds while seated: its KV blocks and its adapter's slot."""
+        self.block_manager.free(seq)
+        if self.loras is not None:
+            self.loras.unseat(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        if seq.pool_state is not None:  # its rows are pooled again from the first
+            seq.pool_state.reset()
         if self.guided is not None:
             self.guided.reset(seq)
         self.num_preemptions += 1
@@ -208,7 +248,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.block_manager.free(seq)
+        self._release(seq)
         self.running.remove(seq)
         if self.guided is not None:
             self.guided.remove(seq)
@@ -219,7 +259,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        self._release(seq)
         seq.status = SequenceStatus.FINISHED
         if self.guided is not None:
             self.guided.remove(seq)

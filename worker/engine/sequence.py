@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from worker.engine.pooling import PoolState
 
 
 class SequenceStatus(enum.Enum):
@@ -23,7 +27,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: an embedding, which has no output text
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
@@ -41,6 +45,14 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     priority: int = 0  # lower is seated sooner; equal priorities keep arrival order
+    lora: str | None = None  # the LoRA adapter it runs under (None: the base model)
+    lora_slot: int = -1  # the device slot holding that adapter while it runs (lora/manager.py), -1 = none
+    cache_salt: bytes | None = None  # seeds its prefix-cache keys: an adapter's blocks never serve another
+    # an embedding request (pooling.py): prefill only, its rows pooled instead of sampled
+    pool_state: PoolState | None = None
+    reads_prefix_cache: bool = True  # may take cached blocks (False: its pooling needs every row computed)
+    writes_prefix_cache: bool = True  # its full blocks may be cached (False: an encoder's K/V see the whole input)
+    whole_prompt: bool = False  # all its tokens in one step, never chunked (an encoder's bidirectional attention)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

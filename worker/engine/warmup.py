@@ -80,9 +80,12 @@ def serving_meta(num_prefill: int, num_decode: int, block: int, block_size: int,
 def _forward(model, num_tokens: int, kv, meta, logits_rows: int) -> None:
     device = kv[0][0].device
     ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-    positions = torch.arange(num_tokens, device=device) % model.rotary.cos.shape[0]  # inside the rope table
+    rotary = getattr(model, "rotary", None)  # an encoder has a learned position table instead
+    span = rotary.cos.shape[0] if rotary is not None else model.arch.max_position_embeddings
+    positions = torch.arange(num_tokens, device=device) % span  # inside the position table
     hidden = model(ids, positions, kv, meta)
-    model.compute_logits(hidden[:logits_rows]).float().softmax(-1)  # a sampler-sized [rows, vocab] in fp32
+    if getattr(model, "can_generate", True):
+        model.compute_logits(hidden[:logits_rows]).float().softmax(-1)  # a sampler-sized [rows, vocab] in fp32
 
 
 @torch.inference_mode()
@@ -141,3 +144,4 @@ def warm_up(model, kv_caches, pad_block: int, block_size: int, max_blocks_per_se
             _forward(model, rows, kv_caches, meta, rows)
     for rows, width in shapes or []:
         _forward(model, rows, kv_caches, decode_meta(rows, width, pad_block, block_size, device, stride), rows)
+

@@ -7,6 +7,8 @@
     a pure decode step    all decoder layers in one C++ call (cpu_decode.py), the same kernels in the same
                           order, so the same result to the bit
     greedy sampling       a row-wise argmax in C++
+    LoRA adapters         decode-sized batches in C++ (csrc/cpu_lora.cpp), prompt chunks as grouped torch matmuls;
+                          a decode step with adapter rows runs layer by layer, not as the fused C++ call (no LoRA)
 Anything a kernel does not take (a strided view it cannot read, other dtypes) runs as in the ReferenceBackend.
 """
 
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker.engine.backends.cpu_decode import FusedDecodeLayers
-from worker.engine.backends.cpu_linear import use_cpu_linears
+from worker.engine.backends.cpu_linear import PANEL_MAX_ROWS, use_cpu_linears
 from worker.engine.backends.reference import ReferenceBackend
 
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # the caches the C++ attention reads
@@ -36,7 +38,9 @@ class CpuBackend(ReferenceBackend):
 
     def prepare(self, model: torch.nn.Module) -> None:
         use_cpu_linears(model, self.ext)
-        self.fused = FusedDecodeLayers.build(model, self.ext)
+        # off under tensor parallelism: the one C++ call runs every layer with no way out between them, and a
+        # sharded layer needs two all-reduces (after o_proj and down_proj); the per-layer path takes them
+        self.fused = FusedDecodeLayers.build(model, self.ext) if self.tp is None else None
 
     # ---- attention ----------------------------------------------------------------------------------------
 
@@ -59,16 +63,17 @@ class CpuBackend(ReferenceBackend):
                                                    softcap)
 
     def prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                          scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                          scale: float, window: int = 0, softcap: float = 0.0, causal: bool = True) -> torch.Tensor:
         """Causal prefill (query token i of a sequence attends to the keys up to its position, and within the
-        window ending there, if any) in one C++ call: tiles of a sequence's query tokens against each block
-        of its context, the block widened once per tile (cpu_prefill_attention.cpp)."""
+        window ending there, if any), or with causal False every key of the sequence (an encoder), in one C++
+        call: tiles of a sequence's query tokens against each block of its context, the block widened once per
+        tile (cpu_prefill_attention.cpp)."""
         if not self._takes(q, k_cache):
             return super().prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                             window, softcap)
+                                             window, softcap, causal)
         return self.ext.paged_prefill_attention_cpu(
             q, k_cache, v_cache, block_tables.int(), cu_seqlens_q.int().contiguous(), seq_lens.int().contiguous(),
-            scale, window, softcap)
+            scale, window, softcap, causal)
 
     # ---- layer ops ----------------------------------------------------------------------------------------
 
@@ -96,12 +101,23 @@ class CpuBackend(ReferenceBackend):
             return q, k
         return super().rotary(q, k, cos, sin)
 
+    def lora(self, y, x, a, b, slices, batch) -> torch.Tensor:
+        """A decode-sized batch's adapter rows in one C++ call per linear (csrc/cpu_lora.cpp: two GEMVs a row at
+        the slot's own rank); longer ones (prompt chunks) as grouped matmuls, which reuse each weight across rows."""
+        if batch.rows.shape[0] > PANEL_MAX_ROWS or x.dtype != torch.float32 or x.stride(-1) != 1 \
+                or y.stride(-1) != 1 or self.lora_state is None:
+            return super().lora(y, x, a, b, slices, batch)
+        self.ext.lora_cpu(y, x, a, b, [o for o, _ in slices], [w for _, w in slices], batch.rows, batch.starts,
+                          batch.counts, self.lora_state.slot_ranks)
+        return y
+
     # ---- whole layers and sampling ------------------------------------------------------------------------
 
     def run_layers(self, model: torch.nn.Module, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fused is not None and self.fused.serves(x, meta):
+        lora = self.lora_state
+        if self.fused is not None and (lora is None or lora.batch is None) and self.fused.serves(x, meta):
             return self.fused(x, rotary, kv_caches, meta)
         return super().run_layers(model, x, rotary, kv_caches, meta)
 

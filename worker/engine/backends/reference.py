@@ -15,7 +15,9 @@ import torch
 
 from kernels.reference import (
     add_rms_norm_ref,
+    gelu_ref,
     gelu_tanh_and_mul_ref,
+    layer_norm_ref,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     rms_norm_ref,
@@ -26,10 +28,21 @@ from kernels.reference import (
 
 if TYPE_CHECKING:
     from worker.engine.attention_metadata import AttentionMetadata
+    from worker.engine.lora.layer import LoraBatch, LoraState
 
 
 class ReferenceBackend:
     name = "torch-reference"
+    # the model's adapters' shared state, when the engine serves LoRA (lora/manager.py sets it): a backend that
+    # fuses whole layers (CpuBackend) runs a step with adapter rows layer by layer instead
+    lora_state: LoraState | None = None
+    # the rank's TpGroup when the engine is one rank of a tensor-parallel worker (worker/engine/parallel/):
+    # the model sizes its sharded layers by it and sums row-parallel outputs through all_reduce
+    tp: Any = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel output summed over the ranks (as it is without tensor parallelism)."""
+        return x if self.tp is None else self.tp.all_reduce(x)
 
     def check_model(self, arch: Any, model_name: str) -> None:
         """Raises ValueError naming the model and the limit when the kernels cannot serve its shapes."""
@@ -45,15 +58,16 @@ class ReferenceBackend:
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
-    # window: the layer's sliding window (0 = none); softcap: attention-logit soft-capping (0 = none)
+    # window: the layer's sliding window (0 = none); softcap: attention-logit soft-capping (0 = none);
+    # causal False (prefill): every query sees all its sequence's keys (an encoder's bidirectional attention)
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int = 0,
                          softcap: float = 0.0) -> torch.Tensor:
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
 
     def prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                          scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                          scale: float, window: int = 0, softcap: float = 0.0, causal: bool = True) -> torch.Tensor:
         return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                           window, softcap)
+                                           window, softcap, causal)
 
     # ---- the elementwise parts of a decoder layer ---------------------------------------------------------
 
@@ -73,6 +87,14 @@ class ReferenceBackend:
     def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[n, 2 * inter] -> gelu_tanh(gate) * up, [n, inter] (Gemma's GeGLU)."""
         return gelu_tanh_and_mul_ref(gate_up)
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+        """[n, hidden] -> LayerNorm(x) with weight and bias (an encoder's norm)."""
+        return layer_norm_ref(x, weight, bias, eps)
+
+    def gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """The exact (erf) GELU of an encoder's feed-forward."""
+        return gelu_ref(x)
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,6 +116,14 @@ class ReferenceBackend:
         from kernels.moe_reference import fused_moe_ref
 
         return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+
+    def lora(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             slices: tuple[tuple[int, int], ...], batch: LoraBatch) -> torch.Tensor:
+        """In place: y += (x · A_slot) · B_slot for every row of the batch that uses an adapter (kernels/
+        lora_reference.py has the layout): grouped torch matmuls, one shrink and one expand a slice per slot."""
+        from kernels.lora_reference import lora_apply_ref
+
+        return lora_apply_ref(y, x, a, b, slices, batch.rows, batch.groups)
 
     # ---- whole layers and sampling ------------------------------------------------------------------------
 

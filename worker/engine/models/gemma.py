@@ -111,7 +111,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return GemmaRotary(hf_config, self.arch.head_dim, max_positions)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) * self.embed_scale
+        x = self.embed(input_ids) * self.embed_scale
         if isinstance(self.rotary, GemmaRotary):
             rotary = self.rotary.cos_sin(positions, x.dtype)
         else:
@@ -121,7 +121,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return self.norm.add(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+        logits = super().compute_logits(hidden)
         cap = self.arch.final_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
 

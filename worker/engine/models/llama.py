@@ -17,15 +17,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.engine.attention_metadata import AttentionMetadata
+from worker.engine.attention_metadata import AttentionMetadata, paged_attention
 from worker.engine.backends import Backend
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+@dataclass
+class AttentionShape:
+    """The sizes and head counts attention_shape() reads: what the KV cache and the kernels are sized by (the
+    arch of the transformers fallback and of the encoders extend it)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
 def attention_shape(config: Any, model_type: str, head_dim: int) -> dict[str, Any]:
-    """The sizes and head counts any decoder-only model reads from a Hugging Face config the same way (the
-    native families and the transformers fallback's FallbackArch)."""
+    """The sizes and head counts any model reads from a Hugging Face config the same way (the native families,
+    the encoders and the transformers fallback's FallbackArch)."""
     num_heads = config.num_attention_heads
     return dict(
         model_type=model_type,
@@ -207,24 +221,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         k_cache, v_cache = kv_cache
         q = self.backend.rotary_write_kv(q, k, v, *rotary, k_cache, v_cache, meta.slot_mapping)
-        p = meta.num_prefill_tokens
-        if p == 0:  # a pure decode step (most steps): the kernel's output is the attention output
-            out = self._decode(q, kv_cache, meta)
-        else:
-            out = torch.empty_like(q)
-            out[:p] = self.backend.prefill_attention(
-                q[:p], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-                meta.prefill_seq_lens, self.scale, self.window, self.softcap,
-            )
-            if p < num_tokens:
-                out[p:] = self._decode(q[p:], kv_cache, meta)
-        return self.o_proj(out.view(num_tokens, self.q_size))
-
-    def _decode(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
-        return self.backend.decode_attention(
-            q, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_seq_lens, self.scale, self.window,
-            self.softcap,
-        )
+        out = paged_attention(self.backend, q, kv_cache, meta, self.scale, self.window, self.softcap)
+        return self.backend.all_reduce(self.o_proj(out.view(num_tokens, self.q_size)))  # row-parallel under TP
 
 
 class MLP(nn.Module):
@@ -238,7 +236,7 @@ class MLP(nn.Module):
         self.act_and_mul = backend.gelu_tanh_and_mul if arch.hidden_act == "gelu_pytorch_tanh" else backend.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        return self.backend.all_reduce(self.down_proj(self.act_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
@@ -275,15 +273,22 @@ class LlamaForCausalLM(nn.Module):
     arch_type = LlamaArch
     layer_type = DecoderLayer
     cpu_fusable = True  # the CPU backend may run a decode step's layers as one C++ call (cpu_decode.py)
+    causal = True
+    # False once load_weights found no lm_head.weight (an embedding checkpoint saved from the base model, as
+    # Qwen3-Embedding's untied shapes are): embeddings only, generation refused
+    can_generate = True
 
     def __init__(self, arch: LlamaArch, backend: Backend) -> None:
         super().__init__()
         self.arch = arch
         self.backend = backend
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # vocabulary-parallel under TP: this rank's rows of the embedding and of lm_head (parallel/shard.py)
+        start, stop = backend.tp.shard.vocab_span() if backend.tp is not None else (0, arch.vocab_size)
+        self.vocab_start, self.vocab_rows = start, stop - start
+        self.embed_tokens = nn.Embedding(self.vocab_rows, arch.hidden_size)
         self.layers = nn.ModuleList(self.layer_type(arch, backend, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backend)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = nn.Linear(arch.hidden_size, self.vocab_rows, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary: RotaryEmbedding | None = None  # attached by the engine, sized to its context
@@ -302,13 +307,32 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         rotary = self.rotary.cos_sin(positions, x.dtype)
         x, residual = self.backend.run_layers(self, x, rotary, kv_caches, meta)
         return self.norm.add(x, residual)[0]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings; under TP each rank looks up the ids in its rows (zeros for the others) and
+        the ranks' rows are summed: one value and zeros, so exactly the unsharded lookup."""
+        tp = self.backend.tp
+        if tp is None:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_rows)
+        x = self.embed_tokens(local.clamp(0, max(self.vocab_rows - 1, 0)))
+        return tp.all_reduce(x.masked_fill_(outside.unsqueeze(1), 0.0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """[rows, vocab] logits; under TP each rank's vocabulary slice, gathered (rank 0 samples on them)."""
+        logits = self.lm_head(hidden)
+        tp = self.backend.tp
+        if tp is None:
+            return logits
+        per_rank = tp.shard.vocab_per_rank
+        if logits.shape[1] < per_rank:  # the last rank's shorter slice, padded to the others' width
+            logits = torch.nn.functional.pad(logits, (0, per_rank - logits.shape[1]))
+        return tp.gather_columns(logits, self.arch.vocab_size)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -335,6 +359,9 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded
         if self.arch.tie_word_embeddings:
             missing.discard("lm_head.weight")
+        if missing == {"lm_head.weight"}:
+            self.can_generate = False
+            missing = set()
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]} ...")
 

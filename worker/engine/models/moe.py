@@ -82,7 +82,8 @@ class SparseMoe(nn.Module):
         weights, ids = route_topk_ref(logits, self.spec.top_k, self.spec.renormalize)
         if self.spec.weights_in_model_dtype:
             weights = weights.to(logits.dtype)
-        return self.backend.fused_moe(x, self.w13, self.w2, weights, ids)
+        # experts split within each expert under TP (parallel/shard.py): a partial sum, like down_proj's
+        return self.backend.all_reduce(self.backend.fused_moe(x, self.w13, self.w2, weights, ids))
 
 
 # per-expert checkpoint names: (projection -> which stacked buffer and which half of it)

@@ -60,6 +60,7 @@ def build_model(arch: Any, hf_config: Any, source: Any, backend: Backend, dtype:
     model = meta_model.to_empty(device=device)
     if arch.tie_word_embeddings:  # materialising from meta unties shared parameters
         model.lm_head.weight = model.embed_tokens.weight
-    model.attach_rotary(model.build_rotary(hf_config, max_model_len).to(device))
+    if hasattr(model, "build_rotary"):  # an encoder's positions are a learned table, loaded as a weight
+        model.attach_rotary(model.build_rotary(hf_config, max_model_len).to(device))
     model.load_weights(weights(source))
     return model.eval().requires_grad_(False)

@@ -25,10 +25,10 @@ import structlog
 import torch
 from torch import nn
 
-from worker.engine.attention_metadata import AttentionMetadata
+from worker.engine.attention_metadata import AttentionMetadata, paged_attention
 from worker.engine.backends import Backend
 from worker.engine.models.fallback_norms import swap_rms_norms
-from worker.engine.models.llama import attention_shape
+from worker.engine.models.llama import AttentionShape, attention_shape
 
 log = structlog.get_logger("tokenbus.engine")
 
@@ -37,16 +37,9 @@ _STEP = threading.local()  # .model (TransformersCausalLM), .kv_caches, .meta wh
 
 
 @dataclass
-class FallbackArch:
+class FallbackArch(AttentionShape):
     """What the engine needs to size the KV cache and the kernels; the model itself stays transformers'."""
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
     max_position_embeddings: int
     tie_word_embeddings: bool
     sliding_window: int | None = None
@@ -160,17 +153,7 @@ class TransformersCausalLM(nn.Module):
             return torch.zeros_like(q)
         k_cache, v_cache = _STEP.kv_caches[layer]
         self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        p = meta.num_prefill_tokens
-        if p == 0:
-            return self.backend.decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                                 meta.decode_seq_lens, scale)
-        out = torch.empty_like(q)
-        out[:p] = self.backend.prefill_attention(q[:p], k_cache, v_cache, meta.prefill_block_tables,
-                                                 meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale)
-        if p < q.shape[0]:
-            out[p:] = self.backend.decode_attention(q[p:], k_cache, v_cache, meta.decode_block_tables,
-                                                    meta.decode_seq_lens, scale)
-        return out
+        return paged_attention(self.backend, q, (k_cache, v_cache), meta, scale)
 
     @torch.inference_mode()
     def probe(self, model_name: str, device: torch.device) -> None:

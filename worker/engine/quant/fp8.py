@@ -21,7 +21,7 @@ from torch import nn
 
 from kernels.fp8_linear import FP8, dequantize_weight, fp8_linear, quantize_weight
 from worker.engine.quant.fp8_checkpoint import Fp8Checkpoint, read_format, scan
-from worker.engine.quant.schemes import fp8_gemm_available
+from worker.engine.quant.schemes import fp8_gemm_available, row_max
 
 log = structlog.get_logger("tokenbus.quantization")
 UNQUANTIZED_LEAVES = ("lm_head", "gate")  # the logits and an MoE router: small, and the most sensitive
@@ -59,11 +59,12 @@ class Fp8Linear(nn.Module):
         )
 
     @classmethod
-    def quantized(cls, linear: nn.Linear) -> Fp8Linear:
-        """The per-channel e4m3 of a loaded nn.Linear (dynamic quantization)."""
+    def quantized(cls, linear: nn.Linear, reduce: Any = None) -> Fp8Linear:
+        """The per-channel e4m3 of a loaded nn.Linear (dynamic quantization). reduce: a row-parallel shard's
+        max |w| per row over the tensor-parallel ranks (schemes.row_max), so its scales are the whole rows'."""
         w = linear.weight.detach()
         out = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype, w.device)
-        qweight, scale = quantize_weight(w)
+        qweight, scale = quantize_weight(w, reduce)
         out.weight.data, out.weight_scale.data = qweight, scale
         if linear.bias is not None:
             out.bias.data = linear.bias.detach()
@@ -106,8 +107,9 @@ def quantize_model(model: nn.Module, only: set[str] | None = None) -> int:
     names = [
         n for n, m in model.named_modules() if _quantizable(n, m) and id(m) not in heads and (only is None or n in only)
     ]
+    tp = getattr(getattr(model, "backend", None), "tp", None)
     for name in names:
-        _replace(model, name, Fp8Linear.quantized(model.get_submodule(name)))
+        _replace(model, name, Fp8Linear.quantized(model.get_submodule(name), row_max(tp, name)))
     return len(names)
 
 

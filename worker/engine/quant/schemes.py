@@ -30,7 +30,9 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import torch
@@ -57,10 +59,14 @@ class Int8Weight:
         return self.qweight.float() * self.scale[:, None]
 
 
-def quantize_int8(weight: torch.Tensor) -> Int8Weight:
-    """Symmetric per-output-channel int8 of an [out, in] weight (an all-zero row gets scale 1)."""
+def quantize_int8(weight: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Int8Weight:
+    """Symmetric per-output-channel int8 of an [out, in] weight (an all-zero row gets scale 1). reduce: the
+    rows' max |w| over the tensor-parallel ranks, for a row-parallel shard (each rank holds part of each row):
+    the scale is then the whole row's, and the shard's codes the unsharded codes' slice."""
     w = weight.detach().float()
     amax = w.abs().amax(dim=1)
+    if reduce is not None:
+        amax = reduce(amax)
     scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
     q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return Int8Weight(q, scale.contiguous())
@@ -154,10 +160,13 @@ def apply_int8(model: nn.Module, directory: str, cache_dir: str | None = None, w
     backends/cpu_linear.py packs for the C++ kernel; w8a8 also marks it (`w8a8 = True`) to round its input per
     token and group to int8 (the W8A8 kernel). Returns the cache file's path (None: no cache)."""
     linears = quantizable_linears(model)
-    path = _cache_path(directory, model, cache_dir)
+    tp = getattr(getattr(model, "backend", None), "tp", None)
+    # no cache under tensor parallelism: every rank would have to hit or miss it alike (quantizing a shard
+    # takes a collective per row-parallel linear), and a shard quantizes in a fraction of the model's second
+    path = _cache_path(directory, model, cache_dir) if tp is None else None
     quantized = _read_cache(path, linears) if path and os.path.isfile(path) else None
     if quantized is None:
-        quantized = {name: quantize_int8(m.weight) for name, m in linears.items()}
+        quantized = {name: quantize_int8(m.weight, row_max(tp, name)) for name, m in linears.items()}
         if path:
             _write_cache(path, quantized)
     embed = getattr(model, "embed_tokens", None)
@@ -171,6 +180,15 @@ def apply_int8(model: nn.Module, directory: str, cache_dir: str | None = None, w
         linear.w8a8 = w8a8
     log.info("quantized", scheme="w8a8" if w8a8 else "int8", linears=len(linears), cache=path)
     return path
+
+
+def row_max(tp: Any, name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A row-parallel shard's reduction of its rows' max |w| over the ranks (None: its rows are whole)."""
+    from worker.engine.parallel.shard import ROW_PARALLEL
+
+    if tp is None or name.rpartition(".")[2] not in ROW_PARALLEL:
+        return None
+    return lambda amax: tp.all_reduce(amax, torch.distributed.ReduceOp.MAX)
 
 
 def _cache_path(directory: str, model: nn.Module, cache_dir: str | None) -> str | None:
