@@ -3,10 +3,10 @@ its final request JSON written to a spool file on disk, so memory stays flat in 
 
 The whole file must be valid before anything is written to Redis (one bad line refuses the batch), and the
 record needs the line count; keeping the parsed lines in memory took ~3 KB a line (3 GB for a million lines).
-The spool holds what pass 2 sends: one line per request, `json(custom_id) request_json`, read back without
-parsing or validating the request again (producer/batches.py submit_batch, producer/submit_pipe.py). The
-gateway's upload writes the same spool beside the file as it streams in (spool_writer), and its submit task
-opens it (open_spool): the file is validated once, in the upload.
+The spool holds what pass 2 sends: one line per request, `json(custom_id) json(model) request_json` (model ''
+= none), read back without parsing or validating the request again (producer/batches.py submit_batch,
+producer/submit_pipe.py). The gateway's upload writes the same spool beside the file as it streams in
+(spool_writer), and its submit task opens it (open_spool): the file is validated once, in the upload.
 """
 from __future__ import annotations
 
@@ -44,16 +44,21 @@ class Spooled:
     input_file: str | None
     spool: IO[str]
     priority: str = Priority.bulk
+    models: set[str] | None = None  # the models its lines name ('' = none); None: not known
 
-    def requests(self) -> Iterator[tuple[str, str]]:
-        """(custom_id, request JSON) of each line, in input order; InvalidBatch at the end when the spool holds
-        another count than `total` (a spool changed since it was written: the caller removes what it sent)."""
+    def requests(self) -> Iterator[tuple[str, str, str]]:
+        """(custom_id, model ('' = none), request JSON) of each line, in input order; InvalidBatch at the end
+        when the spool holds another count than `total` (a spool changed since it was written: the caller
+        removes what it sent)."""
         self.spool.seek(0)
         count = 0
         for line in self.spool:
             count += 1
             custom_id, end = _unquote(line, 1)
-            yield custom_id, line[end + 1 : -1]
+            model = ""
+            if line[end + 1] == '"':  # a spool written before models has none: its request JSON follows
+                model, end = _unquote(line, end + 2)
+            yield custom_id, model, line[end + 1 : -1]
         if count != self.total:
             raise InvalidBatch(f"the validated requests changed since they were written: the spool holds {count} "
                                f"requests, not {self.total}")
@@ -87,23 +92,28 @@ def spool_batch(
         spool.close()
         raise
     spool.flush()
-    return Spooled(reader.endpoint or "", reader.requests, name_of(source), spool, Priority(priority).value)
+    return Spooled(reader.endpoint or "", reader.requests, name_of(source), spool, Priority(priority).value,
+                   reader.models)
 
 
 def spool_writer(spool: IO[str]) -> Callable[[int, str, JobRequest, str], None]:
-    """A BatchFileReader's on_request that writes each valid line to `spool` as `json(custom_id) request_json`."""
+    """A BatchFileReader's on_request that writes each valid line to `spool` as `json(custom_id) json(model)
+    request_json`."""
     write = spool.write
 
-    def keep(_line: int, custom_id: str, _request: JobRequest, request_json: str) -> None:
-        write(f"{_quote(custom_id)} {request_json}\n")
+    def keep(_line: int, custom_id: str, request: JobRequest, request_json: str) -> None:
+        write(f"{_quote(custom_id)} {_quote(request.model or '')} {request_json}\n")
 
     return keep
 
 
-def open_spool(path: str | Path, endpoint: str, total: int, priority: str, input_file: str | None = None) -> Spooled:
+def open_spool(path: str | Path, endpoint: str, total: int, priority: str, input_file: str | None = None,
+               models: Iterable[str] | None = None) -> Spooled:
     """A spool written already (spool_writer, the gateway's upload) of `total` requests of `endpoint`, whose
-    requests were validated with `priority` set: sent as they are, nothing parsed or validated again."""
-    return Spooled(endpoint, total, input_file, Path(path).open(encoding="utf-8"), Priority(priority).value)
+    requests were validated with `priority` set (and name `models`): sent as they are, nothing parsed or
+    validated again."""
+    return Spooled(endpoint, total, input_file, Path(path).open(encoding="utf-8"), Priority(priority).value,
+                   set(models) if models is not None else None)
 
 
 def name_of(source: str | Path | Iterable[str]) -> str | None:

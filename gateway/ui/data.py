@@ -207,5 +207,18 @@ def workers(info: QueueInfo) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (not r["alive"], r["name"]))
 
 
+def models(info: QueueInfo, rates: dict[str, float]) -> list[dict[str, Any]]:
+    """Each model as the overview shows it: queued (not picked up yet), running, live workers, jobs/s, and
+    whether its jobs wait with no live worker."""
+    running: dict[str, int] = {}
+    for w in info.workers:
+        if w.alive and w.heartbeat:
+            for mid in w.heartbeat.served():
+                running[mid] = running.get(mid, 0) + w.heartbeat.running
+    return [{"id": m.id or "(default queues)", "default": m.default, "queued": max(0, m.queue_depth - m.pending),
+             "running": running.get(m.id, 0), "workers": m.workers, "jobs_s": rates.get(m.id, 0.0),
+             "unserved": m.unserved} for m in info.models]
+
+
 def valid_job_id(job_id: str) -> bool:
     return bool(JOB_ID_RE.match(job_id))

@@ -38,7 +38,7 @@ async def overview(request: Request, sess: Current, fragment: bool = False) -> H
         samples.record(ctx, info)
         alive = [w for w in info.workers if w.alive]
         return {"info": info, "alive": len(alive), "batches": ctx.redis.zcard(ctx.gkeys.batches(sess.owner)),
-                "series": samples.series(ctx)}
+                "series": samples.series(ctx), "models": data.models(info, samples.model_rates(ctx))}
 
     values = await run_in_threadpool(read)
     s = values["series"]

@@ -59,6 +59,7 @@ class Engine:
         self.model_path = spec.model_path  # "native" or "transformers"
         self.causal = getattr(arch, "causal", True)  # False: an encoder (bidirectional attention, embeddings only)
         self.model_name = cfg.model
+        self.checkpoint = loader.checkpoint_id(cfg.model, spec.hf_config)  # which weights (the registry's check)
         self.tokenizer = loader.load_tokenizer(spec.source)
         self.eos_token_ids = loader.load_generation_eos(spec.source, spec.hf_config, self.tokenizer)
         # tensor parallelism (worker/engine/parallel/): this process is rank 0; the other ranks start here
