@@ -79,13 +79,7 @@ async def _complete(request: Request, who: str, endpoint: str) -> Any:
         raise invalid(problem, param="max_tokens", code="max_tokens_too_large")
     job_request = job_request.model_copy(update={"stream": stream})
     timeout = ctx.settings.completion_timeout_s
-    # 429 before anything is queued when this key has too much in flight (live/quotas.py)
-    lease = ctx.quotas.acquire(who, stream, request_tokens(job_request), hold_s=timeout + 60)
-    try:
-        job_id = await run_in_threadpool(submit, ctx, who, endpoint, job_request)
-    except BaseException:
-        ctx.quotas.release(lease)
-        raise
+    job_id, lease = await leased_submit(ctx, who, endpoint, job_request, timeout)
     headers = {"x-tokenbus-job-id": job_id}
     if stream:
         handled: list[bool] = []  # the generator's finally ran
@@ -99,6 +93,18 @@ async def _complete(request: Request, who: str, endpoint: str) -> Any:
     if isinstance(job, JSONResponse):
         return job
     return JSONResponse(response_body(job, endpoint), headers=headers)
+
+
+async def leased_submit(ctx: GatewayContext, who: str, endpoint: str, job_request: JobRequest,
+                        timeout: float) -> tuple[str, Any]:
+    """The key's quota lease (429 before anything is queued when it has too much in flight: live/quotas.py),
+    then the job queued; (its id, the lease)."""
+    lease = ctx.quotas.acquire(who, job_request.stream, request_tokens(job_request), hold_s=timeout + 60)
+    try:
+        return await run_in_threadpool(submit, ctx, who, endpoint, job_request), lease
+    except BaseException:
+        ctx.quotas.release(lease)
+        raise
 
 
 def invalid_body(err: InvalidJob) -> APIError:

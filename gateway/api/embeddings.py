@@ -13,11 +13,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from gateway.api.completions import invalid_body, submit, wait_finished
+from gateway.api.completions import invalid_body, leased_submit, wait_finished
 from gateway.auth import owner
 from gateway.http import get_ctx, json_body
 from producer import vectors
-from producer.batch_file import request_tokens
 from producer.openai_batch import EMBEDDINGS, body_request
 from protocol.errors import InvalidJob
 
@@ -33,13 +32,7 @@ async def embeddings(request: Request, who: str = Depends(owner)) -> Any:
     except InvalidJob as err:
         raise invalid_body(err) from None
     timeout = ctx.settings.completion_timeout_s
-    # 429 before anything is queued when this key has too much in flight (live/quotas.py)
-    lease = ctx.quotas.acquire(who, False, request_tokens(job_request), hold_s=timeout + 60)
-    try:
-        job_id = await run_in_threadpool(submit, ctx, who, EMBEDDINGS, job_request)
-    except BaseException:
-        ctx.quotas.release(lease)
-        raise
+    job_id, lease = await leased_submit(ctx, who, EMBEDDINGS, job_request, timeout)
     job = await wait_finished(ctx, request, job_id, lease, timeout)
     if isinstance(job, JSONResponse):
         return job
