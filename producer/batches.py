@@ -118,7 +118,7 @@ def _submit_spooled(client: ClientApi, spooled: Spooled, batch_id: str | None, e
     progress = None if on_progress is None else (lambda n: on_progress("enqueue", n, total))
     with SubmitPipe(client.redis, k, client.max_queue_len, client.result_ttl, on_chunk=progress) as pipe:
         add = pipe.add_job
-        for i, (custom_id, model, request_json) in enumerate(spooled.requests()):
+        for i, custom_id, model, request_json in spooled.requests():  # in prefix order (producer/prefix_order.py)
             add(batch_job_id(batch_id, i), request_json, batch_id, custom_id, priority, model)
         pipe.close()
     scripts.script(scripts.START_BATCH)(keys=[k.batch(batch_id)], args=[time.time()], client=client.redis)

@@ -106,6 +106,8 @@ class StaticDecode:
         w = self.widths.pick(b, max(len(s.block_table) for s in batch.seqs))
         step = self.inputs.prepare(batch, pad_to=b, width=w, ahead=ahead)
         step.width = w
+        if (b, w) in self.graphs:  # the graph replays the plain decode it captured (worker/engine/cascade.py)
+            step.meta.cascade = None
         return step
 
     def execute(self, step: PreparedStep) -> torch.Tensor:

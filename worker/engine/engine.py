@@ -21,6 +21,7 @@ import torch
 from protocol.priority import Priority, rank_of
 from worker.engine import loader, model_setup, pooling, prompts
 from worker.engine.block_manager import BlockManager
+from worker.engine.cascade import CascadePlanner
 from worker.engine.config import EngineConfig, bulk_min_seats
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.embedding import embeddings_for, refuse_kind
@@ -110,6 +111,8 @@ class Engine:
         self.quantized_cache, self.max_num_seqs, self.cuda_graphs = setup.quantized_cache, setup.max_num_seqs, \
             setup.cuda_graphs
         self.block_manager = BlockManager(setup.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        # the step channel does not carry a cascade layout to the other ranks yet: off under tensor parallelism
+        self.cascade = CascadePlanner(self.block_manager, cfg.cascade_attention if self.parallel is None else "off")
         self.stop_checker = StopChecker(self.eos_token_ids)
         self.guided = GuidedDecoding(self.tokenizer, spec.arch.vocab_size, self.eos_token_ids, self.device)
         self.scheduler = Scheduler(self.block_manager, self.stop_checker, self.max_num_seqs,
@@ -124,7 +127,7 @@ class Engine:
                                                              setup.num_blocks * cfg.block_size)
         pooler = pooling.Pooler(self.embeddings.pooling) if self.embeddings is not None else None
         self.runner = model_setup.make_runner(setup, cfg, self.device, self.max_model_len, self.sampler, self.guided,
-                                              pooler)
+                                              pooler, self.cascade)
         self.weight_bytes = [setup.weight_bytes]  # per rank
         if self.parallel is not None:
             self.weight_bytes = tp.gather_ints(setup.weight_bytes)
@@ -360,7 +363,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
-        pc = bm.stats
+        pc, cs = bm.stats, self.cascade.stats
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), free_blocks=bm.num_free,
             used_blocks=bm.num_used, total_blocks=bm.num_blocks, preemptions=self.scheduler.num_preemptions,
@@ -368,6 +371,8 @@ class Engine:
             prefix_queried_tokens=pc.queried_tokens, prefix_hit_tokens=pc.hit_tokens,
             prefix_queried_blocks=pc.queried_blocks, prefix_hit_blocks=pc.hit_blocks,
             prefix_evictions=pc.evictions, forking=sum(len(f) for f in self.forks.values()),
+            cascade_steps=cs.steps, cascade_groups=cs.groups, cascade_grouped_rows=cs.grouped_rows,
+            decode_kv_tokens_read=cs.kv_tokens_read, decode_kv_tokens_plain=cs.kv_tokens_plain,
             **(self.loras.stats() if self.loras is not None else {}),
         )
 

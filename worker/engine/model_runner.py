@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from worker.engine import kv_cache
+from worker.engine.cascade import CascadePlanner
 from worker.engine.cuda_graphs import StaticDecode
 from worker.engine.guided import GuidedDecoding
 from worker.engine.lora.layer import LoraState
@@ -33,6 +34,7 @@ class ModelRunner:
         self, model: LlamaForCausalLM, sampler: Sampler | None, num_blocks: int, block_size: int,
         device: torch.device, kv_dtype: torch.dtype, max_num_seqs: int, max_model_len: int,
         static_decode: bool = False, guided: GuidedDecoding | None = None, pooler: Pooler | None = None,
+        cascade: CascadePlanner | None = None,
     ) -> None:
         self.model = model
         self.guided = guided
@@ -48,7 +50,8 @@ class ModelRunner:
         # moves that cost out of serving
         self.kv_caches = kv_cache.allocate(arch, num_blocks + 1, block_size, kv_dtype, device)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.inputs = StepInputs(max_num_seqs, self.max_blocks_per_seq, block_size, self.pad_block, device)
+        self.inputs = StepInputs(max_num_seqs, self.max_blocks_per_seq, block_size, self.pad_block, device,
+                                 cascade)
         # pure decode steps padded to fixed shapes (cuda_graphs.py); capture() turns them into graph replays
         self.static = StaticDecode(model, self.kv_caches, self.inputs, max_num_seqs) if static_decode else None
         # rank 0 of a tensor-parallel worker: each step's inputs go to the other ranks through it (parallel/)

@@ -151,11 +151,12 @@ def _cuda_kv_budget(setup: ModelSetup, cfg: EngineConfig, max_model_len: int, de
 
 
 def make_runner(setup: ModelSetup, cfg: EngineConfig, device: torch.device, max_model_len: int,
-                sampler: Any = None, guided: Any = None, pooler: Any = None) -> ModelRunner:
+                sampler: Any = None, guided: Any = None, pooler: Any = None, cascade: Any = None) -> ModelRunner:
     """The rank's ModelRunner (KV cache allocated); on CUDA warmed up (and its graphs captured). pooler: rank
-    0's, when the engine embeds."""
+    0's, when the engine embeds; cascade: its CascadePlanner (worker/engine/cascade.py)."""
     runner = ModelRunner(setup.model, sampler, setup.num_blocks, cfg.block_size, device, setup.kv_dtype,
-                         setup.max_num_seqs, max_model_len, setup.static_decode, guided=guided, pooler=pooler)
+                         setup.max_num_seqs, max_model_len, setup.static_decode, guided=guided, pooler=pooler,
+                         cascade=cascade)
     if setup.loras is not None:  # before the graphs are captured: they take the adapter rows as inputs
         runner.use_lora(setup.loras.state, cfg.max_loras)
     if device.type == "cuda":

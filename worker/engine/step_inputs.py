@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from worker.engine.attention_metadata import AttentionMetadata
+from worker.engine.cascade import CascadePlanner
 from worker.engine.lora.layer import LoraBatch
 from worker.engine.pooling import PooledRows
 from worker.engine.scheduler import Ahead, ScheduledBatch
@@ -61,8 +62,9 @@ class PreparedStep:
 
 class StepInputs:
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, pad_block: int,
-                 device: torch.device) -> None:
+                 device: torch.device, cascade: CascadePlanner | None = None) -> None:
         self.block_size = block_size
+        self.cascade = cascade  # decode rows sharing a cached prefix: the step's layout (cascade.py)
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
         self.pad_block = pad_block
@@ -233,6 +235,8 @@ class StepInputs:
                                              (width or self.max_blocks_per_seq) if pad_to is not None else None)
             if has_decode else None,
             decode_seq_lens=ints[s_dlens] if has_decode else None,
+            cascade=self.cascade.layout(decode, decode_lens, len(decode_lens), self.device)
+            if self.cascade is not None and has_decode else None,
         )
         sample_index = longs[s_sample] if len(all_sample) else None
         input_ids, positions = longs[s_ids], longs[s_pos]

@@ -1,7 +1,8 @@
 """CpuBackend: how a step runs on the CPU in float32 — the whole fast path in one place.
 
     attention, KV write   C++ kernels (kernels/csrc/cpu_*attention*.cpp) over a float32, bfloat16 or int8 cache: a
-                          decode step's, and a prompt chunk's causal attention (tiles of query tokens per block)
+                          decode step's (a cascade where rows share a prefix: kernels/cascade.py), and a prompt
+                          chunk's causal attention (tiles of query tokens per block)
     norms, SiLU·mul, RoPE one C++ pass each, in place where the layer allows it
     linear layers         CpuLinear (cpu_linear.py): a panel GEMV for decode-sized batches, oneDNN above
     a pure decode step    all decoder layers in one C++ call (cpu_decode.py), the same kernels in the same
@@ -19,7 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from worker.engine.backends.cpu_decode import FusedDecodeLayers
+from kernels.cascade import CascadeLayout
+from worker.engine.backends.cpu_decode import FusedDecodeLayers, cascade_tensors
 from worker.engine.backends.cpu_linear import PANEL_MAX_ROWS, use_cpu_linears
 from worker.engine.backends.reference import ReferenceBackend
 
@@ -56,9 +58,13 @@ class CpuBackend(ReferenceBackend):
             super().write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int = 0,
-                         softcap: float = 0.0) -> torch.Tensor:
+                         softcap: float = 0.0, cascade: CascadeLayout | None = None) -> torch.Tensor:
         if not self._takes(q, k_cache):
-            return super().decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
+            return super().decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap,
+                                            cascade)
+        if cascade is not None:  # rows sharing a prefix read it once (csrc/cpu_cascade_attention.cpp)
+            return self.ext.cascade_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens,
+                                                         *cascade_tensors(cascade), scale, window, softcap)
         return self.ext.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, window,
                                                    softcap)
 

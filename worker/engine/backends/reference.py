@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kernels.cascade import CascadeLayout, cascade_decode_attention_ref
 from kernels.reference import (
     add_rms_norm_ref,
     gelu_ref,
@@ -59,9 +60,13 @@ class ReferenceBackend:
         write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
     # window: the layer's sliding window (0 = none); softcap: attention-logit soft-capping (0 = none);
+    # cascade: the step's groups of rows sharing a prefix (kernels/cascade.py), None = plain decode
     # causal False (prefill): every query sees all its sequence's keys (an encoder's bidirectional attention)
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int = 0,
-                         softcap: float = 0.0) -> torch.Tensor:
+                         softcap: float = 0.0, cascade: CascadeLayout | None = None) -> torch.Tensor:
+        if cascade is not None:
+            return cascade_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cascade, scale, window,
+                                                softcap)
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
 
     def prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cascade import CascadeLayout
 from worker.engine.backends.reference import ReferenceBackend
 
 
@@ -14,6 +15,7 @@ class TritonBackend(ReferenceBackend):
     def __init__(self, interpreted: bool = False) -> None:
         # imported here, not at module level: Triton must see TRITON_INTERPRET before these modules load
         from kernels.activation import gelu_tanh_and_mul_triton, silu_and_mul_triton
+        from kernels.cascade_attention import cascade_decode_attention_triton
         from kernels.decode_attention import DecodeWorkspace, num_sms, paged_decode_attention_triton
         from kernels.kv_write import write_kv_triton
         from kernels.lora import lora_expand_triton, lora_shrink_triton
@@ -25,6 +27,7 @@ class TritonBackend(ReferenceBackend):
         self.name = "triton-interpreter" if interpreted else "triton"
         self._write_kv = write_kv_triton
         self._decode = paged_decode_attention_triton
+        self._cascade = cascade_decode_attention_triton
         self._prefill = paged_prefill_attention_triton
         self._rms_norm = rms_norm_triton
         self._add_rms_norm = add_rms_norm_triton
@@ -57,7 +60,10 @@ class TritonBackend(ReferenceBackend):
         self._write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int = 0,
-                         softcap: float = 0.0) -> torch.Tensor:
+                         softcap: float = 0.0, cascade: CascadeLayout | None = None) -> torch.Tensor:
+        if cascade is not None:  # rows sharing a prefix read it once (kernels/cascade_attention.py)
+            return self._cascade(q, k_cache, v_cache, block_tables, seq_lens, cascade, scale,
+                                 workspace=self.decode_workspace, window=window, softcap=softcap)
         return self._decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace=self.decode_workspace,
                             window=window, softcap=softcap)
 
