@@ -56,6 +56,8 @@ ENGINE_HELP = {
     "max_loras": "LoRA adapter slots on the device (0 = LoRA off); docs/adapters.md",
     "max_lora_rank": "the largest LoRA rank a slot holds (memory per slot grows with it)",
     "max_cpu_loras": "LoRA adapters kept in host memory for reloading into slots; unset = max_loras",
+    "cascade_attention": "decode rows sharing a cached prefix read it once per step: 'auto' (where the cost rule "
+    "says it pays), 'on' (every such row), 'off'",
 }
 
 

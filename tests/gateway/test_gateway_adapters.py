@@ -54,6 +54,7 @@ def stack(tmp_path_factory):
         dep.procs["worker"] = Proc("worker", [
             "-m", "worker", "--model", base, "--served-model-name", BASE, "--worker-name", "lora-worker",
             "--lora", f"judge={paths['judge']}", "--lora", f"writer={paths['writer']}", "--max-loras", "2",
+            "--lora", f"ghost={tmp / 'no-such-dir'}",  # refused at start; the worker serves the rest
             "--kv-cache-gb", "0.05", "--heartbeat-s", "0.3", *flags], env, tmp)
         dep.procs["gateway"] = Proc("gateway", ["-m", "gateway", "serve"], env, tmp)
         dep.procs["tasks"] = Proc("tasks", ["-m", "gateway", "tasks"], env, tmp)
@@ -130,6 +131,9 @@ def test_tokenbus_adapters_add_and_remove_are_confirmed_by_the_heartbeat(stack):
     dep, _base, paths, env, tmp = stack
     from producer import Client
     from protocol.errors import ModelNotFound
+
+    ghost = heartbeat(dep)["adapter_errors"]["ghost"]  # the flag refused at start, naming adapter and file
+    assert ghost.startswith("LoRA adapter 'ghost'") and "adapter_config.json: missing" in ghost, ghost
 
     broken = tmp / "broken"
     broken.mkdir()
