@@ -217,7 +217,8 @@ def format_model(m: ModelInfo) -> str:
     aliases = ",".join(n for n in m.names if n != m.id)
     return (f"{name:<24} depth={m.queue_depth} pending={m.pending} workers={m.workers} "
             + " ".join(f"{p}={n}" for p, n in m.by_priority.items())
-            + (f" kind={m.kind}" if m.kind else "") + (f" aliases={aliases}" if aliases else "") + flags)
+            + (f" kind={m.kind}" if m.kind else "") + (f" parent={m.parent}" if m.parent else "")
+            + (f" aliases={aliases}" if aliases else "") + flags)
 
 
 def _models(c: Client, a: argparse.Namespace) -> int:

@@ -150,6 +150,10 @@ def test_tokenbus_adapters_add_and_remove_are_confirmed_by_the_heartbeat(stack):
     assert sorted(beat["adapters"]) == ["judge", "late", "writer"] and "late" in beat["models"]
     listed = cli(env, "list").stdout
     assert "late  base=tiny  added  workers=1" in listed and "broken  base=tiny  added  workers=0" in listed
+    models = subprocess.run([sys.executable, "-m", "producer", "models", "list"], cwd=str(ROOT), env=env,
+                            capture_output=True, text=True, timeout=60).stdout
+    assert any(line.startswith("late ") and "workers=1" in line and "parent=tiny" in line
+               for line in models.splitlines()), models
 
     with Client(dep.redis.url) as c:
         job = c.wait(c.submit("Hi", model="late", max_tokens=3, temperature=0.0), timeout=60)
