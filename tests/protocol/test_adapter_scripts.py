@@ -69,6 +69,8 @@ def test_remove_retires_the_adapter_and_leaves_a_tombstone_once(make_client):
     with pytest.raises(TokenbusError, match="1 jobs in its queues"):
         adapters.remove(c.redis, K, "tuned")
     assert c.redis.hexists(K.models, "tuned")
+    with pytest.raises(TokenbusError, match=r"base of LoRA adapters \['tuned'\]"):
+        models.remove(c.redis, K, "base")
     with pytest.raises(TokenbusError, match="tokenbus adapters remove tuned"):
         models.remove(c.redis, K, "tuned", force=True)  # the workers would never hear of it
     c.cancel(job)
