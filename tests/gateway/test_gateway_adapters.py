@@ -96,6 +96,8 @@ def test_the_sdk_batch_names_two_adapters_and_the_base_and_gets_each_ones_tokens
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="no-such-adapter", messages=[{"role": "user", "content": "hi"}])
     assert err.value.code == "model_not_found"
+    chat = client.chat.completions.create(model="writer", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert chat.model == "writer"
 
     models = ["judge", "writer", BASE]
     lines = [json.dumps({"custom_id": f"{i}-{m}", "method": "POST", "url": "/v1/chat/completions",
