@@ -50,7 +50,8 @@ def add(r: redis.Redis, keys: Keys, name: str, aliases: Iterable[str] = (), kind
         context_length: int | None = None, make_default: bool = False) -> ModelRecord:
     """Declare a model by hand (no checkpoint yet: the first worker serving it sets it)."""
     names = [check_model_name(n) for n in dict.fromkeys([name, *aliases])]
-    record = ModelRecord(id=names[0], names=names, kind=ModelKind(kind), context_length=context_length,
+    record = ModelRecord(id=names[0], names=names, kind=ModelKind(kind), kinds=[ModelKind(kind)],
+                         context_length=context_length,
                          declared_at=time.time(), declared_by="operator")
     served = scripts.declare_model(r, keys, record)
     if make_default:

@@ -1,4 +1,6 @@
-"""OpenAI Batch API lines <-> tokenbus jobs: input line -> JobRequest dict, job -> output line."""
+"""OpenAI Batch API lines <-> tokenbus jobs: input line -> JobRequest dict, job -> output line. An /v1/embeddings
+body is an embedding job (protocol/embeddings.py); its output line's body is OpenAI's embeddings response, made
+from the job's vectors (producer/vectors.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from producer.vectors import embeddings_response
 from protocol.errors import InvalidJob
 from protocol.models import (
     GenerationParams,
@@ -22,6 +25,7 @@ from protocol.priority import Priority
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
 
 # Body fields passed through under the same name: every generation field (OpenAI's and the engine's extras,
 # as vLLM accepts them) but logprobs, whose OpenAI meaning differs per endpoint (mapped below).
@@ -30,6 +34,8 @@ _IGNORED = {"user"}  # accepted, no effect on generation
 _CHAT_FIELDS = _SAME_NAME | _IGNORED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "stream",
                                         "metadata"}
 _COMPLETION_FIELDS = _SAME_NAME | _IGNORED | {"prompt", "logprobs", "stream", "echo", "best_of", "suffix"}
+# OpenAI's embeddings body, plus tokenbus's truncate and embedding_dtype (how the vectors are kept in Redis)
+_EMBED_FIELDS = {"input", "model", "encoding_format", "dimensions", "truncate", "embedding_dtype", "metadata"}
 
 
 class InputLine(BaseModel):
@@ -39,12 +45,12 @@ class InputLine(BaseModel):
 
     custom_id: str
     method: Literal["POST"]
-    url: Literal["/v1/chat/completions", "/v1/completions"]
+    url: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
     body: dict[str, Any]
 
 
 _UNPARSED = object()
-_URLS = (CHAT, COMPLETIONS)
+_URLS = (CHAT, COMPLETIONS, EMBEDDINGS)
 
 
 def parse_line(text: str, raw: Any = _UNPARSED, overrides: dict[str, Any] | None = None
@@ -97,7 +103,8 @@ def body_request(url: str, body: dict[str, Any]) -> JobRequest:
 def _body_request(url: str, body: dict[str, Any], overrides: dict[str, Any] | None) -> tuple[JobRequest, str]:
     if not isinstance(body, dict):
         raise InvalidJob(f"body: a request body must be a JSON object, got {type(body).__name__}")
-    fields = _chat_fields(body) if url == CHAT else _completion_fields(body)
+    fields = _chat_fields(body) if url == CHAT else _embedding_fields(body) if url == EMBEDDINGS else \
+        _completion_fields(body)
     if overrides:
         fields.update(overrides)
     try:
@@ -173,6 +180,13 @@ def _message(i: int, m: Any) -> Any:
     return m
 
 
+def _embedding_fields(body: dict[str, Any]) -> dict[str, Any]:
+    _check_known(body, _EMBED_FIELDS | _IGNORED, EMBEDDINGS)
+    if "input" not in body:
+        raise InvalidJob("body.input: required for /v1/embeddings")
+    return {k: v for k, v in body.items() if k in _EMBED_FIELDS}
+
+
 def _completion_fields(body: dict[str, Any]) -> dict[str, Any]:
     _check_known(body, _COMPLETION_FIELDS, COMPLETIONS)
     fields = _common(body)
@@ -199,8 +213,9 @@ def _completion_fields(body: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def output_line(job: Job | None, job_id: str, endpoint: str) -> dict[str, Any]:
-    """The OpenAI Batch output line for one ended job (or one whose record expired)."""
+def output_line(job: Job | None, job_id: str, endpoint: str, vectors: bytes | None = None) -> dict[str, Any]:
+    """The OpenAI Batch output line for one ended job (or one whose record expired); vectors: an embedding
+    job's (producer/vectors.read_blobs)."""
     if job is None:
         return {"id": f"batch_req_{job_id}", "custom_id": None, "response": None,
                 "error": {"code": "expired", "message": f"the record of job {job_id} expired (result_ttl)"}}
@@ -209,11 +224,16 @@ def output_line(job: Job | None, job_id: str, endpoint: str) -> dict[str, Any]:
         code = job.error_code or ("cancelled" if job.status == JobStatus.cancelled else "failed")
         message = job.error or f"job ended with status {job.status.value}"
         return line | {"response": None, "error": {"code": code, "message": message}}
-    response = {"status_code": 200, "request_id": job.id, "body": response_body(job, endpoint)}
+    if endpoint == EMBEDDINGS and vectors is None:
+        return line | {"response": None, "error": {"code": "expired", "message": f"the vectors of job {job_id} "
+                                                   "are gone from Redis (expired, or dropped after an export)"}}
+    response = {"status_code": 200, "request_id": job.id, "body": response_body(job, endpoint, vectors)}
     return line | {"response": response, "error": None}
 
 
-def response_body(job: Job, endpoint: str) -> dict[str, Any]:
+def response_body(job: Job, endpoint: str, vectors: bytes | None = None) -> dict[str, Any]:
+    if endpoint == EMBEDDINGS:
+        return embeddings_response(job, vectors)
     result = job.result
     model = result.model or (job.request or {}).get("model") or "unknown"
     created = int(job.finished_at or job.created_at or 0)

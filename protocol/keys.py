@@ -168,6 +168,10 @@ class Keys:
     def job(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}"
 
+    def vectors(self, job_id: str) -> str:
+        """String: an embedding job's vectors, raw little-endian bytes (protocol/embeddings.py); the record's TTL."""
+        return f"{self.prefix}:job:{job_id}:vectors"
+
     def tokens(self, job_id: str) -> str:
         """Stream of a `stream: true` job's partial output: entries {offset, token_ids (JSON), text, done}."""
         return f"{self.prefix}:job:{job_id}:tokens"

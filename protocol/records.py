@@ -53,6 +53,7 @@ class Heartbeat(BaseModel):
     model: str | None = None  # the id of the model it serves (before models: its --model value)
     models: list[str] = Field(default_factory=list)  # the ids of every model whose queues it reads
     serves_default: bool = False  # it reads the default queues too (it serves the default model)
+    kinds: list[str] = Field(default_factory=list)  # the job kinds it serves: generate, embed ([]: generate)
     model_path: str | None = None  # which code runs the model: "native" (tokenbus's) or "transformers" (fallback)
     backend: str | None = None  # which kernels run it: "cpu-cpp", "triton", "triton-interpreter", "torch-reference"
     device: str | None = None  # where: "cpu", "cuda:0"
@@ -121,6 +122,7 @@ class ModelInfo(BaseModel):
     id: str
     names: list[str] = Field(default_factory=list)
     kind: str = ""
+    kinds: list[str] = Field(default_factory=list)  # every job kind its workers serve (generate, embed)
     parent: str | None = None  # a LoRA adapter's base model
     root: str | None = None  # its weights' source (ModelRecord.root)
     default: bool = False  # the namespace's default model: its workers also read the default queues

@@ -13,7 +13,7 @@ import json
 import unicodedata
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from protocol.errors import InvalidJob
 
@@ -66,6 +66,7 @@ class ModelRecord(BaseModel):
     id: str
     names: list[str] = Field(default_factory=list)  # every name that routes to it, the id first
     kind: ModelKind = ModelKind.generate
+    kinds: list[ModelKind] = Field(default_factory=list)  # every job kind it serves ([] from older releases: kind)
     checkpoint: str = ""  # "<short name>#<config fingerprint>" of the weights ('' = declared by hand, none yet)
     context_length: int | None = None
     parent: str | None = None  # a LoRA adapter's base model (its id); None for a base model
@@ -73,6 +74,15 @@ class ModelRecord(BaseModel):
     # value, an adapter's directory (vLLM's model card field of the same name)
     declared_at: float | None = None
     declared_by: str = ""  # the worker that declared it first, or "operator"
+
+    @field_validator("kinds", "names", mode="before")
+    @classmethod
+    def _empty_list(cls, v: object) -> object:
+        return [] if v == {} else v  # Redis's cjson encodes an empty list as {} (DECLARE_MODEL re-encodes records)
+
+    def served_kinds(self) -> list[str]:
+        """The job kinds its workers serve (a record written before kinds: its one kind)."""
+        return [str(k) for k in self.kinds] or [str(self.kind)]
 
     def to_json(self) -> str:
         return self.model_dump_json(exclude_none=True)

@@ -150,8 +150,12 @@ def finish_job(
     now: float | None = None,
     result_ttl: int = DEFAULT_RESULT_TTL,
     group: str = GROUP,
+    vectors: bytes = b"",
 ) -> int:
     """End a job (worker side): 1 ended now, 0 was already terminal (left as is), -1 no record.
+
+    `vectors`: an embedding job's raw vectors, written to keys.vectors(job_id) (with the record's TTL) only when
+    the job ends now.
 
     The stream entry (entry_id in `queue`, '' = the default loose queue; no entry_id: the record's own) is
     acked and deleted in every case. `r` may be a pipeline (then the return value
@@ -162,9 +166,10 @@ def finish_job(
     elif isinstance(result, dict):
         result = JobResult.model_validate(result).model_dump_json()
     status = JobStatus(status)
-    out = _run(r, FINISH_JOB, [keys.job(job_id), queue or keys.queue(), keys.events, keys.cancel, keys.tokens(job_id)],
+    out = _run(r, FINISH_JOB, [keys.job(job_id), queue or keys.queue(), keys.events, keys.cancel, keys.tokens(job_id),
+                               keys.vectors(job_id)],
                [group, entry_id, job_id, status.value, result or "", error or "", error_code or "",
-                now or time.time(), result_ttl, keys.layout, EVENTS_MAXLEN])
+                now or time.time(), result_ttl, keys.layout, EVENTS_MAXLEN, vectors])
     return out if not isinstance(out, int | bytes | str) else int(out)
 
 

@@ -28,7 +28,7 @@ from gateway.live.waiter import ClientGone
 from producer.batch_file import max_tokens_problem, request_tokens
 from producer.openai_batch import CHAT, COMPLETIONS, body_request, response_body
 from protocol.errors import InvalidJob
-from protocol.models import JobRequest, JobStatus
+from protocol.models import Job, JobRequest, JobStatus
 from protocol.priority import Priority
 
 log = structlog.get_logger("tokenbus.gateway")
@@ -74,20 +74,12 @@ async def _complete(request: Request, who: str, endpoint: str) -> Any:
         # off the event loop: a big constraint takes a while to check (a 60,000-entry choice took seconds)
         job_request = await run_in_threadpool(body_request, endpoint, body)
     except InvalidJob as err:
-        message = str(err).removeprefix("body: ").removeprefix("body.")
-        param = message.split(":", 1)[0] if ":" in message.split(" ", 1)[0] else None
-        raise invalid(message, param=param) from None
+        raise invalid_body(err) from None
     if problem := max_tokens_problem(job_request, ctx.settings.max_tokens_limit):
         raise invalid(problem, param="max_tokens", code="max_tokens_too_large")
     job_request = job_request.model_copy(update={"stream": stream})
     timeout = ctx.settings.completion_timeout_s
-    # 429 before anything is queued when this key has too much in flight (live/quotas.py)
-    lease = ctx.quotas.acquire(who, stream, request_tokens(job_request), hold_s=timeout + 60)
-    try:
-        job_id = await run_in_threadpool(submit, ctx, who, endpoint, job_request)
-    except BaseException:
-        ctx.quotas.release(lease)
-        raise
+    job_id, lease = await leased_submit(ctx, who, endpoint, job_request, timeout)
     headers = {"x-tokenbus-job-id": job_id}
     if stream:
         handled: list[bool] = []  # the generator's finally ran
@@ -97,6 +89,36 @@ async def _complete(request: Request, who: str, endpoint: str) -> Any:
         weakref.finalize(events, abandon, ctx, job_id, lease, handled)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers=headers | {"cache-control": "no-cache"})
+    job = await wait_finished(ctx, request, job_id, lease, timeout)
+    if isinstance(job, JSONResponse):
+        return job
+    return JSONResponse(response_body(job, endpoint), headers=headers)
+
+
+async def leased_submit(ctx: GatewayContext, who: str, endpoint: str, job_request: JobRequest,
+                        timeout: float) -> tuple[str, Any]:
+    """The key's quota lease (429 before anything is queued when it has too much in flight: live/quotas.py),
+    then the job queued; (its id, the lease)."""
+    lease = ctx.quotas.acquire(who, job_request.stream, request_tokens(job_request), hold_s=timeout + 60)
+    try:
+        return await run_in_threadpool(submit, ctx, who, endpoint, job_request), lease
+    except BaseException:
+        ctx.quotas.release(lease)
+        raise
+
+
+def invalid_body(err: InvalidJob) -> APIError:
+    """A body the mapping refused, as OpenAI's 400; `param` names the field when the message starts with it."""
+    message = str(err).removeprefix("body: ").removeprefix("body.")
+    param = message.split(":", 1)[0] if ":" in message.split(" ", 1)[0] else None
+    return invalid(message, param=param)
+
+
+async def wait_finished(ctx: GatewayContext, request: Request, job_id: str, lease: Any,
+                        timeout: float) -> Job | JSONResponse:
+    """Wait for a submitted job: the finished job, a 499 once its client has gone (the job cancelled), or its
+    HTTP error (504 after `timeout`: cancelled too). The key's quota lease comes back once the job has ended."""
+    headers = {"x-tokenbus-job-id": job_id}
     try:
         job = await ctx.waiter.wait(job_id, timeout, request.is_disconnected)
     except ClientGone:
@@ -117,4 +139,4 @@ async def _complete(request: Request, who: str, endpoint: str) -> Any:
         err = job_error(job)
         err.headers = headers
         raise err
-    return JSONResponse(response_body(job, endpoint), headers=headers)
+    return job

@@ -25,7 +25,8 @@ def model_object(info: ModelInfo, created: float | None) -> dict[str, Any]:
     `parent` (a LoRA adapter's base model; null for a base), and tokenbus's fields beside them."""
     return {"id": info.id, "object": "model", "created": int(created or 0), "owned_by": "tokenbus",
             "root": info.root or info.id, "parent": info.parent,
-            "workers": info.workers, "kind": info.kind, "aliases": [n for n in info.names if n != info.id],
+            "workers": info.workers, "kind": info.kind, "kinds": info.kinds,
+            "aliases": [n for n in info.names if n != info.id],
             "context_length": info.context_length, "default": info.default, "queued": info.queue_depth,
             "unserved": info.unserved}
 

@@ -19,7 +19,7 @@ from gateway.enqueue import enqueue_submit
 from gateway.errors import APIError, invalid, not_found
 from gateway.webhooks.delivery import check_url, literal_address_problem
 from producer import batches, models
-from producer.openai_batch import CHAT, COMPLETIONS
+from producer.openai_batch import CHAT, COMPLETIONS, EMBEDDINGS
 from protocol.models import describe_validation_error
 
 MAX_METADATA = 16  # OpenAI's limits on metadata
@@ -58,8 +58,8 @@ def parse_create(body: Any) -> CreateBatch:
 
 
 def create(ctx: GatewayContext, owner: str, req: CreateBatch) -> dict[str, Any]:
-    if req.endpoint not in (CHAT, COMPLETIONS):
-        raise invalid(f"endpoint {req.endpoint!r} is not served here; use {CHAT} or {COMPLETIONS}",
+    if req.endpoint not in (CHAT, COMPLETIONS, EMBEDDINGS):
+        raise invalid(f"endpoint {req.endpoint!r} is not served here; use {CHAT}, {COMPLETIONS} or {EMBEDDINGS}",
                       param="endpoint", code="unsupported_endpoint")
     if req.completion_window not in WINDOWS:
         raise invalid(f"completion_window must be one of {', '.join(WINDOWS)} (got {req.completion_window!r})",

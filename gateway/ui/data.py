@@ -217,7 +217,7 @@ def models(info: QueueInfo, rates: dict[str, float]) -> list[dict[str, Any]]:
                 running[mid] = running.get(mid, 0) + w.heartbeat.running
     return [{"id": m.id or "(default queues)", "default": m.default, "queued": max(0, m.queue_depth - m.pending),
              "running": running.get(m.id, 0), "workers": m.workers, "jobs_s": rates.get(m.id, 0.0),
-             "unserved": m.unserved} for m in info.models]
+             "unserved": m.unserved, "kinds": m.kinds} for m in info.models]
 
 
 def valid_job_id(job_id: str) -> bool:

@@ -25,7 +25,7 @@ log = structlog.get_logger("tokenbus.worker")
 
 class ServedModels:
     def __init__(self, keys: Keys, worker: str, model_arg: str, short_name: str, checkpoint: str,
-                 aliases: list[str], context_length: int | None, kind: ModelKind = ModelKind.generate,
+                 aliases: list[str], context_length: int | None, kinds: list[str] | None = None,
                  root: str | None = None) -> None:
         self.keys = keys
         candidates = [*aliases, short_name, model_arg]
@@ -38,7 +38,9 @@ class ServedModels:
                 raise ValueError(f"--served-model-name / model name {name!r} cannot name a model: {problem}")
             else:  # a path with ':' or a long one: jobs name the model by its other names
                 log.info("model_name_skipped", name=name[:210], reason=problem)
-        self.record = ModelRecord(id=names[0], names=names, kind=kind, checkpoint=checkpoint,
+        kinds = [ModelKind(k) for k in kinds or [ModelKind.generate]]
+        # `kind`: what it does first (a model that only embeds is "embed"); `kinds`: every kind it serves
+        self.record = ModelRecord(id=names[0], names=names, kind=kinds[0], kinds=kinds, checkpoint=checkpoint,
                                   context_length=context_length, root=root, declared_at=time.time(),
                                   declared_by=worker)
         self.ids: list[str] = [self.record.id]  # the models whose queues it reads (after declare: the registry's)
@@ -82,4 +84,5 @@ class ServedModels:
         return None if not model or model in self.ids else model
 
     def heartbeat_fields(self) -> dict[str, Any]:
-        return {"model": self.id, "models": [*self.ids, *self.adapter_ids], "serves_default": self.serves_default}
+        return {"model": self.id, "models": [*self.ids, *self.adapter_ids], "serves_default": self.serves_default,
+                "kinds": [str(k) for k in self.record.kinds]}
