@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
+from gateway.settings import owner_id
 from testbed.gateway_procs import (
     KEYS,
     WEBHOOK_SECRET,
@@ -73,14 +74,31 @@ class LightStack(Deployment):
 
         return wait_until(done, timeout, f"batch {batch_id} to reach {statuses}", self.all(), every=0.1)
 
+    def holds(self, who: str) -> int:
+        """The Redis bytes counted against key `who` ("*": everyone) now: its open batches' reservations and its
+        ledger of results kept, the hours not yet ended (gateway/kept_bytes.py)."""
+        r, owner = self.r(), "*" if who == "*" else owner_id(KEYS[who])
+        ledger = r.hgetall(f"{{tokenbus}}:gw:kept-bytes:{owner}")
+        kept = sum(int(v) for hour, v in ledger.items() if int(hour) > time.time())
+        return int(r.hget("{tokenbus}:gw:queued-bytes", owner) or 0) + kept
+
+    def forget_kept(self) -> None:
+        """Empty every key's ledger of results kept, as if they had all expired: a test of the byte limits then
+        starts from what its own calls hold, not from what earlier tests on this stack left for result_ttl."""
+        r = self.r()
+        for ledger in list(r.scan_iter("{tokenbus}:gw:kept-bytes:*")):
+            r.delete(ledger)
+
     def pause(self, name: str) -> None:
         os.kill(self.procs[name].proc.pid, signal.SIGSTOP)
 
     def resume(self, name: str) -> None:
         os.kill(self.procs[name].proc.pid, signal.SIGCONT)
 
-    def end_job(self, job_id: str, *, error_code: str | None = None, text: str = "ok") -> None:
-        """End a queued job as a worker would (start_job then finish_job: the worker's own Lua)."""
+    def end_job(self, job_id: str, *, error_code: str | None = None, text: str = "ok",
+                result: dict[str, Any] | None = None) -> None:
+        """End a queued job as a worker would (start_job then finish_job: the worker's own Lua), with `result`
+        (a JobResult's fields) or a short one saying `text`."""
         from protocol import scripts
         from protocol.keys import Keys
 
@@ -93,7 +111,7 @@ class LightStack(Deployment):
                                error=f"the test worker says {error_code}")
         else:
             scripts.finish_job(r, keys, job_id, "finished", entry_id=entry, queue=queue,
-                               result={"text": text, "finish_reason": "stop", "model": "smollm2-135m"})
+                               result=result or {"text": text, "finish_reason": "stop", "model": "smollm2-135m"})
 
 
 def start_light_stack(tmp: Path) -> LightStack:

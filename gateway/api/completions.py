@@ -4,7 +4,8 @@ The body is mapped to a job exactly as a batch line's body is (producer.openai_b
 same request gives the same job either way. `stream: true` answers with server-sent events made from the
 job's token stream ({ns}:job:{id}:tokens; live/sse.py). Every answer carries the job id in the
 `x-tokenbus-job-id` header. A call that times out (504) or whose client goes has its job cancelled, and the
-key's slot (live/quotas.py) comes back only once that job has really ended (live/cancels.py).
+key's slot (live/quotas.py) comes back only once that job has really ended (live/cancels.py). The bytes a call
+keeps in Redis are reserved against its key before it is queued, and settled once it ends (kept_bytes.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from gateway.auth import owner
 from gateway.context import GatewayContext
 from gateway.errors import APIError, invalid
 from gateway.http import get_ctx, json_body
-from gateway.jobs import job_error, record_ownership
+from gateway.jobs import job_error
+from gateway.kept_bytes import KeptCall, admit, settle
 from gateway.live.sse import abandon, job_events
 from gateway.live.waiter import ClientGone
 from producer.batch_file import max_tokens_problem, request_tokens
@@ -56,14 +58,15 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, bool((options or {}).get("include_usage"))
 
 
-def submit(ctx: GatewayContext, who: str, endpoint: str, request: JobRequest) -> str:
+def submit(ctx: GatewayContext, who: str, endpoint: str, request: JobRequest) -> KeptCall:
     job_id = uuid.uuid4().hex
     # the key's priority comes from the gateway's configuration (key_priorities), never from the request
     request = request.model_copy(update={"priority": Priority(ctx.priorities.get(who, Priority.interactive))})
-    record_ownership(ctx, job_id, who, endpoint)
+    kept = admit(ctx, job_id, who, endpoint, request)  # its bytes against the key's limit, and its ownership: 429
     ctx.client.submit_many([request], job_ids=[job_id])  # validated already (body_request): not again
-    log.info("gateway_job_submitted", job_id=job_id, endpoint=endpoint, owner=who, stream=request.stream)
-    return job_id
+    log.info("gateway_job_submitted", job_id=job_id, endpoint=endpoint, owner=who, stream=request.stream,
+             kept_bytes=kept.most)
+    return kept
 
 
 async def _complete(request: Request, who: str, endpoint: str) -> Any:
@@ -84,14 +87,15 @@ async def _complete(request: Request, who: str, endpoint: str) -> Any:
     # 429 before anything is queued when this key has too much in flight (live/quotas.py)
     lease = ctx.quotas.acquire(who, stream, request_tokens(job_request), hold_s=timeout + 60)
     try:
-        job_id = await run_in_threadpool(submit, ctx, who, endpoint, job_request)
+        kept = await run_in_threadpool(submit, ctx, who, endpoint, job_request)
     except BaseException:
         ctx.quotas.release(lease)
         raise
+    job_id = kept.job_id
     headers = {"x-tokenbus-job-id": job_id}
     if stream:
         handled: list[bool] = []  # the generator's finally ran
-        events = job_events(ctx, job_id, endpoint, job_request.model, include_usage, lease, handled)
+        events = job_events(ctx, job_id, endpoint, job_request.model, include_usage, lease, handled, kept)
         # A client gone before the first chunk: the generator may never start, so its finally never runs;
         # when it is dropped unstarted, the same clean-up runs from here.
         weakref.finalize(events, abandon, ctx, job_id, lease, handled)
@@ -113,6 +117,7 @@ async def _complete(request: Request, who: str, endpoint: str) -> Any:
                             "fewer tokens, or send long work as a batch (/v1/batches)", code="timeout",
                        headers=headers)
     ctx.quotas.release(lease)
+    await run_in_threadpool(settle, ctx, kept, job)
     if job.status != JobStatus.finished or job.result is None:
         err = job_error(job)
         err.headers = headers
