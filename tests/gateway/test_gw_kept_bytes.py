@@ -112,6 +112,10 @@ def test_completions_with_logprobs_count_against_their_key_until_their_results_e
             assert refused.headers["retry-after"]
             assert _chat(light_stack, "bob", HEAVY).status_code == 200, "another key's call is served"
             assert _chat(light_stack, "alice", PLAIN).status_code == 200, "the same call without logprobs fits"
+            streamed = _chat(light_stack, "alice", PLAIN | {"stream": True})
+            assert streamed.status_code == 200 and "[DONE]" in streamed.text
+            ownership = r.hgetall(f"{GW}:job:{streamed.headers['x-tokenbus-job-id']}")
+            assert ownership["settled"] == "1" and int(ownership["kept_bytes"]) < 10_000, ownership
             # Once the hours its results were kept in have passed (as if 8 days went by), they count no more.
             for h, b in _ledger(r, "alice").items():
                 r.hdel(f"{GW}:kept-bytes:{owner_id(KEYS['alice'])}", h)
