@@ -16,7 +16,6 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
-from gateway.settings import owner_id
 from testbed.gateway_procs import (
     KEYS,
     WEBHOOK_SECRET,
@@ -73,14 +72,6 @@ class LightStack(Deployment):
             return b if b.status in statuses else None
 
         return wait_until(done, timeout, f"batch {batch_id} to reach {statuses}", self.all(), every=0.1)
-
-    def holds(self, who: str) -> int:
-        """The Redis bytes counted against key `who` ("*": everyone) now: its open batches' reservations and its
-        ledger of results kept, the hours not yet ended (gateway/kept_bytes.py)."""
-        r, owner = self.r(), "*" if who == "*" else owner_id(KEYS[who])
-        ledger = r.hgetall(f"{{tokenbus}}:gw:kept-bytes:{owner}")
-        kept = sum(int(v) for hour, v in ledger.items() if int(hour) > time.time())
-        return int(r.hget("{tokenbus}:gw:queued-bytes", owner) or 0) + kept
 
     def forget_kept(self) -> None:
         """Empty every key's ledger of results kept, as if they had all expired: a test of the byte limits then
