@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from protocol.errors import QueueFull
+from protocol.errors import ModelNotFound, QueueFull
 
 log = structlog.get_logger("tokenbus.gateway")
 
@@ -45,6 +45,13 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 def not_found(kind: str, object_id: str) -> APIError:
     # The same answer whether the object never existed or belongs to another key: ids leak nothing.
     return APIError(404, f"No {kind} found with id '{object_id}'.", param="id", code=f"{kind}_not_found")
+
+
+def model_not_found(err: ModelNotFound) -> APIError:
+    """OpenAI's answer to an unknown model (404 `model_not_found`), listing the models this gateway serves."""
+    return APIError(404, f"The model '{err.model}' does not exist or you do not have access to it. Models: "
+                         f"{', '.join(err.declared) or 'none declared yet'} (GET /v1/models).",
+                    param="model", code="model_not_found")
 
 
 def too_large(limit: int, what: str) -> APIError:
@@ -86,6 +93,10 @@ def install(app: FastAPI) -> None:
         loc = [str(p) for p in first.get("loc", ()) if p not in ("query", "path", "body")]
         message = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in err.errors())
         return invalid(message or "invalid request", param=".".join(loc) or None).response()
+
+    @app.exception_handler(ModelNotFound)
+    async def _model_not_found(_req: Request, err: ModelNotFound) -> JSONResponse:
+        return model_not_found(err).response()
 
     @app.exception_handler(QueueFull)
     async def _queue_full(_req: Request, err: QueueFull) -> JSONResponse:

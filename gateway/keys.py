@@ -75,3 +75,7 @@ class GatewayKeys:
     def ui_session(self, token_hash: str) -> str:
         """hash: one UI login session (gateway/ui/session.py), by the sha256 of its cookie token."""
         return f"{self.prefix}:gw:ui:session:{token_hash}"
+
+    def ui_sessions(self, owner: str) -> str:
+        """sorted set: one owner's UI session token hashes by created_at (the per-key cap, ui/session.py)."""
+        return f"{self.prefix}:gw:ui:sessions:{owner}"

@@ -1,13 +1,15 @@
 """The CPU serving path's C++ kernels, float32: csrc/cpu_kernels.cpp (RMSNorm, SiLU·mul, RoPE, a row-wise
 argmax and a panel GEMV), csrc/cpu_attention.cpp (write_kv over a float32, bfloat16 or int8 KV cache),
 csrc/cpu_attention_block.cpp and cpu_decode_attention.cpp (paged decode attention over such a cache: one
-block's math, then the walk over blocks and sequences), csrc/cpu_prefill_attention.cpp (paged causal prefill
-attention over such a cache: tiles of query tokens per block), csrc/cpu_w8a8.cpp (the panel GEMV with int8
-weights and int8 activations per token and group of 64, VNNI), csrc/cpu_quant.cpp (the panel GEMV with int8 weights) and
+block's math, then the walk over blocks and sequences), csrc/cpu_cascade_attention.cpp (the same for rows
+that share a prefix: its blocks read once for all of them, kernels/cascade.py), csrc/cpu_prefill_attention.cpp
+(paged causal prefill attention over such a cache: tiles of query tokens per block), csrc/cpu_w8a8.cpp (the
+panel GEMV with int8 weights and int8 activations per token and group of 64, VNNI), csrc/cpu_quant.cpp (the
+panel GEMV with int8 weights), csrc/cpu_lora.cpp (the LoRA deltas of a decode step's adapter rows) and
 csrc/decode_layers.cpp (a pure decode step's decoder layers composed of those kernels in one call).
 worker/engine/backends/cpu.py is their user.
 
-Built once per machine with torch's cpp_extension (g++ and ninja; ~40 s of CPU: one translation unit of eight
+Built once per machine with torch's cpp_extension (g++ and ninja; ~40 s of CPU: one translation unit of nine
 files) into the tokenbus cache directory and loaded from there afterwards. The build is keyed by the source,
 the compiler flags, the torch version,
 the CPU's instruction sets (the code is compiled for the CPU it runs on) and the real paths (symlinks
@@ -41,17 +43,19 @@ import torch
 # each later file calls the functions of those before it, decode_layers.cpp those of all the others
 SOURCES = [Path(__file__).with_name("csrc") / name
            for name in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_attention_block.cpp",
-                        "cpu_decode_attention.cpp", "cpu_prefill_attention.cpp", "cpu_w8a8.cpp", "cpu_quant.cpp",
-                        "decode_layers.cpp")]
+                        "cpu_decode_attention.cpp", "cpu_cascade_attention.cpp", "cpu_prefill_attention.cpp",
+                        "cpu_w8a8.cpp", "cpu_quant.cpp", "cpu_lora.cpp", "decode_layers.cpp")]
 FUNCTIONS = [
     "write_kv_cpu", "paged_decode_attention_cpu",  # the CPU versions of three kernels/reference.py functions
     "paged_prefill_attention_cpu",
+    "cascade_decode_attention_cpu",  # decode rows sharing a prefix read it once (kernels/cascade.py)
     "add_rms_norm_cpu", "rms_norm_cpu", "silu_and_mul_cpu", "rotary_cpu",  # a decoder layer's elementwise ops
     "argmax_rows_cpu",  # greedy sampling
     "panel_linear_cpu",  # decode-sized linear layers (worker/engine/backends/cpu_linear.py)
     "panel_linear_int8_cpu",  # the same with int8 weights (worker/engine/quant/schemes.py)
     "panel_linear_w8a8_cpu", "w8a8_native_cpu",  # int8 weights and activations (VNNI) and whether it runs here
     "decode_layers_cpu",  # a decode step's layers in one call (worker/engine/backends/cpu_decode.py)
+    "lora_cpu",  # LoRA deltas of a decode-sized batch's adapter rows (worker/engine/backends/cpu.py)
 ]
 # -ffast-math lets g++ vectorise exp and the dot-product reductions (the kernels never rely on inf/NaN);
 # -fopenmp because at::parallel_for's OpenMP pragmas sit in ATen's headers: without it, one thread;

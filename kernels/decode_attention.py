@@ -33,6 +33,7 @@ fixed-width table gives a fixed partition count: what a CUDA graph replays.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -46,7 +47,7 @@ from kernels.partitions import MAX_PARTITION, MIN_PARTITION, pick_partition_size
 @triton.jit
 def _decode_partition_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
+    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, suffix_starts_ptr,
     qk_scale, partition_size, num_partitions, window, softcap,
     stride_qs, stride_qh, stride_qd,
     stride_cb, stride_co, stride_ch, stride_cd,
@@ -55,10 +56,12 @@ def _decode_partition_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SINGLE_PARTITION: tl.constexpr, DOT_FP32: tl.constexpr,
     FP32_DOT: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
+    CASCADE: tl.constexpr,
 ):
     """Grid (num_seqs, num_kv_heads, num_partitions): one context slice x one KV head x its GROUP q heads.
     Writes fp32 partials [num_seqs, num_q_heads, num_partitions(, HEAD_DIM)], or `out` if SINGLE_PARTITION.
-    softcap arrives pre-multiplied by log2(e), as the scores are (they are in log2 units)."""
+    softcap arrives pre-multiplied by log2(e), as the scores are (they are in log2 units). CASCADE: only the
+    sequence's own tokens, from suffix_starts[seq] (cascade_attention.py reads the shared ones)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -72,6 +75,10 @@ def _decode_partition_kernel(
         if end <= first:
             return  # stage 2 starts at the window's first partition and never reads this one
         start = tl.maximum(start, first)
+    if CASCADE:
+        start = tl.maximum(start, tl.load(suffix_starts_ptr + seq))
+        if start >= end:
+            return  # stage 2 starts at the own part's first partition and never reads this one
 
     rows = tl.arange(0, GROUP_PAD)
     row_ok = rows < GROUP
@@ -114,28 +121,12 @@ def _decode_partition_kernel(
 
 
 @triton.jit
-def _decode_reduce_kernel(
-    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, seq_lens_ptr,
-    partition_size, num_partitions, window,
-    stride_os, stride_oh,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SLIDING: tl.constexpr,
-):
-    """Grid (num_seqs, num_q_heads): merge the sequence's used partitions, BLOCK_P at a time -> out[seq, head]."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    used = tl.cdiv(seq_len, partition_size)
-    first_part = 0
-    if SLIDING:
-        first_part = tl.maximum(seq_len - window, 0) // partition_size
-    base = (seq * tl.num_programs(1) + head).to(tl.int64) * num_partitions
-    dims = tl.arange(0, HEAD_PAD)
-    dim_ok = tiles.dims_in_head(dims, HEAD_DIM, HEAD_PAD)
-
-    m_run = float("-inf")
-    l_run = 0.0
-    acc = tl.zeros([HEAD_PAD], tl.float32)
-    for chunk in range(first_part, used, BLOCK_P):
+def _merge_partials(m_run, l_run, acc, part_max_ptr, part_sum_ptr, part_acc_ptr, base, first, used, dims, dim_ok,
+                    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The running (max, sum, acc) of one (sequence, head) with partials first..used-1 at base merged in,
+    BLOCK_P at a time. A partial may be empty (max -inf, sum 0: a cascade row whose window starts past the
+    shared prefix); a max still -inf after a chunk is taken as 0, so e^(-inf - 0) weighs it 0, not NaN."""
+    for chunk in range(first, used, BLOCK_P):
         parts = chunk + tl.arange(0, BLOCK_P)
         ok = parts < used
         m_p = tl.load(part_max_ptr + base + parts, mask=ok, other=float("-inf"))
@@ -143,11 +134,51 @@ def _decode_reduce_kernel(
         a_p = tl.load(part_acc_ptr + (base + parts)[:, None] * HEAD_DIM + dims[None, :],
                       mask=ok[:, None] & dim_ok[None, :], other=0.0)
         m_new = tl.maximum(m_run, tl.max(m_p, 0))
-        alpha = tl.exp2(m_run - m_new)
-        w = tl.where(ok, tl.exp2(m_p - m_new), 0.0)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_safe)
+        w = tl.where(ok, tl.exp2(m_p - m_safe), 0.0)
         l_run = l_run * alpha + tl.sum(l_p * w, 0)
         acc = acc * alpha + tl.sum(a_p * w[:, None], 0)
         m_run = m_new
+    return m_run, l_run, acc
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, seq_lens_ptr,
+    partition_size, num_partitions, window,
+    stride_os, stride_oh,
+    suffix_starts_ptr, prefix_max_ptr, prefix_sum_ptr, prefix_acc_ptr, prefix_partition, prefix_partitions,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SLIDING: tl.constexpr,
+    CASCADE: tl.constexpr,
+):
+    """Grid (num_seqs, num_q_heads): merge the sequence's used partitions, BLOCK_P at a time -> out[seq, head].
+    CASCADE: first the partials of its group's shared prefix (cascade_attention.py; [num_seqs, num_q_heads,
+    prefix_partitions], prefix_partition tokens each), then those of its own tokens from suffix_starts[seq]."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    used = tl.cdiv(seq_len, partition_size)
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(seq_len - window, 0)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = tiles.dims_in_head(dims, HEAD_DIM, HEAD_PAD)
+
+    m_run = float("-inf")
+    l_run = 0.0
+    acc = tl.zeros([HEAD_PAD], tl.float32)
+    if CASCADE:
+        own = tl.load(suffix_starts_ptr + seq)  # its group's prefix length, 0 for a row in none
+        lo = tl.maximum(lo, own)
+        used = tl.where(lo < seq_len, used, 0)  # a suffix of zero tokens: no partition of its own
+        shared_base = (seq * tl.num_programs(1) + head).to(tl.int64) * prefix_partitions
+        m_run, l_run, acc = _merge_partials(m_run, l_run, acc, prefix_max_ptr, prefix_sum_ptr, prefix_acc_ptr,
+                                            shared_base, 0, tl.cdiv(own, prefix_partition), dims, dim_ok,
+                                            HEAD_DIM, BLOCK_P)
+    base = (seq * tl.num_programs(1) + head).to(tl.int64) * num_partitions
+    m_run, l_run, acc = _merge_partials(m_run, l_run, acc, part_max_ptr, part_sum_ptr, part_acc_ptr, base,
+                                        lo // partition_size, used, dims, dim_ok, HEAD_DIM, BLOCK_P)
     out = acc / l_run
     tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
@@ -163,6 +194,19 @@ def decode_block_n(head_dim: int, elem: int, fp8: bool) -> int:
 def num_sms(device_index: int) -> int:
     """The GPU's multiprocessor count, asked once per device (the query costs microseconds per call)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+class CascadeReduce(NamedTuple):
+    """What stage 1 and 2 of a cascade's own part need from its shared part (cascade_attention.py): where each
+    row's own tokens start, and the shared part's partials [num_seqs, num_q_heads, num_partitions(, head_dim)]
+    of partition_size tokens each."""
+
+    suffix_starts: torch.Tensor
+    part_max: torch.Tensor
+    part_sum: torch.Tensor
+    part_acc: torch.Tensor
+    partition_size: int
+    num_partitions: int
 
 
 class DecodeWorkspace:
@@ -207,7 +251,11 @@ def plan_decode(
     workspace: DecodeWorkspace | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    cascade: CascadeReduce | None = None,
 ) -> list[Launch]:
+    """Stage 1 and (unless one partition covers every context) stage 2. cascade: the own-part launches of a
+    cascade (cascade_attention.py plans the shared part): stage 1 from each row's suffix start, and stage 2,
+    always run, merging the shared partials in first."""
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     k_scale, v_scale, fp8 = tiles.check_attention("decode", q, k_cache, v_cache, out)
@@ -221,7 +269,7 @@ def plan_decode(
     if partition_size is None:
         partition_size = pick_partition_size(max_context, num_seqs, num_kv_heads, num_sms if on_gpu else 1)
     num_partitions = max(1, triton.cdiv(max_context, partition_size))
-    single = num_partitions == 1
+    single = num_partitions == 1 and cascade is None
     # GPU dots need >= 16 rows; the interpreter runs numpy and wants the smallest tiles.
     group_pad = max(16, triton.next_power_of_2(group)) if on_gpu else triton.next_power_of_2(group)
     reserved = None if single or workspace is None else workspace.partials(num_seqs, num_q_heads, num_partitions)
@@ -239,7 +287,7 @@ def plan_decode(
         (num_seqs, num_kv_heads, num_partitions),
         (
             q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
-            out, part_max, part_sum, part_acc,
+            out, part_max, part_sum, part_acc, cascade.suffix_starts if cascade else seq_lens,
             scale * tiles.LOG2E, partition_size, num_partitions, window, softcap * tiles.LOG2E,
             *q.stride(), *k_cache.stride(), block_tables.stride(0), out.stride(0), out.stride(1),
         ),
@@ -249,17 +297,20 @@ def plan_decode(
             "BLOCK_SIZE": block_size,
             "SINGLE_PARTITION": single, "DOT_FP32": (not on_gpu) or q.dtype == torch.float32,
             "FP32_DOT": "tf32x3" if on_gpu else "ieee", "SLIDING": window > 0, "SOFTCAP": softcap > 0,
-            "KV_FP8": fp8, "num_warps": 4, "num_stages": 3,
+            "KV_FP8": fp8, "CASCADE": cascade is not None, "num_warps": 4, "num_stages": 3,
         },
     )
     if single:
         return [stage1]
+    shared = (cascade.suffix_starts, cascade.part_max, cascade.part_sum, cascade.part_acc, cascade.partition_size,
+              cascade.num_partitions) if cascade else (seq_lens, part_max, part_sum, part_acc, 1, 1)  # unread
     stage2 = Launch(
         _decode_reduce_kernel,
         (num_seqs, num_q_heads),
         (out, part_max, part_sum, part_acc, seq_lens, partition_size, num_partitions, window, out.stride(0),
-         out.stride(1)),
-        {"HEAD_DIM": head_dim, "HEAD_PAD": head_pad(head_dim), "BLOCK_P": 16, "SLIDING": window > 0, "num_warps": 4},
+         out.stride(1), *shared),
+        {"HEAD_DIM": head_dim, "HEAD_PAD": head_pad(head_dim), "BLOCK_P": 16, "SLIDING": window > 0,
+         "CASCADE": cascade is not None, "num_warps": 4},
     )
     return [stage1, stage2]
 

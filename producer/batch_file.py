@@ -90,6 +90,7 @@ class BatchFileReader:
         self.tokens = 0  # what the valid lines may cost: prompt + max_tokens x n each (request_tokens)
         self.result_bytes = 0  # what their results may hold in Redis, logprobs included (result_bytes)
         self.endpoint: str | None = None
+        self.models: set[str] = set()  # the models the valid lines name ('' = none: the default queues)
         self.parsed: list[tuple[str, JobRequest]] = []
         self.errors: list[tuple[int, str]] = []  # (line number, message), the first max_errors
         self.error_codes: list[str] = []  # beside self.errors
@@ -191,6 +192,7 @@ class BatchFileReader:
             if problem := max_tokens_problem(request, self.max_tokens):
                 self._limit(number, problem)
             self.tokens += request_tokens(request)
+            self.models.add(request.model or "")
             self.result_bytes += result_bytes(request)
             if self.keep:
                 self.parsed.append((custom_id, request))

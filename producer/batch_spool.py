@@ -3,10 +3,14 @@ its final request JSON written to a spool file on disk, so memory stays flat in 
 
 The whole file must be valid before anything is written to Redis (one bad line refuses the batch), and the
 record needs the line count; keeping the parsed lines in memory took ~3 KB a line (3 GB for a million lines).
-The spool holds what pass 2 sends: one line per request, `json(custom_id) request_json`, read back without
-parsing or validating the request again (producer/batches.py submit_batch, producer/submit_pipe.py). The
-gateway's upload writes the same spool beside the file as it streams in (spool_writer), and its submit task
-opens it (open_spool): the file is validated once, in the upload.
+The spool holds what pass 2 sends: one line per request, `json(custom_id) json(model) request_json` (model ''
+= none), read back without parsing or validating the request again (producer/batches.py submit_batch,
+producer/submit_pipe.py). The gateway's upload writes the same spool beside the file as it streams in
+(spool_writer), and its submit task opens it (open_spool): the file is validated once, in the upload.
+
+A spool written here is sent in prefix order: lines whose prompts start alike together, each with its input
+index (producer/prefix_order.py, keyed as the lines stream in). A spool opened from the gateway's upload is
+sent in input order (its keys are not kept beside it yet).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from typing import IO
 
 from producer import openai_batch
 from producer.batch_file import BatchFileReader
+from producer.prefix_order import PrefixOrder
 from protocol.errors import InvalidBatch
 from protocol.models import JobRequest
 from protocol.priority import Priority
@@ -44,16 +49,25 @@ class Spooled:
     input_file: str | None
     spool: IO[str]
     priority: str = Priority.bulk
+    models: set[str] | None = None  # the models its lines name ('' = none); None: not known
+    order: PrefixOrder | None = None  # each line's prefix group and place in the spool (None: input order)
 
-    def requests(self) -> Iterator[tuple[str, str]]:
-        """(custom_id, request JSON) of each line, in input order; InvalidBatch at the end when the spool holds
+    def requests(self) -> Iterator[tuple[int, str, str, str]]:
+        """(input index, custom_id, model ('' = none), request JSON) of each line: group by group where lines of
+        one prefix lie apart (prefix_order.py), else in input order; InvalidBatch at the end when the spool holds
         another count than `total` (a spool changed since it was written: the caller removes what it sent)."""
         self.spool.seek(0)
         count = 0
-        for line in self.spool:
-            count += 1
-            custom_id, end = _unquote(line, 1)
-            yield custom_id, line[end + 1 : -1]
+        if self.order is not None and self.order.reorders:
+            raw = self.spool.buffer  # the lines are ASCII (_quote, json.dumps): their byte offsets are exact
+            for i in self.order.order():
+                raw.seek(self.order.offsets[i])
+                count += 1
+                yield i, *_spool_line(raw.readline().decode("ascii"))
+        else:
+            for line in self.spool:
+                yield count, *_spool_line(line)
+                count += 1
         if count != self.total:
             raise InvalidBatch(f"the validated requests changed since they were written: the spool holds {count} "
                                f"requests, not {self.total}")
@@ -72,9 +86,10 @@ def spool_batch(
     """Validate `source` (a path, or lines) into a spool; InvalidBatch naming the bad lines (nothing spooled
     is kept). model / priority: set in every request (openai_batch.submit_fields), as submit_batch does."""
     spool = tempfile.TemporaryFile("w+", encoding="utf-8", dir=spool_dir, prefix="tokenbus-batch-")
+    order = PrefixOrder()
     reader = BatchFileReader(
         max_errors=MAX_LINE_ERRORS,
-        on_request=spool_writer(spool),
+        on_request=spool_writer(spool, order),
         overrides=openai_batch.submit_fields(model, Priority(priority)),
     )
     try:
@@ -87,23 +102,40 @@ def spool_batch(
         spool.close()
         raise
     spool.flush()
-    return Spooled(reader.endpoint or "", reader.requests, name_of(source), spool, Priority(priority).value)
+    return Spooled(reader.endpoint or "", reader.requests, name_of(source), spool, Priority(priority).value,
+                   reader.models, order)
 
 
-def spool_writer(spool: IO[str]) -> Callable[[int, str, JobRequest, str], None]:
-    """A BatchFileReader's on_request that writes each valid line to `spool` as `json(custom_id) request_json`."""
+def _spool_line(line: str) -> tuple[str, str, str]:
+    """(custom_id, model ('' = none), request JSON) of one spool line."""
+    custom_id, end = _unquote(line, 1)
+    model = ""
+    if line[end + 1] == '"':  # a spool written before models has none: its request JSON follows
+        model, end = _unquote(line, end + 2)
+    return custom_id, model, line[end + 1 : -1]
+
+
+def spool_writer(spool: IO[str], order: PrefixOrder | None = None) -> Callable[[int, str, JobRequest, str], None]:
+    """A BatchFileReader's on_request that writes each valid line to `spool` as `json(custom_id) json(model)
+    request_json` (and, with `order`, keys its prefix there)."""
     write = spool.write
 
-    def keep(_line: int, custom_id: str, _request: JobRequest, request_json: str) -> None:
-        write(f"{_quote(custom_id)} {request_json}\n")
+    def keep(_line: int, custom_id: str, request: JobRequest, request_json: str) -> None:
+        line = f"{_quote(custom_id)} {_quote(request.model or '')} {request_json}\n"
+        write(line)
+        if order is not None:
+            order.add(request, len(line))
 
     return keep
 
 
-def open_spool(path: str | Path, endpoint: str, total: int, priority: str, input_file: str | None = None) -> Spooled:
+def open_spool(path: str | Path, endpoint: str, total: int, priority: str, input_file: str | None = None,
+               models: Iterable[str] | None = None) -> Spooled:
     """A spool written already (spool_writer, the gateway's upload) of `total` requests of `endpoint`, whose
-    requests were validated with `priority` set: sent as they are, nothing parsed or validated again."""
-    return Spooled(endpoint, total, input_file, Path(path).open(encoding="utf-8"), Priority(priority).value)
+    requests were validated with `priority` set (and name `models`): sent as they are, nothing parsed or
+    validated again."""
+    return Spooled(endpoint, total, input_file, Path(path).open(encoding="utf-8"), Priority(priority).value,
+                   set(models) if models is not None else None)
 
 
 def name_of(source: str | Path | Iterable[str]) -> str | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import structlog
 
-from producer import openai_batch
+from producer import models, openai_batch
 from producer.batch_file import BatchFileReader
 from producer.batch_spool import Progress, Spooled, feed, name_of, spool_batch
 from producer.client_api import ClientApi
@@ -61,6 +61,8 @@ def submit_batch(
     source a Spooled (validated already: the gateway's upload kept its spool, batch_spool.open_spool): its
     requests are sent as they are, with the priority they were validated with; nothing is read or validated
     again. One that has changed since raises InvalidBatch after the jobs before it were written.
+    A batch may mix models: each line waits on its own model's queue. One naming a model nobody declared
+    refuses the whole batch before anything is written (ModelNotFound).
     """
     priority = Priority(priority).value
     k = client.keys
@@ -99,7 +101,9 @@ def _submit_spooled(client: ClientApi, spooled: Spooled, batch_id: str | None, e
             client.redis.delete(k.batch_jobs(batch_id))
             _write_job_list(client, batch_id, total)
     else:
-        client.check_capacity(total)
+        ids = models.resolve(client.redis, k, spooled.models or ())  # ModelNotFound: nothing written yet
+        for mid in {ids[m] for m in spooled.models or ("",)}:  # each model's queues hold at most max_queue_len
+            client.check_capacity(total, mid)
         _check_ids_free(client, batch_id, total)
         pipe = client.redis.pipeline(transaction=True)
         pipe.hset(k.batch(batch_id), mapping={
@@ -114,8 +118,8 @@ def _submit_spooled(client: ClientApi, spooled: Spooled, batch_id: str | None, e
     progress = None if on_progress is None else (lambda n: on_progress("enqueue", n, total))
     with SubmitPipe(client.redis, k, client.max_queue_len, client.result_ttl, on_chunk=progress) as pipe:
         add = pipe.add_job
-        for i, (custom_id, request_json) in enumerate(spooled.requests()):
-            add(batch_job_id(batch_id, i), request_json, batch_id, custom_id, priority)
+        for i, custom_id, model, request_json in spooled.requests():  # in prefix order (producer/prefix_order.py)
+            add(batch_job_id(batch_id, i), request_json, batch_id, custom_id, priority, model)
         pipe.close()
     scripts.script(scripts.START_BATCH)(keys=[k.batch(batch_id)], args=[time.time()], client=client.redis)
     log.info("batch_submitted", batch_id=batch_id, endpoint=endpoint, total=total, input_file=spooled.input_file,

@@ -1,5 +1,6 @@
-"""The `tokenbus` command: submit, get, wait, cancel, info, exporter, batch submit|status|wait|export|cancel,
-and bench (handed to the bench package, which needs the worker extra: nothing here imports it)."""
+"""The `tokenbus` command: submit, get, wait, cancel, info, models list|add|remove|default, exporter, batch
+submit|status|wait|export|cancel, and bench (handed to the bench package, which needs the worker extra:
+nothing here imports it)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ from typing import Any
 import redis
 import structlog
 
-from producer import batches, exporter
+from producer import batches, exporter, models
 from producer.client import Client
 from protocol.errors import TokenbusError
 from protocol.keys import DEFAULT_NAMESPACE
 from protocol.models import DEFAULT_REDIS_URL, GenerationParams, Job, JobStatus
 from protocol.priority import PRIORITIES, Priority
-from protocol.records import QueueInfo
+from protocol.records import ModelInfo, QueueInfo
 from protocol.redaction import redact_url, scrub, secrets_of
 
 EXIT_ERROR = 1
@@ -70,7 +71,7 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
             g.add_argument(flag, type=float, dest=name, metavar="X")
         else:
             g.add_argument(flag, type=int, dest=name, metavar="N")
-    g.add_argument("--model", help="must equal the worker's model")
+    g.add_argument("--model", help="a declared model's name (tokenbus models list); none: the default model")
     g.add_argument("--metadata", type=_json_value, help='JSON object of strings, e.g. \'{"run": "a"}\'')
 
 
@@ -109,9 +110,25 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="queue depth, pending, workers, dead letters")
     i.add_argument("--json", action="store_true")
 
+    m = sub.add_parser("models", help="the declared models: list, add, remove, default").add_subparsers(
+        dest="models_command", required=True)
+    ml = m.add_parser("list", help="every declared model: names, kind, jobs, live workers")
+    ml.add_argument("--json", action="store_true")
+    ma = m.add_parser("add", help="declare a model by hand (jobs naming it wait until a worker serves it)")
+    ma.add_argument("name", help="its id")
+    ma.add_argument("--alias", action="append", default=[], help="another name jobs may give (repeatable)")
+    ma.add_argument("--kind", default="generate", choices=["generate", "embed"])
+    ma.add_argument("--context-length", type=int)
+    ma.add_argument("--default", action="store_true", help="also make it the namespace's default model")
+    mr = m.add_parser("remove", help="retire a model (refused while jobs are queued or workers serve it)")
+    mr.add_argument("name")
+    mr.add_argument("--force", action="store_true", help="even with jobs queued or live workers")
+    md = m.add_parser("default", help="make a declared model the default (the model of jobs naming none)")
+    md.add_argument("name")
     e = sub.add_parser("exporter", help="serve the jobs waiting and pending per model as Prometheus metrics "
                        "(for an autoscaler: it runs while no worker does)")
-    e.add_argument("--model", required=True, help="the namespace's model: the `model` label of every series")
+    e.add_argument("--model", default="", help="the `model` label of the default queues' jobs while no model is "
+                   "declared (then: the default model's id; every declared model has its own series)")
     e.add_argument("--port", type=int, default=exporter.DEFAULT_PORT)
 
     b = sub.add_parser("batch", help="OpenAI Batch API JSONL files").add_subparsers(dest="batch_command",
@@ -119,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs = b.add_parser("submit", help="validate a JSONL file and queue one job per line")
     bs.add_argument("file")
     bs.add_argument("--batch-id", help="your own id: re-running completes an interrupted submit")
-    bs.add_argument("--model", help="replace each line's body.model ('' = drop it: any worker model)")
+    bs.add_argument("--model", help="replace each line's body.model ('' = drop it: the default model)")
     bs.add_argument("--wait", action="store_true", help="then wait with a progress bar")
     bs.add_argument("--priority", choices=[p.value for p in PRIORITIES], default=Priority.bulk.value,
                     help="of every job of the batch (default: bulk); batches of one priority take turns")
@@ -173,6 +190,9 @@ def format_info(info: QueueInfo) -> str:
         f"result ttl      {info.result_ttl} s",
         f"workers         {len(info.workers)} ({sum(w.alive for w in info.workers)} alive)",
     ]
+    if info.models:
+        lines.append(f"models          {len([m for m in info.models if m.id])}")
+        lines += ["  " + format_model(m) for m in info.models]
     now = time.time()
     for w in info.workers:
         hb = w.heartbeat
@@ -186,6 +206,35 @@ def format_info(info: QueueInfo) -> str:
                      f"running={hb.running} waiting={hb.waiting} free_blocks={hb.free_blocks} "
                      f"jobs_done={hb.jobs_done} prefix_hits={_hit_rate(hb)}")
     return "\n".join(lines)
+
+
+def format_model(m: ModelInfo) -> str:
+    """One model's line: depth, pending, workers, and a flag when jobs wait with no live worker."""
+    name = m.id or "(default queues)"
+    flags = (" default" if m.default else "") + (
+        "  UNSERVED: jobs wait, no live worker serves it" if m.unserved else "")
+    aliases = ",".join(n for n in m.names if n != m.id)
+    return (f"{name:<24} depth={m.queue_depth} pending={m.pending} workers={m.workers} "
+            + " ".join(f"{p}={n}" for p, n in m.by_priority.items())
+            + (f" kind={m.kind}" if m.kind else "") + (f" aliases={aliases}" if aliases else "") + flags)
+
+
+def _models(c: Client, a: argparse.Namespace) -> int:
+    cmd, r, k = a.models_command, c.redis, c.keys
+    if cmd == "list":
+        infos = [m for m in models.model_infos(r, k, models.live_heartbeats(r, k)) if m.id]
+        if a.json:
+            print(json.dumps([m.model_dump() for m in infos], indent=2))
+        else:
+            print("\n".join(format_model(m) for m in infos) or "no models declared")
+    elif cmd == "add":
+        record = models.add(r, k, a.name, a.alias, a.kind, a.context_length, a.default)
+        print(record.to_json())
+    elif cmd == "remove":
+        print(models.remove(r, k, a.name, a.force).id)
+    elif cmd == "default":
+        print(models.set_default(r, k, a.name))
+    return 0
 
 
 def _hit_rate(hb: Any) -> str:
@@ -292,6 +341,8 @@ def run(a: argparse.Namespace) -> int:
             return exporter.serve(c.redis, c.keys, a.model, a.port)
         elif a.command == "batch":
             return _batch(c, a)
+        elif a.command == "models":
+            return _models(c, a)
     return 0
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -12,7 +11,7 @@ from typing import Any
 import redis
 import structlog
 
-from producer import batches, waiting
+from producer import batches, models, waiting
 from producer.waiting import TokenChunk
 from protocol import scripts
 from protocol.connection import redis_from_url, socket_timeout
@@ -29,7 +28,7 @@ from protocol.models import (
     validate_request,
 )
 from protocol.priority import PRIORITIES
-from protocol.records import BatchRecord, Heartbeat, QueueInfo, WorkerInfo
+from protocol.records import BatchRecord, QueueInfo, WorkerInfo
 
 log = structlog.get_logger("tokenbus.producer")
 
@@ -117,7 +116,8 @@ class Client:
             try:
                 jid = check_job_id(jid) if jid is not None else uuid.uuid4().hex
                 request = validate_request(req)
-                pending.append(scripts.PendingJob(jid, request.to_json(), priority=request.priority))
+                pending.append(scripts.PendingJob(jid, request.to_json(), priority=request.priority,
+                                                  model=request.model or ""))
             except InvalidJob as err:
                 errors.append(f"request {i}: {err}" if len(requests) > 1 else str(err))
         if errors:
@@ -125,12 +125,17 @@ class Client:
         return self.enqueue(pending, chunk_size=chunk_size)
 
     def enqueue(self, jobs: list[scripts.PendingJob], chunk_size: int = scripts.CHUNK) -> list[str]:
-        """Write validated jobs (SUBMIT_JOB per job, EVALSHA pipelined in chunks) to their priority's queue.
-        Returns their ids."""
+        """Write validated jobs (SUBMIT_JOB per job, EVALSHA pipelined in chunks) to their model's and priority's
+        queue. Returns their ids. ModelNotFound, with nothing written, when one names an undeclared model."""
         if not jobs:
             return []
-        if len(jobs) > 1:  # one job: the script's own check is exact (and lets an idempotent resubmit in)
-            self.check_capacity(len(jobs))
+        if len(jobs) > 1:  # one job: the script's own checks are exact (and let an idempotent resubmit in)
+            ids = models.resolve(self.redis, self.keys, {j.model for j in jobs})
+            per_model: dict[str, int] = {}
+            for j in jobs:
+                per_model[ids[j.model]] = per_model.get(ids[j.model], 0) + 1
+            for mid, n in per_model.items():
+                self.check_capacity(n, mid)
         limit = self.max_queue_len
         submit = scripts.script(scripts.SUBMIT_JOB)
         accepted: list[str] = []
@@ -142,6 +147,8 @@ class Client:
                 keys, args = scripts.submit_args(self.keys, job, now, limit, self.result_ttl)
                 submit(keys=keys, args=args, client=pipe)
             for job, (code, value) in zip(chunk, pipe.execute(), strict=True):
+                if int(code) == scripts.NOT_DECLARED:  # removed meanwhile, or a one-job submit
+                    raise scripts.model_not_found(self.keys, job.model, value)
                 if int(code) == -2:
                     raise InvalidJob(
                         f"job id {job.job_id!r} of batch {job.batch_id!r} is taken by another job (batch "
@@ -160,13 +167,16 @@ class Client:
                 accepted.append(job.job_id)
         return accepted
 
-    def check_capacity(self, n: int) -> None:
-        """QueueFull unless n more jobs fit under max_queue_len now (checked before writing anything)."""
+    def check_capacity(self, n: int, model_id: str = "") -> None:
+        """QueueFull unless n more jobs fit under max_queue_len in the queues of the model with this id ('' =
+        the default queues) now (checked before writing anything)."""
         limit = self.max_queue_len
-        depth = scripts.queue_depth(self.redis, self.keys) if limit > 0 else 0
+        depth = scripts.queue_depth(self.redis, self.keys.for_model(model_id)) if limit > 0 else 0
         if limit > 0 and depth + n > limit:
+            whose = f"model {model_id!r}'s queues" if model_id else "the default queues"
             raise QueueFull(
-                f"queue full: {depth} jobs queued in namespace {self.keys.ns!r}, max_queue_len {limit}, so {n} more "
+                f"queue full: {depth} jobs queued in {whose} of namespace {self.keys.ns!r}, max_queue_len {limit}, "
+                f"so {n} more "
                 f"do not fit; nothing was submitted. Wait for the workers to drain the queue, submit fewer, "
                 f"or raise max_queue_len (Client(max_queue_len=...) or "
                 f"HSET {self.keys.config} max_queue_len N)"
@@ -257,25 +267,24 @@ class Client:
         """The namespace at a glance, in a fixed number of round trips whatever the number of batches and jobs:
         the depth counter, the registries' sizes, the workers' heartbeats."""
         k = self.keys
-        counts = scripts.depth(self.redis, k)
+        beats = models.live_heartbeats(self.redis, k)
+        per_model = models.model_infos(self.redis, k, beats)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xlen(k.dead).scard(k.cancel).smembers(k.workers)
-        for p in PRIORITIES:
-            pipe.xlen(k.queue(p)).zcard(k.registry(p))
-        dead, cancel_requested, names, *sizes = pipe.execute()
+        pipe.xlen(k.dead).scard(k.cancel)
+        for m in per_model:
+            for p in PRIORITIES:
+                pipe.xlen(k.for_model(m.id).queue(p)).zcard(k.for_model(m.id).registry(p))
+        dead, cancel_requested, *sizes = pipe.execute()
         queues = sum(1 for n in sizes[::2] if n) + sum(sizes[1::2])  # non-empty loose queues + live batch queues
-        depth, pending, by_priority = counts.total, counts.pending, counts.by_priority
-        names = sorted(names)
-        beats = self.redis.mget([k.worker(n) for n in names]) if names else []
-        workers = [
-            WorkerInfo(name=n, alive=raw is not None, heartbeat=_heartbeat(raw))
-            for n, raw in zip(names, beats, strict=True)
-        ]
+        depth = sum(m.queue_depth for m in per_model)
+        pending = sum(m.pending for m in per_model)
+        by_priority = {p.value: sum(m.by_priority.get(p.value, 0) for m in per_model) for p in PRIORITIES}
+        workers = [WorkerInfo(name=n, alive=hb is not None, heartbeat=hb) for n, hb in beats.items()]
         return QueueInfo(namespace=k.ns, queue_depth=depth, pending=pending, waiting=max(0, depth - pending),
                          by_priority=by_priority, queues=queues,
                          consumers=sum(w.alive for w in workers), workers=workers, dead_letters=dead,
                          cancel_requested=cancel_requested, max_queue_len=self.max_queue_len,
-                         result_ttl=self.result_ttl)
+                         result_ttl=self.result_ttl, models=per_model)
 
     # ---- batches (see producer/batches.py) -----------------------------------------------------
     def submit_batch(self, source: str | Path | Iterable[str], **kwargs: Any) -> BatchRecord:
@@ -298,15 +307,6 @@ class Client:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _heartbeat(raw: str | None) -> Heartbeat | None:
-    if raw is None:
-        return None
-    try:
-        return Heartbeat.model_validate(json.loads(raw))
-    except (ValueError, TypeError):
-        return None
 
 
 def _many_errors(errors: list[str], total: int) -> str:

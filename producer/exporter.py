@@ -9,9 +9,10 @@ each scrape:
     tokenbus_jobs_pending{model, priority}   delivered to a worker and not acknowledged (held: running or on
                                              its way into an engine, or held by a dead worker until reclaimed)
 
-A namespace serves one model until routing by model lands, so every series carries the one `model` given on the
-command line. The counts are recounted from the queues (protocol.scripts.queue_counts, O(live batches) per
-scrape) because the depth counter does not split `pending` by priority.
+Every declared model has its series (`model` = its id, protocol/registry.py); the default queues' jobs count for
+the default model, whose workers serve them (for `--model` while no model is declared). The counts are recounted
+from the queues (protocol.scripts.queue_counts, O(live batches) per scrape) because the depth counter does not
+split `pending` by priority.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 import redis
 import structlog
 
-from protocol import scripts
+from protocol import model_status, scripts
 from protocol.keys import Keys
 
 log = structlog.get_logger("tokenbus.exporter")
@@ -44,13 +45,33 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def render(counts: dict[str, tuple[int, int]], model: str) -> str:
+Counts = dict[str, tuple[int, int]]  # priority -> (depth, pending): scripts.queue_counts
+
+
+def model_counts(r: redis.Redis, keys: Keys, model: str) -> dict[str, Counts]:
+    """model label -> its counts: each declared model's queues under its id, and the default queues under the
+    default model's (its workers serve them), or `model` while none is declared."""
+    labelled = [(model_status.default_model(r, keys) or model, ""),
+                *((mid, mid) for mid in model_status.declared(r, keys))]
+    out: dict[str, Counts] = {}
+    for label, mid in labelled:
+        counts, prev = scripts.queue_counts(r, keys.for_model(mid)), out.get(label)
+        out[label] = counts if prev is None else {p: (prev[p][0] + d, prev[p][1] + q) for p, (d, q) in counts.items()}
+    return out
+
+
+def render(counts: Counts, model: str) -> str:
     """Prometheus text of queue_counts' priority -> (depth, pending), every series labelled with `model`."""
+    return render_models({model: counts})
+
+
+def render_models(per_model: dict[str, Counts]) -> str:
+    """Prometheus text of every model's counts (model_counts)."""
     lines: list[str] = []
     for name, pick in ((WAITING, lambda d, p: max(0, d - p)), (PENDING, lambda d, p: p)):
         lines += [f"# HELP {name} {HELP[name]}", f"# TYPE {name} gauge"]
         lines += [f'{name}{{model="{_label(model)}",priority="{_label(priority)}"}} {pick(depth, pending)}'
-                  for priority, (depth, pending) in counts.items()]
+                  for model, counts in per_model.items() for priority, (depth, pending) in counts.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -89,7 +110,7 @@ def _handler_for(read: Callable[[], str]) -> type[BaseHTTPRequestHandler]:
 def make_server(r: redis.Redis, keys: Keys, model: str, port: int = DEFAULT_PORT,
                 addr: str = "0.0.0.0") -> ThreadingHTTPServer:
     """The HTTP server of /metrics and /healthz, bound and not yet serving."""
-    server = ThreadingHTTPServer((addr, port), _handler_for(lambda: render(scripts.queue_counts(r, keys), model)))
+    server = ThreadingHTTPServer((addr, port), _handler_for(lambda: render_models(model_counts(r, keys, model))))
     server.daemon_threads = True
     return server
 

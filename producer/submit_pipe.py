@@ -60,15 +60,14 @@ class SubmitPipe:
         self.chunk_size, self.depth, self.on_chunk = chunk_size, depth, on_chunk
         self.sha = scripts.script(scripts.SUBMIT_JOBS).sha
         self.queued = 0
-        self._where: tuple[str, str] | None = None  # (priority, batch_id) of the call being built
+        self._where: tuple[str, str, str] | None = None  # (priority, batch_id, model) of the call being built
         self._ids: list[str] = []  # its job ids, records and (job_id, request, custom_id) triples
         self._records: list[str] = []
         self._args: list[str] = []
-        self._flight: deque[tuple[list[str], str, bytes]] = deque()  # (job ids, batch_id, packed call)
+        self._flight: deque[tuple[list[str], tuple[str, str, str], bytes]] = deque()  # (job ids, where, call)
         self._conn = self.r.connection_pool.get_connection()
         self._layout = keys.layout
         self._record_prefix = keys.job("")
-        self._queues: dict[tuple[str, str], tuple[str, str, str]] = {}
         self._loaded = False
 
     def __enter__(self) -> SubmitPipe:
@@ -80,14 +79,14 @@ class SubmitPipe:
         self.r.connection_pool.release(self._conn)
 
     def add(self, job: PendingJob) -> None:
-        self.add_job(job.job_id, job.request_json, job.batch_id, job.custom_id, job.priority)
+        self.add_job(job.job_id, job.request_json, job.batch_id, job.custom_id, job.priority, job.model)
 
     def add_job(self, job_id: str, request_json: str, batch_id: str = "", custom_id: str = "",
-                priority: str = Priority.default) -> None:
-        if (priority, batch_id) != self._where:
+                priority: str = Priority.default, model: str = "") -> None:
+        if (priority, batch_id, model) != self._where:
             if self._ids:  # one call writes one queue
                 self._send()
-            self._where = (priority, batch_id)
+            self._where = (priority, batch_id, model)
         self._ids.append(job_id)
         self._records.append(self._record_prefix + job_id)
         self._args += (job_id, request_json, custom_id)
@@ -103,14 +102,11 @@ class SubmitPipe:
 
     def _pack(self) -> bytes:
         assert self._where is not None
-        where = self._queues.get(self._where)
-        if where is None:  # a batch's jobs share one queue: its key names are built once
-            p = Priority(self._where[0])
-            where = self._queues[self._where] = (self.keys.queue(p, self._where[1]), self.keys.registry(p), p.value)
-        queue, registry, priority = where
-        args = (
-            "EVALSHA", self.sha, len(self._records) + 2, queue, registry, *self._records,
-            repr(time.time()), self.limit, self.ttl, self._where[1], priority, self._layout, GROUP, *self._args,
+        priority, batch_id, model = self._where
+        args = (  # the script finds the queue from the model, the priority and the batch
+            "EVALSHA", self.sha, len(self._records), *self._records,
+            repr(time.time()), self.limit, self.ttl, batch_id, Priority(priority).value, self._layout, GROUP, model,
+            *self._args,
         )
         if _hiredis_pack is not None:
             return _hiredis_pack(args)
@@ -122,7 +118,8 @@ class SubmitPipe:
             self._loaded = True
         data = self._pack()
         self._conn.send_packed_command([data])
-        self._flight.append((self._ids, self._where[1] if self._where else "", data))
+        assert self._where is not None
+        self._flight.append((self._ids, self._where, data))
         self._ids, self._records, self._args = [], [], []
         while len(self._flight) > self.depth:
             self._collect()
@@ -135,7 +132,7 @@ class SubmitPipe:
 
     def _collect(self, retried: bool = False) -> None:
         """Read the reply of the oldest call in flight."""
-        ids, batch_id, data = self._flight.popleft()
+        ids, where, data = self._flight.popleft()
         reply = self._read()
         if not retried and isinstance(reply, redis.exceptions.NoScriptError):
             # Redis forgot the script (restarted): the calls behind failed alike, or ran; send them all again
@@ -146,7 +143,7 @@ class SubmitPipe:
                 self._read()
             log.warning("submit_script_reloaded", jobs=len(ids) + sum(len(j) for j, _, _ in rest))
             self.r.script_load(scripts.SUBMIT_JOBS)
-            for item in [(ids, batch_id, data), *rest]:
+            for item in [(ids, where, data), *rest]:
                 self._conn.send_packed_command([item[2]])
                 self._flight.append(item)
             self._collect(retried=True)
@@ -158,12 +155,15 @@ class SubmitPipe:
         for i, (code, value) in enumerate(reply):  # type: ignore[arg-type]
             if code != 1 and code != 0:  # 1 queued now, 0 found queued already (a resumed submit)
                 self.queued += i
-                self._refused(ids[i], batch_id, int(code), value)
+                self._refused(ids[i], where, int(code), value)
         self.queued += len(ids)
         if self.on_chunk is not None:
             self.on_chunk(len(ids))
 
-    def _refused(self, job_id: str, batch_id: str, code: int, value: object) -> None:
+    def _refused(self, job_id: str, where: tuple[str, str, str], code: int, value: object) -> None:
+        _priority, batch_id, model = where
+        if code == scripts.NOT_DECLARED:
+            raise scripts.model_not_found(self.keys, model, value)
         if code == -2:
             raise InvalidJob(
                 f"job id {job_id!r} of batch {batch_id!r} is taken by another job (batch "

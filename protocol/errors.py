@@ -17,6 +17,7 @@ class ErrorCode(StrEnum):
     max_attempts = "max_attempts"  # reclaimed too often (worker crashes); also dead-lettered
     cancelled = "cancelled"
     grammar_too_costly = "grammar_too_costly"  # one mask of its constraint took over mask_budget_ms of CPU
+    model_not_found = "model_not_found"  # names a model the namespace has not declared (refused at submit)
 
 
 def listing(problems: list[str]) -> str:
@@ -48,6 +49,19 @@ class QueueFull(TokenbusError):
     def __init__(self, message: str, accepted: list[str] | None = None) -> None:
         super().__init__(message)
         self.accepted = accepted or []
+
+
+class ModelNotFound(InvalidJob, LookupError):
+    """A job names a model that no worker or operator declared in the namespace; `.declared` lists those that
+    are (docs/protocol.md, "Models"). Nothing of the call was queued."""
+
+    def __init__(self, model: str, declared: list[str], namespace: str = "") -> None:
+        self.model = model
+        self.declared = sorted(declared)
+        where = f" in namespace {namespace!r}" if namespace else ""
+        shown = ", ".join(repr(m) for m in self.declared) or "none yet"
+        super().__init__(f"model {model!r} is not declared{where}; declared models: {shown}. Name one of them, "
+                         "start a worker that serves it, or declare it (tokenbus models add NAME)")
 
 
 class JobNotFound(TokenbusError, KeyError):

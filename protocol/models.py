@@ -21,6 +21,7 @@ from protocol.constraints import check_choice, check_regex, check_response_forma
 from protocol.errors import ErrorCode, InvalidJob  # noqa: F401  (ErrorCode: part of the protocol)
 from protocol.jobs import TERMINAL_STATUSES, Job, JobResult, JobStatus, ResultChoice, TokenText, Usage  # noqa: F401
 from protocol.priority import Priority
+from protocol.registry import model_name_problem
 
 GROUP = "workers"  # the one consumer group, on every job queue
 # 127.0.0.1, not localhost: localhost may resolve to ::1 first, where a default Redis does not listen
@@ -172,11 +173,19 @@ class JobRequest(GenerationParams):
     prompt: str | None = None
     messages: list[Message] | None = None
     prompt_token_ids: list[int] | None = None
-    model: str | None = None  # checked against the worker's model when given
+    model: str | None = None  # picks its model's queues (a declared name, checked at submit); None: the default
     stream: bool = False  # publish partial tokens (worker option)
     # the queue it waits on: every worker's intake serves interactive, then default, then bulk
     priority: Priority = Field(Priority.default, strict=False)  # strict=False: its value given as a str
     metadata: dict[str, str] | None = None  # caller's labels, returned untouched
+
+    @field_validator("model")
+    @classmethod
+    def _model_name(cls, v: str | None) -> str | None:
+        problem = model_name_problem(v) if v is not None else None
+        if problem:
+            raise ValueError(f"{problem} (it becomes a part of its queue's Redis key)")
+        return v
 
     @model_validator(mode="after")
     def _one_prompt(self) -> JobRequest:

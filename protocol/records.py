@@ -3,6 +3,7 @@ the summary `Client.info()` builds from them. Part of the wire protocol (docs/pr
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +50,9 @@ class Heartbeat(BaseModel):
 
     name: str
     pid: int | None = None
-    model: str | None = None
+    model: str | None = None  # the id of the model it serves (before models: its --model value)
+    models: list[str] = Field(default_factory=list)  # the ids of every model whose queues it reads
+    serves_default: bool = False  # it reads the default queues too (it serves the default model)
     model_path: str | None = None  # which code runs the model: "native" (tokenbus's) or "transformers" (fallback)
     backend: str | None = None  # which kernels run it: "cpu-cpp", "triton", "triton-interpreter", "torch-reference"
     device: str | None = None  # where: "cpu", "cuda:0"
@@ -78,6 +81,23 @@ class Heartbeat(BaseModel):
             data = {**data, "backend": backend, "device": device or None}
         return data
 
+    @classmethod
+    def parse(cls, raw: str | None) -> Heartbeat | None:
+        """A heartbeat key's value; None for a missing or unreadable one."""
+        if raw is None:
+            return None
+        try:
+            return cls.model_validate(json.loads(raw))
+        except (ValueError, TypeError):
+            return None
+
+    def served(self) -> list[str]:
+        """The ids of the models whose queues it reads, '' for the default queues (a worker from before models
+        read only those)."""
+        if not self.models:
+            return [""]
+        return [*self.models, *([""] if self.serves_default else [])]
+
     @property
     def prefix_hit_rate(self) -> float | None:
         """Share of looked-up prompt tokens served from the prefix cache (None before any lookup)."""
@@ -88,6 +108,21 @@ class WorkerInfo(BaseModel):
     name: str
     alive: bool  # its heartbeat key still exists
     heartbeat: Heartbeat | None = None
+
+
+class ModelInfo(BaseModel):
+    """One declared model (or, with id '', the default queues) as `tokenbus info` and the dashboard show it."""
+
+    id: str
+    names: list[str] = Field(default_factory=list)
+    kind: str = ""
+    default: bool = False  # the namespace's default model: its workers also read the default queues
+    context_length: int | None = None
+    queue_depth: int = 0  # entries in its queues: queued + running
+    pending: int = 0  # delivered to a worker, not acked yet
+    by_priority: dict[str, int] = Field(default_factory=dict)
+    workers: int = 0  # live workers serving it
+    unserved: bool = False  # jobs in its queues and no live worker: they wait until one starts
 
 
 class QueueInfo(BaseModel):
@@ -103,6 +138,7 @@ class QueueInfo(BaseModel):
     cancel_requested: int
     max_queue_len: int
     result_ttl: int
+    models: list[ModelInfo] = Field(default_factory=list)  # each declared model, the default queues ('')
 
 
 class BatchRecord(BaseModel):

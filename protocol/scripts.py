@@ -7,11 +7,13 @@ stream/event/batch side effects. A client in another language can EVAL the same 
 Worker side:   start_job (queued -> running), mark_first_token, finish_job (-> finished | failed | cancelled)
 Producer side: SUBMIT (via Client), SUBMIT_JOBS (a batch's ingest), cancel_job, bump_batch (via batches)
 Worker only:   read, renew, hand_back, publish_tokens (worker/serve/job_queue.py)
+Registry:      declare_model (a worker at start, `tokenbus models add`), retire_model (`tokenbus models remove`)
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import time
 from dataclasses import dataclass
@@ -23,9 +25,11 @@ from redis.cluster import ClusterPipeline
 from redis.commands.core import Script
 
 from protocol.cluster import ScriptPipeline
+from protocol.errors import ModelNotFound, TokenbusError
 from protocol.keys import Keys
 from protocol.models import DEFAULT_RESULT_TTL, EVENTS_MAXLEN, GROUP, JobResult, JobStatus
 from protocol.priority import PRIORITIES, Priority
+from protocol.registry import DEFAULT_MODEL_FIELD, ModelRecord
 
 CHUNK = 1000  # jobs per pipeline round trip
 
@@ -39,6 +43,7 @@ class PendingJob:
     batch_id: str = ""
     custom_id: str = ""
     priority: Priority = Priority.default  # picks its queue
+    model: str = ""  # the request's model ('' = none: the default queues); with priority and batch_id, its queue
 
 
 LUA_DIR = Path(__file__).with_name("lua")
@@ -72,6 +77,9 @@ BUMP_BATCH = lua("bump_batch")
 START_BATCH = lua("start_batch")
 CANCEL_BATCH = lua("cancel_batch")
 DROP_ENTRY = lua("drop_entry")
+DECLARE_MODEL = lua("declare_model")
+RETIRE_MODEL = lua("retire_model")
+NOT_DECLARED = -3  # SUBMIT_JOB(S)'s reply code for a model nobody declared: {-3, JSON list of the declared ids}
 
 
 class _Script(Script):
@@ -173,10 +181,19 @@ def bump_batch(r: redis.Redis, keys: Keys, batch_id: str, status: str, now: floa
 
 def submit_args(keys: Keys, job: PendingJob, now: float, max_queue_len: int, result_ttl: int,
                 group: str = GROUP) -> tuple[list[str], list[Any]]:
-    """(KEYS, ARGV) of SUBMIT_JOB for one job."""
-    return ([keys.job(job.job_id), keys.queue(job.priority, job.batch_id), keys.registry(job.priority)],
+    """(KEYS, ARGV) of SUBMIT_JOB for one job (its queue is found by the script from its model and priority)."""
+    return ([keys.job(job.job_id)],
             [job.job_id, job.request_json, now, max_queue_len, result_ttl, job.batch_id, job.custom_id,
-             job.priority, keys.layout, group])
+             job.priority, keys.layout, group, job.model])
+
+
+def model_not_found(keys: Keys, model: str, declared_json: Any) -> ModelNotFound:
+    """The error of a submit the script refused with NOT_DECLARED (its reply lists the declared ids)."""
+    try:
+        declared = json.loads(_s(declared_json)) or []
+    except ValueError:
+        declared = []
+    return ModelNotFound(model, [str(d) for d in declared], keys.ns)
 
 
 def drop_entry(r: redis.Redis | redis.client.Pipeline, keys: Keys, queue: str, entry_id: str,
@@ -196,18 +213,20 @@ class Depth:
 
 
 def depth(r: redis.Redis, keys: Keys) -> Depth:
-    """The namespace's depth counter (recounted from the queues first if it is missing)."""
-    total, pending, *each = _run(r, QUEUE_DEPTH, [keys.routing_key], [keys.layout])
+    """The depth counter of `keys.model`'s queues ('' = the default queues; recounted from the queues first if
+    it is missing)."""
+    total, pending, *each = _run(r, QUEUE_DEPTH, [keys.routing_key], [keys.layout, keys.model])
     return Depth(int(total), int(pending), {p.value: int(n) for p, n in zip(PRIORITIES, each, strict=True)})
 
 
 def queue_depth(r: redis.Redis, keys: Keys) -> int:
-    """Entries in every queue of the namespace: what max_queue_len bounds (the counter, O(1))."""
+    """Entries in every queue of `keys.model` (or the default queues): what max_queue_len bounds (the counter,
+    O(1))."""
     return depth(r, keys).total
 
 
 def queue_streams(r: redis.Redis, keys: Keys) -> dict[str, list[str]]:
-    """priority -> its queues' stream keys (loose queue first, then its batches)."""
+    """priority -> the stream keys of `keys.model`'s queues of it (loose queue first, then its batches)."""
     pipe = r.pipeline(transaction=False)
     for p in PRIORITIES:
         pipe.zrange(keys.registry(p), 0, -1)
@@ -219,8 +238,8 @@ def queue_streams(r: redis.Redis, keys: Keys) -> dict[str, list[str]]:
 
 def queue_counts(r: redis.Redis, keys: Keys) -> dict[str, tuple[int, int]]:
     """priority -> (entries in its queues, entries of them delivered to a worker and not yet acknowledged),
-    recounted from every queue: O(live batches). What the depth counter must equal (tests, repair), split by
-    priority as the counter's `pending` is not; `depth` reads the counter."""
+    recounted from every queue of `keys.model` (or the default queues): O(live batches). What the depth counter
+    must equal (tests, repair), split by priority as the counter's `pending` is not; `depth` reads the counter."""
     by_priority = queue_streams(r, keys)
     pipe = r.pipeline(transaction=False)
     for q in (q for qs in by_priority.values() for q in qs):
@@ -254,3 +273,26 @@ def ensure_group(r: redis.Redis, stream: str, group: str = GROUP) -> None:
     except redis.ResponseError as err:
         if "BUSYGROUP" not in str(err):
             raise
+
+
+def declare_model(r: redis.Redis, keys: Keys, record: ModelRecord) -> list[str]:
+    """Declare a model (DECLARE_MODEL): the ids of the models its declarer serves, its own first. TokenbusError
+    naming both sides when one of its names is held by a model of another checkpoint."""
+    out = _run(r, DECLARE_MODEL, [keys.models, keys.model_names, keys.config],
+               [record.to_json(), DEFAULT_MODEL_FIELD])
+    code, *rest = (_s(x) for x in out)
+    if int(code) == -1:
+        name, owner, checkpoint = rest
+        raise TokenbusError(
+            f"model name {name!r} is already model {owner!r}'s, served from checkpoint {checkpoint}; this one "
+            f"({record.id!r}) is checkpoint {record.checkpoint or 'unknown'}. Two checkpoints cannot share a "
+            f"name: start this one with another --served-model-name, or retire {owner!r} first "
+            f"(tokenbus models remove {owner})")
+    return rest
+
+
+def retire_model(r: redis.Redis, keys: Keys, model_id: str, force: bool = False) -> tuple[int, int]:
+    """Retire a model (RETIRE_MODEL): (1 retired | 0 not declared | -1 kept: jobs queued, not forced, jobs)."""
+    code, jobs = _run(r, RETIRE_MODEL, [keys.models, keys.model_names, keys.config],
+                      [model_id, keys.layout, "1" if force else "0", DEFAULT_MODEL_FIELD])
+    return int(code), int(jobs)

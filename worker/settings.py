@@ -51,6 +51,9 @@ ENGINE_HELP = {
     "hung and exits (code 3)",
     "kv_cache_dtype": "KV-cache dtype: 'auto' (the model's), 'bfloat16', 'float32', 'int8' (CPU, scaled per "
     "token and head: ~3.8x the tokens of float32), 'fp8' (CUDA sm_89+, e4m3 with the same scales)",
+    "max_loras": "LoRA adapter slots on the device (0 = LoRA off); docs/adapters.md",
+    "max_lora_rank": "the largest LoRA rank a slot holds (memory per slot grows with it)",
+    "max_cpu_loras": "LoRA adapters kept in host memory for reloading into slots; unset = max_loras",
 }
 
 
@@ -80,6 +83,11 @@ class WorkerSettings(BaseSettings):
     engine: EngineConfig = Field(default_factory=lambda: EngineConfig(bulk_min_fraction=WORKER_BULK_MIN_FRACTION),
                                  description="the engine's settings (EngineConfig)")
     worker_name: str = Field(default_factory=_default_worker_name, description="consumer name in the group")
+    served_model_name: list[str] = Field(
+        default_factory=list,
+        description="a name jobs may give for this worker's model (repeatable; the first is the model's id in the "
+        "registry and in results, else the checkpoint's short name); env: a JSON list",
+    )
     lease_ms: int = Field(
         30_000, ge=100, description="an in-flight job whose lease is not renewed for this long is reclaimed"
     )
@@ -175,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     options += [(name, hints[name], ENGINE_HELP.get(name)) for name in ENGINE_FIELDS]
     for name, annotation, help_text in options:
         flag = "--" + name.replace("_", "-")
-        if annotation in (bool, bool | None):
+        if annotation == list[str]:
+            parser.add_argument(flag, action="append", default=None, metavar="NAME", help=help_text)
+        elif annotation in (bool, bool | None):
             parser.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=None,
                                 metavar="BOOL", help=help_text)
         else:

@@ -18,7 +18,7 @@ from gateway.context import GatewayContext
 from gateway.enqueue import enqueue_submit
 from gateway.errors import APIError, invalid, not_found
 from gateway.webhooks.delivery import check_url, literal_address_problem
-from producer import batches
+from producer import batches, models
 from producer.openai_batch import CHAT, COMPLETIONS
 from protocol.models import describe_validation_error
 
@@ -80,6 +80,8 @@ def create(ctx: GatewayContext, owner: str, req: CreateBatch) -> dict[str, Any]:
     if meta.endpoint != req.endpoint and not (meta.line_errors and meta.endpoint is None):
         raise invalid(f"the lines of file {meta.id} use url {meta.endpoint}, but this batch's endpoint is "
                       f"{req.endpoint}; they must match", param="endpoint", code="mismatched_endpoint")
+    if meta.models:  # 404 model_not_found, listing the declared ones, before anything is queued
+        models.resolve(ctx.client.redis, ctx.client.keys, meta.models)
     now = time.time()
     gw = GatewayBatch(id=f"batch_{uuid.uuid4().hex}", owner=owner, input_file_id=meta.id, endpoint=req.endpoint,
                       completion_window=req.completion_window, created_at=now,

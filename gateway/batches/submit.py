@@ -16,7 +16,7 @@ from gateway.context import GatewayContext
 from gateway.files.store import BATCH_PRIORITY
 from producer import batches
 from producer.batch_spool import Spooled, open_spool
-from protocol.errors import InvalidBatch, QueueFull
+from protocol.errors import InvalidBatch, ModelNotFound, QueueFull
 
 log = structlog.get_logger("tokenbus.gateway")
 
@@ -63,6 +63,13 @@ def _submit(ctx: GatewayContext, batch_id: str) -> str:
     try:
         batches.submit_batch(ctx.client, _requests(ctx, gw, path), batch_id=batch_id, priority=BATCH_PRIORITY,
                              spool_dir=ctx.files.root)
+    except ModelNotFound as err:  # retired since the batch was created
+        if load_core(ctx.redis, ctx.keys, batch_id) is not None:
+            ingest.fail_ingest(ctx, gw, "model_not_found", str(err))
+        else:
+            ingest.end_without_jobs(ctx, gw, "failed", [{"code": "model_not_found", "message": str(err),
+                                                         "param": "model", "line": None}])
+        return "model not found"
     except InvalidBatch as err:  # the upload validated it, so only a changed file gets here
         if load_core(ctx.redis, ctx.keys, batch_id) is not None:  # found part-way: remove what was written
             ingest.fail_ingest(ctx, gw, "invalid_file", f"the input file changed since its upload: {err}")
@@ -97,5 +104,7 @@ def _requests(ctx: GatewayContext, gw: GatewayBatch, path: Path) -> Spooled | Pa
     here, once, into a temporary spool."""
     kept = ctx.files.requests_path(gw.input_file_id)
     if gw.total and kept.is_file():
-        return open_spool(kept, gw.endpoint, gw.total, BATCH_PRIORITY, input_file=str(path))
+        meta = ctx.files.find(gw.owner, gw.input_file_id)
+        return open_spool(kept, gw.endpoint, gw.total, BATCH_PRIORITY, input_file=str(path),
+                          models=meta.models if meta and meta.models is not None else None)
     return path

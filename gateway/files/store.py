@@ -47,6 +47,7 @@ class FileMeta(BaseModel):
     requests: int | None = None  # batch input files: non-blank lines
     line_errors: list[dict[str, Any]] | None = None  # batch input files: invalid lines (a batch of it fails)
     tokens: int | None = None  # batch input files: prompt + max_tokens x n, summed (per-key quotas)
+    models: list[str] | None = None  # batch input files: the models their lines name ('' = none)
     result_bytes: int | None = None  # batch input files: their results' most Redis bytes (batches/capacity.py)
 
     def to_openai(self) -> dict[str, Any]:
@@ -76,8 +77,9 @@ class FileStore:
         if not raw or raw.get("owner") != owner:
             return None
         data: dict[str, Any] = {k: v for k, v in raw.items() if v != ""}
-        if "line_errors" in data:
-            data["line_errors"] = json.loads(data["line_errors"])
+        for listed in ("line_errors", "models"):
+            if listed in data:
+                data[listed] = json.loads(data[listed])
         return FileMeta.model_validate(data)
 
     def get(self, owner: str, file_id: str) -> FileMeta:
@@ -150,7 +152,8 @@ class Upload:
         meta = FileMeta(id=self.id, owner=self.owner, filename=filename, purpose=purpose, bytes=self.bytes,
                         created_at=time.time(), endpoint=self.validator.endpoint,
                         requests=self.validator.requests, line_errors=self.validator.line_errors(),
-                        tokens=self.validator.tokens, result_bytes=self.validator.result_bytes)
+                        tokens=self.validator.tokens, result_bytes=self.validator.result_bytes,
+                        models=sorted(self.validator.models))
         self.store.register(meta)
         log.info("file_uploaded", file_id=self.id, owner=self.owner, bytes=self.bytes,
                  requests=meta.requests, endpoint=meta.endpoint, invalid_lines=self.validator.error_count)

@@ -27,7 +27,7 @@ def sample_of(info: QueueInfo, now: float) -> dict[str, Any]:
     return {"t": round(now, 3), **{p: info.by_priority.get(p, 0) for p in NAMES},
             # per worker, so a restarted worker (its counters back at 0) is told apart from a slowdown
             "done": {hb.name: hb.jobs_done for hb in beats}, "tokens": {hb.name: hb.generated_tokens for hb in beats},
-            "workers": len(beats)}
+            "workers": len(beats), "model": {hb.name: hb.model or "" for hb in beats}}
 
 
 def record(ctx: GatewayContext, info: QueueInfo) -> None:
@@ -45,6 +45,20 @@ def _rate(a: dict[str, int], b: dict[str, int], dt: float) -> float:
     """Summed per-worker growth between two samples per second; a worker whose counter fell restarted."""
     grown = sum(max(0, n - a.get(w, 0)) if n >= a.get(w, 0) else n for w, n in b.items())
     return grown / dt if dt > 0 else 0.0
+
+
+def model_rates(ctx: GatewayContext) -> dict[str, float]:
+    """model id -> jobs/s between the last two samples (each worker's jobs counted for the model it serves)."""
+    rows = [json.loads(r) for r in ctx.redis.lrange(_key(ctx.settings.namespace), -2, -1)]
+    if len(rows) < 2:
+        return {}
+    prev, cur = rows
+    dt, out = cur["t"] - prev["t"], {}
+    for model in set(cur.get("model", {}).values()):
+        mine = {w for w, m in cur["model"].items() if m == model}
+        out[model] = round(_rate({w: n for w, n in prev["done"].items() if w in mine},
+                                 {w: n for w, n in cur["done"].items() if w in mine}, dt), 2)
+    return out
 
 
 def series(ctx: GatewayContext) -> dict[str, list[float]]:

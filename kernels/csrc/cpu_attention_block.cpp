@@ -310,15 +310,21 @@ inline void rescale_accumulate(float* __restrict acc, float correction, const fl
   if constexpr (D > 0) std::memcpy(acc, a, sizeof a);
 }
 
+// A score no row may weigh (a key older than that row's own window, cascade attention's shared part):
+// far below the running maxima's -1e30 start, so even a row with nothing else yet gets e^(-1e38 + 1e30) = 0
+constexpr float kMaskedAway = -1e38f;
+
 // One block of n rows (kb, vb: its first K and V row of the KV head, row elements apart) against the `group`
 // query heads qs [group, head_dim]: scores, soft-capped if softcap > 0; the first `masked` rows (older than a
-// sliding window) set to -1e30, whose exp is 0 (finite: -ffast-math); then the online-softmax update of the
-// running max m, sum l and accumulator acc [group, head_dim], and the P·V accumulation. scores: scratch for
-// [group, block_size] scores, then `group` corrections.
+// sliding window) set to -1e30, whose exp is 0 (finite: -ffast-math); with head_first (one first position per
+// query row, the block's first row at position block_pos), each query row's keys before its own first set to
+// kMaskedAway; then the online-softmax update of the running max m, sum l and accumulator acc [group,
+// head_dim], and the P·V accumulation. scores: scratch for [group, block_size] scores, then `group` corrections.
 template <typename Kind, int D>
 void attend_block(const float* qs, int64_t group, int64_t head_dim, const typename Kind::T* kb,
                   const typename Kind::T* vb, int64_t row, int64_t n, int64_t masked, int64_t block_size,
-                  float softcap, float* scores, float* acc, float* m, float* l, Ahead pf_k, Ahead pf_v) {
+                  float softcap, float* scores, float* acc, float* m, float* l, Ahead pf_k, Ahead pf_v,
+                  const int64_t* head_first = nullptr, int64_t block_pos = 0) {
   constexpr bool kLaneRows = D > 0 && D % kLanes == 0;
   const Ahead none = {nullptr, 0, 0};
   for (int64_t h = 0; h < group; ++h) {
@@ -343,6 +349,11 @@ void attend_block(const float* qs, int64_t group, int64_t head_dim, const typena
       }
   for (int64_t j = 0; j < masked; ++j)
     for (int64_t h = 0; h < group; ++h) scores[h * block_size + j] = -1e30f;
+  if (head_first != nullptr)
+    for (int64_t h = 0; h < group; ++h) {
+      const int64_t hidden = std::min(n, head_first[h] - block_pos);
+      for (int64_t j = 0; j < hidden; ++j) scores[h * block_size + j] = kMaskedAway;
+    }
   float* corr = scores + group * block_size;
   softmax_heads(scores, group, block_size, n, m, l, corr);
   if constexpr (kLaneRows && std::is_same_v<Kind, KvF32>) {

@@ -56,23 +56,30 @@ inline void widen_rows(const typename Kind::T* __restrict src, int64_t row, int6
   }
 }
 
+// The online softmax's state before any key: running maxima -1e30 (no infinities: -ffast-math), sums and
+// accumulators 0, for `group` query rows
+inline void start_state(int64_t group, int64_t head_dim, float* acc, float* m, float* l) {
+  std::fill(m, m + group, -1e30f);
+  std::fill(l, l + group, 0.f);
+  std::fill(acc, acc + group * head_dim, 0.f);
+}
+
 // One work item: the `group` query heads (q scaled, [group, head_dim]) that share one KV head, over one
 // sequence's cached tokens first..len-1 (first > 0 under a sliding window; blocks wholly before it are
 // skipped, the window's first block masks its older rows); softcap > 0 soft-caps each score (Gemma 2).
 // k, v point at the KV head's first row (block 0, token 0); row is the stride between tokens, in cache
 // elements. widened: the scratch [2, block_size, head_dim] for bf16 and int8 blocks (unused for fp32).
+// It continues the online softmax in m, l, acc (start_state, or a cascade's shared part before it);
+// head_first (null: none) gives each query row its own first key (attend_block).
 template <typename Kind, int D>
 void attend_kv_head(const float* qs, int64_t group, int64_t head_dim, const typename Kind::T* k,
                     const typename Kind::T* v, int64_t row, const int32_t* table, int64_t first, int64_t len,
                     int64_t block_size, float softcap, float* scores, float* acc, float* m, float* l,
-                    float* widened) {
+                    float* widened, const int64_t* head_first = nullptr) {
   using T = typename Kind::T;
   constexpr bool kInPlace = std::is_same_v<Kind, KvF32>;  // fp32 rows need no widening: no copy
   const int64_t block_stride = block_size * row;
   const int64_t row_bytes = row * sizeof(T), head_bytes = (head_dim + Kind::kExtra) * sizeof(T);
-  std::fill(m, m + group, -1e30f);
-  std::fill(l, l + group, 0.f);
-  std::fill(acc, acc + group * head_dim, 0.f);
   const int64_t num_blocks = (len + block_size - 1) / block_size;
   const int64_t first_block = first / block_size;
   for (int64_t b = first_block; b < std::min(first_block + kPrefetchBlocks, num_blocks); ++b)
@@ -89,7 +96,7 @@ void attend_kv_head(const float* qs, int64_t group, int64_t head_dim, const type
     const T* vb = v + table[b] * block_stride;
     if (kInPlace || group == 1) {
       attend_block<Kind, D>(qs, group, head_dim, kb, vb, row, n, masked, block_size, softcap, scores, acc, m, l,
-                            pf_k, pf_v);
+                            pf_k, pf_v, head_first, b * block_size);
     } else {
       float* kw = widened;
       float* vw = widened + block_size * head_dim;
@@ -97,7 +104,7 @@ void attend_kv_head(const float* qs, int64_t group, int64_t head_dim, const type
       widen_rows<Kind, D>(vb, row, n, head_dim, vw, pf_v);
       const Ahead none = {nullptr, 0, 0};
       attend_block<KvF32, D>(qs, group, head_dim, kw, vw, head_dim, n, masked, block_size, softcap, scores, acc, m, l,
-                             none, none);
+                             none, none, head_first, b * block_size);
     }
   }
 }
@@ -135,8 +142,9 @@ void attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache, const to
         for (int64_t d = 0; d < head_dim; ++d) qs[h * head_dim + d] = src[d] * scale;
       }
       const int64_t first = window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0;
+      start_state(group, head_dim, acc.data(), m.data(), l.data());
       attend(qs.data(), group, head_dim, kv.k + g * kv.width, kv.v + g * kv.width, kv.row, kv.table(s),
-             first, lens[s], block_size, softcap, scores.data(), acc.data(), m.data(), l.data(), widened);
+             first, lens[s], block_size, softcap, scores.data(), acc.data(), m.data(), l.data(), widened, nullptr);
       for (int64_t h = 0; h < group; ++h) {
         float* dst = op + (s * num_q_heads + g * group + h) * head_dim;
         const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;  // seq_lens 0: zeros

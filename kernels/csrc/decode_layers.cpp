@@ -17,6 +17,8 @@
 //                 panels (kernels/csrc/cpu_w8a8.cpp)
 //   kv_caches     2 per layer: k_cache, v_cache
 //   window        every layer's sliding window (0 = none: Mistral, Qwen2 and Phi-3 use one for all layers)
+//   cascade       empty, or the step's cascade layout (kernels/cascade.py: group_rows, group_starts,
+//                 prefix_lens, suffix_starts): every layer's decode attention then runs as a cascade
 // Returns {x, residual}: the last layer's output and the residual stream before it (the final norm adds them).
 
 std::vector<torch::Tensor> decode_layers_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
@@ -25,12 +27,14 @@ std::vector<torch::Tensor> decode_layers_cpu(torch::Tensor x, torch::Tensor cos,
                                              std::vector<torch::Tensor> kv_caches, std::vector<torch::Tensor> scales,
                                              int64_t num_heads,
                                              int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
-                                             double eps, double scale, int64_t window) {
+                                             double eps, double scale, int64_t window,
+                                             std::vector<torch::Tensor> cascade) {
   constexpr size_t kPerLayer = 7;
   TORCH_CHECK(weights.size() % kPerLayer == 0, "weights must hold 7 tensors per layer");
   const size_t num_layers = weights.size() / kPerLayer;
   TORCH_CHECK(kv_caches.size() == 2 * num_layers, "kv_caches must hold a k and a v cache per layer");
   TORCH_CHECK(scales.size() == 4 * num_layers, "scales must hold 4 tensors per layer (empty for fp32 panels)");
+  TORCH_CHECK(cascade.empty() || cascade.size() == 4, "cascade must be empty or hold a layout's 4 tensors");
   check_layout(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [num_tokens, hidden] tensor");
   // the ops below take no Python objects: the engine's helper threads may run meanwhile, as during torch ops
@@ -58,7 +62,10 @@ std::vector<torch::Tensor> decode_layers_cpu(torch::Tensor x, torch::Tensor cos,
     torch::Tensor v = heads.narrow(1, num_heads + num_kv_heads, num_kv_heads);
     rotary_cpu(q, k, cos, sin);
     write_kv_cpu(k, v, k_cache, v_cache, slot_mapping);
-    const torch::Tensor attn = paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, window, 0.0);
+    const torch::Tensor attn =
+        cascade.empty() ? paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, window, 0.0)
+                        : cascade_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, cascade[0],
+                                                       cascade[1], cascade[2], cascade[3], scale, window, 0.0);
     torch::Tensor o = panel_linear_any_cpu(attn.view({n, q_size}), w[3], sc[1], hidden, c10::nullopt);
     add_rms_norm_cpu(o, residual, w[4], eps);
     const torch::Tensor act = silu_and_mul_cpu(panel_linear_any_cpu(o, w[5], sc[2], 2 * intermediate_size, c10::nullopt));

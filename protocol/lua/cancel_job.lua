@@ -48,8 +48,9 @@ if cur[5] and redis.call('TYPE', cur[5]).ok == 'stream' then
     if entry[2][i] == 'request' then request = entry[2][i + 1] end
   end
   if entry_id then
-    depth_init(L)
-    ack_del(L, cur[5], ARGV[1], entry_id)
+    local M = layout_of_queue(L, cur[5])  -- the depth counter of the entry's model
+    depth_init(M)
+    ack_del(M, cur[5], ARGV[1], entry_id)
   end
 end
 end_stream(KEYS[4], request, ttl)

@@ -4,7 +4,7 @@
 -- KEYS: 1 the entry's queue. ARGV: 1 group, 2 entry id, 3 the namespace's layout (JSON, _layout.lua)
 -- returns 1 (the entry was still there) | 0 (gone already: nothing changed)
 -- #include _queue_depth.lua
-local L = cjson.decode(ARGV[3])
+local L = layout_of_queue(cjson.decode(ARGV[3]), KEYS[1])  -- the depth counter of the entry's model
 depth_init(L)
 local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 local deleted = redis.call('XDEL', KEYS[1], ARGV[2])

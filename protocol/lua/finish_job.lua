@@ -20,13 +20,14 @@ if not is_terminal(st) then
   return redis.error_reply('ERR finish: status must be finished, failed or cancelled, got ' .. st)
 end
 local L = cjson.decode(ARGV[10])
-depth_init(L)
 local cur = redis.call('HMGET', KEYS[1], 'status', 'entry_id', 'result_ttl', 'batch_id', 'queue')
 local entry, stream = ARGV[2], KEYS[2]
 if entry == '' and cur[2] then entry, stream = cur[2], cur[5] or KEYS[2] end
+local M = layout_of_queue(L, stream)  -- the depth counter of the entry's model
+depth_init(M)
 redis.call('SREM', KEYS[4], ARGV[3])
 local function ack()
-  if entry ~= '' then ack_del(L, stream, ARGV[1], entry) end
+  if entry ~= '' then ack_del(M, stream, ARGV[1], entry) end
 end
 if not cur[1] then ack() return -1 end
 if is_terminal(cur[1]) then ack() return 0 end

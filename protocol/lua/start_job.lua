@@ -7,9 +7,9 @@
 -- #include _queue_depth.lua
 local status = redis.call('HGET', KEYS[1], 'status')
 if (not status) or is_terminal(status) then
-  local L = cjson.decode(ARGV[5])
-  depth_init(L)
-  ack_del(L, KEYS[2], ARGV[1], ARGV[2])
+  local M = layout_of_queue(cjson.decode(ARGV[5]), KEYS[2])  -- the depth counter of the entry's model
+  depth_init(M)
+  ack_del(M, KEYS[2], ARGV[1], ARGV[2])
   return {status or 'missing', 0}
 end
 redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[4], 'worker', ARGV[3],

@@ -100,8 +100,8 @@ def test_one_submit_jobs_call_writes_each_job_as_submit_job_would(redis_server):
     def call(ids: list[str], limit: int = 0, customs: list[str] | None = None) -> list:
         customs = customs or [f"c{j}" for j in ids]
         triples = [x for jid, cid in zip(ids, customs, strict=True) for x in (jid, json.dumps({"prompt": jid}), cid)]
-        return submit(keys=[queue, registry, *(k.job(j) for j in ids)],
-                      args=[time.time(), limit, 60, "b", "bulk", k.layout, GROUP, *triples], client=r)
+        return submit(keys=[k.job(j) for j in ids],
+                      args=[time.time(), limit, 60, "b", "bulk", k.layout, GROUP, "", *triples], client=r)
 
     out = call(["b-0", "b-1", "b-2", "b-3", "b-4"], customs=["c0", "", "c2", "c3", "c4"])
     assert [code for code, _ in out] == [1, 1, 1, -2, 1] and out[3][1] == ""
@@ -126,14 +126,11 @@ def test_one_submit_jobs_call_writes_each_job_as_submit_job_would(redis_server):
     assert scripts.queue_totals(r, k) == (6, 0) and scripts.depth(r, k).total == 6 and not r.exists(k.job("b-6"))
     assert [f["queue"] for _, f in r.xrange(k.wake)] == [queue]  # it was ready already: no second wake
     with pytest.raises(redis.ResponseError, match="priority must be one of"):
-        submit(keys=[queue, registry, k.job("b-8")],
-               args=[time.time(), 0, 60, "b", "urgent", k.layout, GROUP, "b-8", "{}", ""], client=r)
-    with pytest.raises(redis.ResponseError, match="KEYS"):
-        submit(keys=[k.queue("bulk"), registry, k.job("b-8")],
-               args=[time.time(), 0, 60, "b", "bulk", k.layout, GROUP, "b-8", "{}", ""], client=r)
-    with pytest.raises(redis.ResponseError, match="1 records need 10 ARGV, got 9"):
-        submit(keys=[queue, registry, k.job("b-8")],
-               args=[time.time(), 0, 60, "b", "bulk", k.layout, GROUP, "b-8", "{}"], client=r)
+        submit(keys=[k.job("b-8")],
+               args=[time.time(), 0, 60, "b", "urgent", k.layout, GROUP, "", "b-8", "{}", ""], client=r)
+    with pytest.raises(redis.ResponseError, match="1 records need 11 ARGV, got 10"):
+        submit(keys=[k.job("b-8")],
+               args=[time.time(), 0, 60, "b", "bulk", k.layout, GROUP, "", "b-8", "{}"], client=r)
     assert not r.exists(k.job("b-8")) and scripts.queue_totals(r, k) == (6, 0)
 
 

@@ -45,3 +45,20 @@ def test_redis_down_is_a_scrape_error_not_zeros(redis_server, make_client):
     finally:
         http.shutdown()
         http.server_close()
+
+
+def test_every_declared_model_has_its_series_and_the_default_queues_count_for_the_default_model(make_client):
+    from producer import models
+
+    client = make_client()
+    client.submit("before any model", priority="bulk")  # the default queues, labelled --model until a declaration
+    assert 'tokenbus_jobs_waiting{model="m",priority="bulk"} 1' in exporter.render_models(
+        exporter.model_counts(client.redis, K, "m"))
+    models.add(client.redis, K, "llama")  # the first declared: the default model
+    models.add(client.redis, K, "embedder")
+    client.submit_many([{"prompt": "x", "model": "llama", "priority": "bulk"}] * 2)
+    client.submit("e", model="embedder")
+    text = exporter.render_models(exporter.model_counts(client.redis, K, "m"))
+    assert 'tokenbus_jobs_waiting{model="llama",priority="bulk"} 3' in text  # its 2 and the default queues' 1
+    assert 'tokenbus_jobs_waiting{model="embedder",priority="default"} 1' in text
+    assert 'model="m"' not in text

@@ -89,16 +89,17 @@ def test_submit_script_refuses_a_taken_id_and_never_resets_a_key(client):
                   client=client.redis) == [0, ""]
     assert client.redis.hgetall(client.keys.job("odd")) == {"note": "not a job"}
     assert scripts.queue_totals(client.redis, k) == (1, 0)
-    # a priority the protocol does not have, or keys that are not its queue and registry: refused, nothing written
+    # a priority the protocol does not have: refused, nothing written
     with pytest.raises(redis.ResponseError, match="priority must be one of interactive, default, bulk"):
         submit(keys=[k.job("p"), k.queue(), k.registry("default")],
                args=["p", '{"prompt": "p"}', time.time(), 0, 60, "", "", "urgent", k.layout, GROUP],
                client=client.redis)
-    with pytest.raises(redis.ResponseError, match="KEYS"):
-        submit(keys=[k.job("p"), k.queue(), k.registry("default")],
-               args=["p", '{"prompt": "p"}', time.time(), 0, 60, "", "", "bulk", k.layout, GROUP],
-               client=client.redis)
-    assert not client.redis.exists(k.job("p")) and scripts.queue_totals(client.redis, k) == (1, 0)
+    # the queue follows the priority (and model) in ARGV: KEYS 2-3 of the release before models are ignored
+    assert submit(keys=[k.job("p"), k.queue(), k.registry("default")],
+                  args=["p", '{"prompt": "p"}', time.time(), 0, 60, "", "", "bulk", k.layout, GROUP],
+                  client=client.redis)[0] == 1
+    assert client.redis.hget(k.job("p"), "queue") == k.queue("bulk")
+    assert scripts.queue_totals(client.redis, k) == (2, 0)
 
 
 @pytest.mark.parametrize("fields, expect", [

@@ -147,6 +147,27 @@ def test_the_tensor_parallel_example_reserves_two_gpus_for_one_tp2_worker(monkey
     assert settings.engine.tensor_parallel_size == 2 and settings.engine.model == env["TOKENBUS_MODEL"]
 
 
+def test_two_worker_services_serve_two_models_each_on_its_own_gpu(compose, monkeypatch):
+    """worker (TOKENBUS_MODEL, GPU 0) and worker-model-b (another model and served name, GPU 1, behind the
+    second-model profile): their environments parse as workers of different models on different GPUs."""
+    from worker.settings import WorkerSettings
+
+    a, b = compose["services"]["worker"], compose["services"]["worker-model-b"]
+    assert b["profiles"] == ["second-model"] and "profiles" not in a
+    gpus = [s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for s in (a, b)]
+    assert gpus == [["0"], ["1"]]
+    settings = []
+    for service in (a, b):
+        for name in ("TOKENBUS_MODEL", "TOKENBUS_SERVED_MODEL_NAME"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in service["environment"].items():
+            monkeypatch.setenv(name, str(value))
+        settings.append(WorkerSettings())
+    assert settings[0].engine.model != settings[1].engine.model
+    assert settings[0].served_model_name == [] and settings[1].served_model_name == ["qwen2.5-0.5b"]
+    assert settings[0].redis_url == settings[1].redis_url and settings[0].namespace == settings[1].namespace
+
+
 def test_compose_refuses_to_start_without_the_passwords():
     for name in ENV:
         with pytest.raises(MissingVariable, match=f"{name}: set {name} in .env"):

@@ -78,3 +78,34 @@ def test_cache_off_reuses_nothing():
     bm.free(a)
     assert bm.match_prefix(make_seq(list(range(9)))) == [] and bm.num_cached == 0
     bm.check_invariants([])
+
+
+def test_prefix_groups_are_the_shared_physical_blocks():
+    bm = BlockManager(32, 4)
+    system = list(range(100, 112))  # 3 full blocks
+    a = make_seq(system + [1, 2, 3], "a")
+    run_prompt(bm, a)
+    b = make_seq(system + [7, 7], "b")  # takes a's 3 blocks
+    c = make_seq(system[:8] + [9, 9, 9, 9, 9], "c")  # takes 2 of them
+    d = make_seq([5] * 9, "d")  # shares nothing
+    for seq in (b, c, d):
+        run_prompt(bm, seq)
+    assert b.block_table[:3] == a.block_table[:3] and c.block_table[:2] == a.block_table[:2]
+    groups = bm.prefix_groups([d, a, b, c])
+    assert [(g.members, g.num_blocks) for g in groups] == [([1, 2, 3], 2)]
+    assert [(g.members, g.num_blocks) for g in bm.prefix_groups([a, b])] == [([0, 1], 3)]
+    assert bm.prefix_groups([a, d]) == [] and bm.prefix_groups([]) == []  # a alone: no group
+    e = make_seq([5] * 9, "e")  # d's first 2 blocks: a second group
+    run_prompt(bm, e)
+    groups = bm.prefix_groups([a, d, b, e])
+    assert [(g.members, g.num_blocks) for g in groups] == [([0, 2], 3), ([1, 3], 2)]
+    bm.free(b)  # a leaving sharer takes its table with it
+    assert [(g.members, g.num_blocks) for g in bm.prefix_groups([a, c])] == [([0, 1], 2)]
+
+
+def test_prefix_groups_none_without_the_prefix_cache():
+    bm = BlockManager(16, 4, enable_prefix_caching=False)
+    a, b = make_seq(list(range(9)), "a"), make_seq(list(range(9)), "b")
+    run_prompt(bm, a)
+    run_prompt(bm, b)
+    assert bm.prefix_groups([a, b]) == []

@@ -30,10 +30,11 @@ PROMPTS = [
 MAX_TOKENS = [20, 9, 14, 24, 11]  # at max_num_seqs 4 the decode batch runs at 3 (padded to 4) on its way out
 
 
-def run_engine_with_triton(directory: str, static_decode: bool = False) -> dict:
+def run_engine_with_triton(directory: str, static_decode: bool = False, cascade: bool = False) -> dict:
     """Child side: the engine on CPU with the interpreted Triton kernels; the references would raise."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
     import kernels.activation as activation
+    import kernels.cascade_attention as cascade_attention
     import kernels.decode_attention as decode
     import kernels.norm as norm
     import kernels.prefill_attention as prefill
@@ -41,7 +42,8 @@ def run_engine_with_triton(directory: str, static_decode: bool = False) -> dict:
     from worker import Engine, SamplingParams
     from worker.engine.backends import reference
 
-    calls = {"rotary_write_kv": 0, "decode": 0, "prefill": 0, "rms_norm": 0, "add_rms_norm": 0, "silu_and_mul": 0}
+    calls = {"rotary_write_kv": 0, "decode": 0, "cascade": 0, "prefill": 0, "rms_norm": 0, "add_rms_norm": 0,
+             "silu_and_mul": 0}
 
     def counted(module, attr, key):
         inner = getattr(module, attr)
@@ -55,11 +57,12 @@ def run_engine_with_triton(directory: str, static_decode: bool = False) -> dict:
     def refuse(*args, **kwargs):
         raise AssertionError("a PyTorch reference ran although TRITON_INTERPRET=1")
 
-    for name in ("write_kv_ref", "paged_decode_attention_ref", "paged_prefill_attention_ref", "rms_norm_ref",
-                 "add_rms_norm_ref", "rotary_ref", "silu_and_mul_ref"):
+    for name in ("write_kv_ref", "paged_decode_attention_ref", "cascade_decode_attention_ref",
+                 "paged_prefill_attention_ref", "rms_norm_ref", "add_rms_norm_ref", "rotary_ref", "silu_and_mul_ref"):
         setattr(reference, name, refuse)
     counted(rope, "rotary_write_kv_triton", "rotary_write_kv")
     counted(decode, "paged_decode_attention_triton", "decode")
+    counted(cascade_attention, "cascade_decode_attention_triton", "cascade")
     counted(prefill, "paged_prefill_attention_triton", "prefill")
     counted(norm, "rms_norm_triton", "rms_norm")
     counted(norm, "add_rms_norm_triton", "add_rms_norm")
@@ -67,7 +70,8 @@ def run_engine_with_triton(directory: str, static_decode: bool = False) -> dict:
 
     # static_decode: pure decode steps padded to buckets 1, 2, 4 with full-width tables (the graphs' path)
     engine = Engine(directory, device="cpu", dtype="float32", block_size=16, max_num_seqs=4 if static_decode else 3,
-                    max_num_batched_tokens=16, kv_cache_gb=0.01, static_decode=static_decode)
+                    max_num_batched_tokens=16, kv_cache_gb=0.01, static_decode=static_decode,
+                    cascade_attention="on" if cascade else "off")
     padded = []
     if static_decode:
         execute = engine.runner.static.execute  # with overlap on or off
@@ -89,15 +93,17 @@ def run_engine_with_triton(directory: str, static_decode: bool = False) -> dict:
             "prefix_hit_tokens": engine.block_manager.stats.hit_tokens, "padded_steps": sum(padded)}
 
 
-@pytest.mark.parametrize("static_decode", [False, True], ids=["eager", "static-decode"])
-def test_engine_with_triton_kernels_equals_hf(tmp_path, static_decode):
+@pytest.mark.parametrize("static_decode,cascade", [(False, False), (True, False), (False, True)],
+                         ids=["eager", "static-decode", "cascade-forced"])
+def test_engine_with_triton_kernels_equals_hf(tmp_path, static_decode, cascade):
     from testbed.tiny_models import make_tiny_model
     from tests.support.hf_reference import hf_greedy, load_hf
 
     directory = make_tiny_model(str(tmp_path / "llama"), "llama")  # 4 q / 2 kv heads, head_dim 32
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-m", "tests.engine.test_engine_triton", directory, str(static_decode)],
+    proc = subprocess.run([sys.executable, "-m", "tests.engine.test_engine_triton", directory, str(static_decode),
+                           str(cascade)],
                           cwd=root, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"engine child failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
@@ -108,8 +114,9 @@ def test_engine_with_triton_kernels_equals_hf(tmp_path, static_decode):
     # layer's input norm is a plain one, the final norm an add); attention once or twice (prefill + decode)
     assert calls["rotary_write_kv"] == calls["silu_and_mul"] == per_step, calls
     assert calls["rms_norm"] == result["steps"] and calls["add_rms_norm"] == 2 * per_step, calls
-    assert calls["decode"] > 0 and calls["prefill"] > 0, calls
-    assert calls["decode"] + calls["prefill"] >= per_step, calls
+    assert (calls["decode"] > 0 or cascade) and calls["prefill"] > 0, calls
+    assert (calls["cascade"] > 0) == cascade, calls  # forced on: every row with a full block, through Triton
+    assert calls["decode"] + calls["cascade"] + calls["prefill"] >= per_step, calls
     assert result["prefix_hit_tokens"] >= 16, "the last prompt did not reuse the second one's cached block"
 
     hf = load_hf(directory)
@@ -135,4 +142,4 @@ def test_head_dim_the_kernels_cannot_serve_fails_at_start(tmp_path):
 
 
 if __name__ == "__main__":
-    print(json.dumps(run_engine_with_triton(sys.argv[1], sys.argv[2:] == ["True"])))
+    print(json.dumps(run_engine_with_triton(sys.argv[1], sys.argv[2] == "True", sys.argv[3:] == ["True"])))

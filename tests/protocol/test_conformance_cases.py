@@ -47,7 +47,7 @@ def test_the_case(case, driver, r):
 
 
 @pytest.mark.parametrize(("script", "line", "fails"), [
-    ("SUBMIT_JOB", "redis.call('HINCRBY', L.depth, prio, added)", {"submit", "queue_full", "stream_failed_before_run"}),
+    ("SUBMIT_JOB", "redis.call('HINCRBY', M.depth, prio, added)", {"submit", "queue_full", "stream_failed_before_run"}),
     ("CANCEL_JOB", "end_stream(KEYS[4], request, ttl)", {"stream_cancelled_queued"}),
     ("FINISH_JOB", "end_stream(KEYS[5]", {"stream_failed_before_run", "stream_ran"}),
     ("CANCEL_JOB", "if e[2][i] == 'job_id' and e[2][i + 1] == job_id then return e[1], e end",

@@ -3,6 +3,8 @@
 The batch holds the prefill tokens first (sequences feeding more than one token: prompt chunks), then the
 decode tokens (one per sequence). Attention runs the prefill kernel on the first part and the decode
 kernel on the rest; both read the K/V that write_kv has just stored (paged_attention, every model's).
+`cascade` (kernels/cascade.py), when set, groups the decode rows that share their first KV blocks: the decode
+kernel then reads those once.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from kernels.cascade import CascadeLayout
 
 
 @dataclass
@@ -24,6 +28,7 @@ class AttentionMetadata:
     # decode part
     decode_block_tables: torch.Tensor | None  # int32 [num_decode_seqs, max_blocks]
     decode_seq_lens: torch.Tensor | None  # int32 [num_decode_seqs]
+    cascade: CascadeLayout | None = None  # the decode rows' shared prefixes, when cascading pays (cascade.py)
 
 
 def paged_attention(backend: Any, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -37,7 +42,7 @@ def paged_attention(backend: Any, q: torch.Tensor, kv_cache: tuple[torch.Tensor,
 
     def decode(rows: torch.Tensor) -> torch.Tensor:
         return backend.decode_attention(rows, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                        scale, window, softcap)
+                                        scale, window, softcap, meta.cascade)
 
     if p == 0:  # a pure decode step (most steps): the kernel's output is the attention output
         return decode(q)

@@ -1,11 +1,16 @@
 """The pool of fixed-size KV-cache blocks, each sequence's block table, and the prefix cache.
 
 Prefix caching: once a block is full and its K/V computed, it is keyed by a hash of (its parent block's
-hash, its token ids), so the key names the whole prefix up to the block's end. A new sequence takes every
+hash, its token ids), so the key names the whole prefix up to the block's end. The first block's parent is
+the sequence's cache_salt (its LoRA adapter's; None for the base model): K/V computed under one adapter are
+never served to another, nor to the base model, even for the same tokens. A new sequence takes every
 cached full block its tokens start with (the ref count goes up) and computes only the rest. A block whose
 count drops to 0 keeps its key and waits in an LRU; allocation takes never-hashed free blocks first and
 evicts the least recently freed cached block only when none is left. A block is shared only while it is
 full and read-only, so no sequence ever writes into a block another one reads.
+
+The same sharing gives cascade decode attention its groups (prefix_groups): running sequences whose tables
+start with the same physical blocks read those blocks' K/V once per step between them (kernels/cascade.py).
 """
 
 from __future__ import annotations
@@ -32,6 +37,14 @@ class PrefixCacheStats:
     queried_blocks: int = 0  # full blocks those sequences could have reused
     hit_blocks: int = 0
     evictions: int = 0  # cached blocks handed out again for other tokens
+
+
+@dataclass
+class PrefixGroup:
+    """Sequences whose block tables start with the same `num_blocks` physical blocks (full, read-only)."""
+
+    members: list[int]  # indices into the sequences prefix_groups was asked about, in their order
+    num_blocks: int
 
 
 class BlockManager:
@@ -72,7 +85,7 @@ class BlockManager:
             return []
         bs = self.block_size
         hits: list[int] = []
-        parent = None
+        parent = seq.cache_salt
         for i in range((seq.num_tokens - 1) // bs):
             key = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
             block_id = self.key_to_block.get(key)
@@ -143,7 +156,7 @@ class BlockManager:
             return
         bs = self.block_size
         for i in range(len(seq.block_keys), seq.num_computed_tokens // bs):
-            parent = seq.block_keys[i - 1] if i else None
+            parent = seq.block_keys[i - 1] if i else seq.cache_salt
             key = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
             seq.block_keys.append(key)
             block_id = seq.block_table[i]
@@ -151,6 +164,35 @@ class BlockManager:
             if key not in self.key_to_block and self.block_keys[block_id] is None:
                 self.key_to_block[key] = block_id
                 self.block_keys[block_id] = key
+
+    # ---- sharing ------------------------------------------------------------------------------------------
+
+    def prefix_groups(self, seqs: list[Sequence]) -> list[PrefixGroup]:
+        """The groups (two or more) of seqs whose leading blocks are the same physical blocks, each with how
+        many they all hold: the longest common start of their tables. Two tables name one block only through
+        the prefix cache, so those blocks are full and computed. Groups by first block, in order of their
+        first member; a sequence that shares its first block with no other one of seqs is in none."""
+        by_first: dict[int, list[int]] = {}
+        ref_counts = self.ref_counts
+        for i, seq in enumerate(seqs):
+            table = seq.block_table
+            if table and ref_counts[table[0]] > 1:  # held once: no other table starts with it
+                by_first.setdefault(table[0], []).append(i)
+        groups = []
+        for members in by_first.values():
+            if len(members) < 2:
+                continue
+            head = seqs[members[0]].block_table
+            shared = len(head)
+            for i in members[1:]:
+                table = seqs[i].block_table
+                shared = min(shared, len(table))
+                j = 1  # block 0 is the same by construction
+                while j < shared and table[j] == head[j]:
+                    j += 1
+                shared = j
+            groups.append(PrefixGroup(members, shared))
+        return groups
 
     # ---- release ------------------------------------------------------------------------------------------
 

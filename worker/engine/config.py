@@ -14,6 +14,7 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")  # kernels/kv_quant.py
 KV_CACHE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8_e4m3": "fp8"}
 QUANTIZATIONS = ("int8", "fp8", "w8a8")  # worker/engine/quant/schemes.py
+CASCADE_MODES = ("auto", "on", "off")  # worker/engine/cascade.py
 
 
 def bulk_min_seats(fraction: float, seats: int) -> int:
@@ -56,6 +57,13 @@ class EngineConfig:
     # long means a rank hangs: the worker exits (code 3) and its jobs go to other workers
     kv_cache_dtype: str = "auto"  # "auto" = the model dtype; "bfloat16", "float32"; "int8" (CPU: the C++
     # kernels, a scale per token and KV head); "fp8" (CUDA sm_89+: e4m3, the same scales). kernels/kv_quant.py
+    max_loras: int = 0  # LoRA adapter slots on the device (0 = no LoRA: no wrapped linears, no cost);
+    # docs/adapters.md. Each slot holds one adapter at max_lora_rank for every target linear
+    max_lora_rank: int = 16  # the largest adapter rank a slot holds; a higher one is refused at load
+    max_cpu_loras: int | None = None  # adapters kept in host memory (LRU) for reloading into slots; None =
+    # max_loras. Adapters of requests inside the engine are always kept
+    cascade_attention: str = "auto"  # decode rows sharing a cached prefix read it once per step (kernels/cascade.py):
+    # "auto" where the cost rule says it pays (worker/engine/cascade.py), "off" never, "on" every row (tests)
 
     def __post_init__(self) -> None:
         problems = []
@@ -88,6 +96,13 @@ class EngineConfig:
             problems.append(f"bulk_min_fraction must be in [0, 1], got {self.bulk_min_fraction}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             problems.append(f"quantization must be unset or one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.max_loras < 0 or not 1 <= self.max_lora_rank <= 512:
+            problems.append(f"max_loras must be >= 0 and max_lora_rank in [1, 512]; got {self.max_loras}, "
+                            f"{self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            problems.append(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.cascade_attention not in CASCADE_MODES:
+            problems.append(f"cascade_attention must be one of {list(CASCADE_MODES)}, got {self.cascade_attention!r}")
         if self.tensor_parallel_size < 1:
             problems.append(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_timeout_s <= 0:

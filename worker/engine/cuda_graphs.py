@@ -13,6 +13,10 @@ and mixed steps stay eager.
     graphs on (CUDA, cuda_graphs=True)     capture(): per bucket one graph of the model forward over static
                                            buffers (ids, positions, slots, seq lens, tables); run() copies the
                                            step's inputs into them and replays; the logits stay eager
+
+With LoRA the adapter rows (LoraBatch: sorted rows, per-slot starts and counts) are static buffers too, and the
+kernels' grid is sized for the bucket: one graph per (b, width) serves every mix of adapters, base-only steps
+included (their counts are 0: each LoRA program exits at once).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 
 from kernels.partitions import num_partitions, table_widths
 from worker.engine.attention_metadata import AttentionMetadata
+from worker.engine.lora.layer import LoraBatch, LoraState
 from worker.engine.scheduler import ScheduledBatch
 from worker.engine.step_inputs import Ahead, PreparedStep, StepInputs
 
@@ -84,6 +89,7 @@ class StaticDecode:
         # (bucket, width) -> (graph, its output)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.static: dict[str, torch.Tensor] = {}
+        self.lora: LoraState | None = None  # set by ModelRunner.use_lora
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (rows, table width) a padded decode step runs at: one graph each."""
@@ -100,6 +106,8 @@ class StaticDecode:
         w = self.widths.pick(b, max(len(s.block_table) for s in batch.seqs))
         step = self.inputs.prepare(batch, pad_to=b, width=w, ahead=ahead)
         step.width = w
+        if (b, w) in self.graphs:  # the graph replays the plain decode it captured (worker/engine/cascade.py)
+            step.meta.cascade = None
         return step
 
     def execute(self, step: PreparedStep) -> torch.Tensor:
@@ -107,8 +115,12 @@ class StaticDecode:
         assert b is not None and w is not None
         graph = self.graphs.get((b, w))
         if graph is None:
+            if self.lora is not None:
+                self.lora.batch = step.lora
             return self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         s, meta = self.static, step.meta
+        if self.lora is not None:
+            self._fill_lora(step.lora)
         s["ids"][:b].copy_(step.input_ids)
         s["positions"][:b].copy_(step.positions)
         s["slots"][:b].copy_(meta.slot_mapping)
@@ -118,6 +130,15 @@ class StaticDecode:
         return graph[1]
 
     # ---- CUDA graphs ----------------------------------------------------------------------------------------
+
+    def _fill_lora(self, lora: LoraBatch | None) -> None:
+        s = self.static
+        if lora is None:
+            s["lora_counts"].zero_()
+            return
+        s["lora_rows"][: lora.rows.shape[0]].copy_(lora.rows)
+        s["lora_starts"].copy_(lora.starts)
+        s["lora_counts"].copy_(lora.counts)
 
     def _static_meta(self, b: int, w: int) -> AttentionMetadata:
         s = self.static
@@ -141,8 +162,16 @@ class StaticDecode:
             "seq_lens": torch.ones(n, dtype=torch.int32, device=device),
             "tables": torch.full((n, pad.max_blocks_per_seq), pad.pad_block, dtype=torch.int32, device=device),
         }
+        if self.lora is not None:  # no adapter row until a step fills them
+            slots = self.inputs.lora_slots
+            self.static["lora_rows"] = torch.zeros(n, dtype=torch.int64, device=device)
+            self.static["lora_starts"] = torch.zeros(slots, dtype=torch.int32, device=device)
+            self.static["lora_counts"] = torch.zeros(slots, dtype=torch.int32, device=device)
         pool = None
         for b, w in reversed(self.shapes()):
+            if self.lora is not None:
+                s = self.static
+                self.lora.batch = LoraBatch(s["lora_rows"][:b], s["lora_starts"], s["lora_counts"], b, [])
             args = (self.static["ids"][:b], self.static["positions"][:b], self.kv_caches, self._static_meta(b, w))
             self.model(*args)  # compiles the kernels' variants for this shape outside the capture
             torch.cuda.synchronize(device)
@@ -151,6 +180,8 @@ class StaticDecode:
                 out = self.model(*args)
             pool = graph.pool()
             self.graphs[(b, w)] = (graph, out)
+        if self.lora is not None:
+            self.lora.batch = None
         torch.cuda.synchronize(device)
         seconds = time.perf_counter() - started
         log.info("cuda_graphs_captured", buckets=self.buckets, graphs=len(self.graphs), seconds=round(seconds, 2))

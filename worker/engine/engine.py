@@ -21,6 +21,7 @@ import torch
 from protocol.priority import Priority, rank_of
 from worker.engine import loader, model_setup, pooling, prompts
 from worker.engine.block_manager import BlockManager
+from worker.engine.cascade import CascadePlanner
 from worker.engine.config import EngineConfig, bulk_min_seats
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.embedding import embeddings_for, refuse_kind
@@ -59,6 +60,7 @@ class Engine:
         self.model_path = spec.model_path  # "native" or "transformers"
         self.causal = getattr(arch, "causal", True)  # False: an encoder (bidirectional attention, embeddings only)
         self.model_name = cfg.model
+        self.checkpoint = loader.checkpoint_id(cfg.model, spec.hf_config)  # which weights (the registry's check)
         self.tokenizer = loader.load_tokenizer(spec.source)
         self.eos_token_ids = loader.load_generation_eos(spec.source, spec.hf_config, self.tokenizer)
         # tensor parallelism (worker/engine/parallel/): this process is rank 0; the other ranks start here
@@ -109,11 +111,15 @@ class Engine:
         self.quantized_cache, self.max_num_seqs, self.cuda_graphs = setup.quantized_cache, setup.max_num_seqs, \
             setup.cuda_graphs
         self.block_manager = BlockManager(setup.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        # the step channel does not carry a cascade layout to the other ranks yet: off under tensor parallelism
+        self.cascade = CascadePlanner(self.block_manager, cfg.cascade_attention if self.parallel is None else "off")
         self.stop_checker = StopChecker(self.eos_token_ids)
         self.guided = GuidedDecoding(self.tokenizer, spec.arch.vocab_size, self.eos_token_ids, self.device)
         self.scheduler = Scheduler(self.block_manager, self.stop_checker, self.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.guided,
-                                   bulk_min_seats=bulk_min_seats(cfg.bulk_min_fraction, self.max_num_seqs))
+                                   bulk_min_seats=bulk_min_seats(cfg.bulk_min_fraction, self.max_num_seqs),
+                                   loras=setup.loras)
+        self.loras = setup.loras
         self.sampler = Sampler(spec.arch.vocab_size, self.device, self.eos_token_ids, self.backend)
         self.can_generate = self.causal and getattr(self.model, "can_generate", True)
         self.embeddings, self.embed_refusal = embeddings_for(self.model_path, spec.source.directory, spec.arch,
@@ -121,7 +127,7 @@ class Engine:
                                                              setup.num_blocks * cfg.block_size)
         pooler = pooling.Pooler(self.embeddings.pooling) if self.embeddings is not None else None
         self.runner = model_setup.make_runner(setup, cfg, self.device, self.max_model_len, self.sampler, self.guided,
-                                              pooler)
+                                              pooler, self.cascade)
         self.weight_bytes = [setup.weight_bytes]  # per rank
         if self.parallel is not None:
             self.weight_bytes = tp.gather_ints(setup.weight_bytes)
@@ -130,6 +136,28 @@ class Engine:
             log.info("tensor_parallel_weights", bytes_per_rank=self.weight_bytes,
                      fused_decode="off: the one-call C++ decode step has no all-reduce between its layers")
         self.static_decode = setup.static_decode
+
+    # ---- LoRA adapters (docs/adapters.md) -------------------------------------------------------------------
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT LoRA adapter in directory `path` as `name` (add_request(lora=name)). Raises LoraError
+        naming the adapter and the field when it cannot be served; the engine serves on either way."""
+        if self.loras is None:
+            raise ValueError("this engine has no LoRA slots: start it with max_loras >= 1")
+        self.loras.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving adapter `name`; refused (InvalidRequest) while requests inside the engine use it."""
+        if self.loras is None:
+            raise ValueError("this engine has no LoRA slots")
+        self.loras.remove(name)
+
+    def lora_names(self) -> list[str]:
+        return self.loras.names() if self.loras is not None else []
+
+    def _release_lora(self, seqs: list[Sequence]) -> None:
+        if seqs and seqs[0].lora is not None:
+            self.loras.request_done(seqs[0].lora)
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (nothing to do for one rank)."""
@@ -150,11 +178,12 @@ class Engine:
 
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams | EmbedParams | dict[str, Any] | None = None,
-        priority: Priority | str | int = 0,
+        priority: Priority | str | int = 0, lora: str | None = None,
     ) -> None:
         """Queue a request: a generation, or with EmbedParams an embedding of `prompt` (a string or token ids).
         priority: the job's Priority (or its name or rank, protocol.priority.rank_of); lower ranks are seated
-        sooner, and requests of one priority in arrival order."""
+        sooner, and requests of one priority in arrival order. lora: the name of an adapter add_lora registered
+        (generation only), None for the base model."""
         if request_id in self.requests:
             raise EngineFault(f"request id {request_id!r} is already in the engine")  # the caller's bug
         if isinstance(params, EmbedParams):
@@ -190,6 +219,12 @@ class Engine:
                 f"({self.block_manager.num_blocks * self.config.block_size} tokens); raise kv_cache_gb"
             )
         rank = rank_of(priority)
+        salt = None
+        if lora is not None:
+            if self.loras is None:
+                raise InvalidRequest(f"LoRA adapter {lora!r} asked for, but this engine serves none (max_loras 0)",
+                                     code="model_not_found")
+            salt = self.loras.request_added(lora)  # its weights held in host memory until the request ends
         now = time.time()
         seqs = []
         for i in range(params.n):
@@ -199,9 +234,13 @@ class Engine:
                 generator.manual_seed(params.seed + i)
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             seqs.append(Sequence(request_id, prompt_ids, params, now, detokenizer, generator=generator,
-                                 choice_index=i, priority=rank))
-        for seq in seqs:  # compiles response_format / regex / choice off this thread (GrammarError: failed before)
-            self.guided.add(seq)
+                                 choice_index=i, priority=rank, lora=lora, cache_salt=salt))
+        try:
+            for seq in seqs:  # compiles response_format / regex / choice off this thread (GrammarError: failed before)
+                self.guided.add(seq)
+        except BaseException:
+            self._release_lora(seqs)
+            raise
         self.requests[request_id] = seqs[0]
         self.choices[request_id] = seqs
         self.scheduler.add(seqs[0])
@@ -238,6 +277,7 @@ class Engine:
             return None
         del self.requests[request_id]
         self.forks.pop(request_id, None)
+        self._release_lora(seqs)
         for seq in seqs:
             if seq.finish_reason is None:
                 self.scheduler.remove(seq)  # frees only its own references: a block another holds stays
@@ -263,6 +303,7 @@ class Engine:
             self.forks.pop(seq.request_id, None)
             for choice in seqs:
                 self.scheduler.remove(choice)
+            self._release_lora(seqs)
             self.rejected[seq.request_id] = err
         if self.overlap is not None:
             return self.overlap.step()
@@ -286,6 +327,7 @@ class Engine:
             seqs = self.choices.get(seq.request_id)
             if seqs is not None and all(s.finish_reason is not None for s in seqs):
                 del self.choices[seq.request_id], self.requests[seq.request_id]
+                self._release_lora(seqs)
                 outputs.append(self._output(seqs))
         return outputs
 
@@ -321,7 +363,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
-        pc = bm.stats
+        pc, cs = bm.stats, self.cascade.stats
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), free_blocks=bm.num_free,
             used_blocks=bm.num_used, total_blocks=bm.num_blocks, preemptions=self.scheduler.num_preemptions,
@@ -329,20 +371,24 @@ class Engine:
             prefix_queried_tokens=pc.queried_tokens, prefix_hit_tokens=pc.hit_tokens,
             prefix_queried_blocks=pc.queried_blocks, prefix_hit_blocks=pc.hit_blocks,
             prefix_evictions=pc.evictions, forking=sum(len(f) for f in self.forks.values()),
+            cascade_steps=cs.steps, cascade_groups=cs.groups, cascade_grouped_rows=cs.grouped_rows,
+            decode_kv_tokens_read=cs.kv_tokens_read, decode_kv_tokens_plain=cs.kv_tokens_plain,
+            **(self.loras.stats() if self.loras is not None else {}),
         )
 
     def generate(
         self,
         prompts: Seq[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
+        loras: list[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Offline: run every prompt to the end and return the outputs in input order. InvalidRequest (with the
         code), once every other request ended, when the engine refused a prompt's grammar (structured output);
-        EngineFault when compiling one broke."""
+        EngineFault when compiling one broke. loras: each prompt's adapter name (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt given bare
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        return self._run_offline("generate", prompts, params_list)
+        return self._run_offline("generate", prompts, params_list, loras)
 
     def embed(self, inputs: Seq[str | list[int]] | str,
               params: EmbedParams | list[EmbedParams] | None = None) -> list[RequestOutput]:
@@ -353,12 +399,13 @@ class Engine:
         params_list = params if isinstance(params, list) else [params or EmbedParams()] * len(inputs)
         return self._run_offline("embed", inputs, params_list)
 
-    def _run_offline(self, kind: str, prompts: Seq[Any], params_list: list[Any]) -> list[RequestOutput]:
+    def _run_offline(self, kind: str, prompts: Seq[Any], params_list: list[Any],
+                     loras: list[str | None] | None = None) -> list[RequestOutput]:
         ids = [f"{kind}-{self.steps}-{i}" for i in range(len(prompts))]
         added: list[str] = []
-        for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
+        for rid, prompt, p, lora in zip(ids, prompts, params_list, loras or [None] * len(ids), strict=True):
             try:
-                self.add_request(rid, prompt, p)
+                self.add_request(rid, prompt, p, lora=lora)
             except EngineError as err:  # nothing of this call stays behind in the engine
                 for other in added:
                     self.abort(other)

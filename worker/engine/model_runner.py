@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 
 from worker.engine import kv_cache
+from worker.engine.cascade import CascadePlanner
 from worker.engine.cuda_graphs import StaticDecode
 from worker.engine.guided import GuidedDecoding
+from worker.engine.lora.layer import LoraState
 from worker.engine.models.llama import LlamaForCausalLM
 from worker.engine.parallel.step_channel import StepChannel
 from worker.engine.pooling import Pooler
@@ -32,6 +34,7 @@ class ModelRunner:
         self, model: LlamaForCausalLM, sampler: Sampler | None, num_blocks: int, block_size: int,
         device: torch.device, kv_dtype: torch.dtype, max_num_seqs: int, max_model_len: int,
         static_decode: bool = False, guided: GuidedDecoding | None = None, pooler: Pooler | None = None,
+        cascade: CascadePlanner | None = None,
     ) -> None:
         self.model = model
         self.guided = guided
@@ -47,11 +50,20 @@ class ModelRunner:
         # moves that cost out of serving
         self.kv_caches = kv_cache.allocate(arch, num_blocks + 1, block_size, kv_dtype, device)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.inputs = StepInputs(max_num_seqs, self.max_blocks_per_seq, block_size, self.pad_block, device)
+        self.inputs = StepInputs(max_num_seqs, self.max_blocks_per_seq, block_size, self.pad_block, device,
+                                 cascade)
         # pure decode steps padded to fixed shapes (cuda_graphs.py); capture() turns them into graph replays
         self.static = StaticDecode(model, self.kv_caches, self.inputs, max_num_seqs) if static_decode else None
         # rank 0 of a tensor-parallel worker: each step's inputs go to the other ranks through it (parallel/)
         self.channel: StepChannel | None = None
+        self.lora: LoraState | None = None  # the adapters' shared state (use_lora), None without LoRA
+
+    def use_lora(self, state: LoraState, num_slots: int) -> None:
+        """Serve LoRA adapters: each step's rows carry their slots, and the forward sees them (before capture)."""
+        self.lora = state
+        self.inputs.lora_slots = num_slots
+        if self.static is not None:
+            self.static.lora = state
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list | None]:
@@ -88,6 +100,8 @@ class ModelRunner:
         if step.bucket is not None:
             assert self.static is not None
             return self.static.execute(step)
+        if self.lora is not None:
+            self.lora.batch = step.lora
         return self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
 
     @torch.inference_mode()

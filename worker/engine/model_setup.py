@@ -18,6 +18,7 @@ import torch
 from worker.engine import kv_cache, loader, warmup
 from worker.engine.backends import ReferenceBackend, select_backend
 from worker.engine.config import EngineConfig
+from worker.engine.lora.manager import LoraManager
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_block
 from worker.engine.models import registry
 from worker.engine.parallel import sharded_loading
@@ -71,6 +72,7 @@ class ModelSetup:
     cuda_graphs: bool
     static_decode: bool
     weight_bytes: int  # this rank's weights and buffers as loaded
+    loras: LoraManager | None = None  # the LoRA slots (max_loras > 0), sized before the KV cache is
 
 
 def set_up(cfg: EngineConfig, device: torch.device, spec: ModelSpec, tp: Any = None) -> ModelSetup:
@@ -105,10 +107,11 @@ def set_up(cfg: EngineConfig, device: torch.device, spec: ModelSpec, tp: Any = N
         quantized_cache = schemes.apply_int8(model, source.directory, cfg.cache_dir, w8a8=cfg.quantization == "w8a8")
         model.eval().requires_grad_(False)
     backend.prepare(model)
+    loras = LoraManager.for_engine(cfg, model, backend, model_path, dtype, device, tp) if cfg.max_loras else None
     max_blocks_per_seq = -(-max_model_len // cfg.block_size)
     backend.reserve(model_arch, max_num_seqs, max_blocks_per_seq * cfg.block_size, device)
     setup = ModelSetup(model, backend, kv_dtype, quantized_cache, 0, max_num_seqs, cuda_graphs, static_decode,
-                       weight_bytes)
+                       weight_bytes, loras)
     setup.num_blocks = num_kv_blocks(setup, cfg, max_model_len, device)
     if tp is not None:  # one block table serves every rank: each holds what the smallest can
         setup.num_blocks = tp.agree_min(setup.num_blocks)
@@ -148,11 +151,14 @@ def _cuda_kv_budget(setup: ModelSetup, cfg: EngineConfig, max_model_len: int, de
 
 
 def make_runner(setup: ModelSetup, cfg: EngineConfig, device: torch.device, max_model_len: int,
-                sampler: Any = None, guided: Any = None, pooler: Any = None) -> ModelRunner:
+                sampler: Any = None, guided: Any = None, pooler: Any = None, cascade: Any = None) -> ModelRunner:
     """The rank's ModelRunner (KV cache allocated); on CUDA warmed up (and its graphs captured). pooler: rank
-    0's, when the engine embeds."""
+    0's, when the engine embeds; cascade: its CascadePlanner (worker/engine/cascade.py)."""
     runner = ModelRunner(setup.model, sampler, setup.num_blocks, cfg.block_size, device, setup.kv_dtype,
-                         setup.max_num_seqs, max_model_len, setup.static_decode, guided=guided, pooler=pooler)
+                         setup.max_num_seqs, max_model_len, setup.static_decode, guided=guided, pooler=pooler,
+                         cascade=cascade)
+    if setup.loras is not None:  # before the graphs are captured: they take the adapter rows as inputs
+        runner.use_lora(setup.loras.state, cfg.max_loras)
     if device.type == "cuda":
         _warm_up(setup, runner, cfg, device)
     return runner

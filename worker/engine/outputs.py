@@ -112,3 +112,14 @@ class EngineStats:
     prefix_hit_blocks: int = 0
     prefix_evictions: int = 0
     forking: int = 0  # choices 1..n-1 of n > 1 requests, waiting for choice 0's first token to fork
+    lora_loads: int = 0  # LoRA adapters copied into a device slot (each eviction's reload counts)
+    lora_disk_reads: int = 0  # adapters read from their directories (registration included)
+    loras_registered: int = 0
+    loras_resident: int = 0  # adapters in a device slot now
+    # cascade decode attention (worker/engine/cascade.py): steps that ran it, the groups and rows they
+    # cascaded, and the KV tokens (per layer) decode attention read against what plain decode would read
+    cascade_steps: int = 0
+    cascade_groups: int = 0
+    cascade_grouped_rows: int = 0
+    decode_kv_tokens_read: int = 0
+    decode_kv_tokens_plain: int = 0

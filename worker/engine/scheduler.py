@@ -27,6 +27,7 @@ from worker.engine.stop_checker import StopChecker
 
 if TYPE_CHECKING:
     from worker.engine.guided import GuidedDecoding
+    from worker.engine.lora.manager import LoraManager
 
 # overlap: per sequence of the step in flight, (tokens it feeds, index among its sampled rows or -1)
 Ahead = dict[Sequence, tuple[int, int]]
@@ -49,7 +50,7 @@ BULK = Priority.bulk.rank  # bulk requests' rank: the seats kept for them (bulk_
 class Scheduler:
     def __init__(self, block_manager: BlockManager, stop_checker: StopChecker, max_num_seqs: int,
                  max_num_batched_tokens: int, guided: GuidedDecoding | None = None,
-                 bulk_min_seats: int = 0) -> None:
+                 bulk_min_seats: int = 0, loras: LoraManager | None = None) -> None:
         self.block_manager = block_manager
         self.stop_checker = stop_checker
         self.max_num_seqs = max_num_seqs
@@ -61,6 +62,8 @@ class Scheduler:
         # While fewer bulk sequences run than this, a waiting bulk one is admitted before more urgent ones:
         # a batch keeps a guaranteed share of the seats however much interactive traffic waits.
         self.bulk_min_seats = bulk_min_seats
+        # LoRA: a sequence is seated only when its adapter is resident or a slot can take it
+        self.loras = loras
 
     def add(self, seq: Sequence, first_of_its_priority: bool = False) -> None:
         """Queue seq behind every waiting sequence of a more urgent priority and, unless
@@ -128,11 +131,18 @@ class Scheduler:
             budget -= n
             i += 1
         # Admitting while we just preempted would only thrash the same blocks.
+        waiting_for_slot = False
         for seq in self._admission_order():
             if budget <= 0 or preempted or len(self.running) >= self.max_num_seqs:
                 break
             if self.guided is not None and not self.guided.is_ready(seq):
                 continue  # its grammar is still compiling: those behind it go first
+            if seq.lora is not None:
+                # every slot is pinned: base requests behind it still go, other adapters' wait their turn
+                # (seating them would keep the slots pinned and starve it)
+                if waiting_for_slot or not self.loras.can_seat(seq.lora):
+                    waiting_for_slot = True
+                    continue
             hits = self.block_manager.match_prefix(seq)
             n = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
             if seq.whole_prompt and n < seq.num_tokens:  # an encoder's input is never split
@@ -144,6 +154,8 @@ class Scheduler:
             self.waiting.remove(seq)
             self.block_manager.admit(seq, hits)
             self.block_manager.allocate(seq, n)
+            if seq.lora is not None:
+                self.loras.seat(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
@@ -215,9 +227,15 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    def _release(self, seq: Sequence) -> None:
+        """seq gives back what it holds while seated: its KV blocks and its adapter's slot."""
+        self.block_manager.free(seq)
+        if self.loras is not None:
+            self.loras.unseat(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         if seq.pool_state is not None:  # its rows are pooled again from the first
@@ -230,7 +248,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.block_manager.free(seq)
+        self._release(seq)
         self.running.remove(seq)
         if self.guided is not None:
             self.guided.remove(seq)
@@ -241,7 +259,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        self._release(seq)
         seq.status = SequenceStatus.FINISHED
         if self.guided is not None:
             self.guided.remove(seq)

@@ -45,6 +45,9 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     priority: int = 0  # lower is seated sooner; equal priorities keep arrival order
+    lora: str | None = None  # the LoRA adapter it runs under (None: the base model)
+    lora_slot: int = -1  # the device slot holding that adapter while it runs (lora/manager.py), -1 = none
+    cache_salt: bytes | None = None  # seeds its prefix-cache keys: an adapter's blocks never serve another
     # an embedding request (pooling.py): prefill only, its rows pooled instead of sampled
     pool_state: PoolState | None = None
     reads_prefix_cache: bool = True  # may take cached blocks (False: its pooling needs every row computed)

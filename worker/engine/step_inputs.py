@@ -13,6 +13,9 @@ resets it) is written from the start. The step's block tables are then a gather 
 With `pad_to` a pure decode step is padded to a fixed row count: padding rows feed token 0 at position 0,
 write their K/V into the pad slot (block `pad_block`, never handed to a sequence), attend over that one token
 and read the padding row of the table, so they never touch a real sequence's cache.
+
+With LoRA slots (lora_slots > 0) each row carries its sequence's adapter slot: the rows that have one, grouped
+by slot (LoraBatch), travel in the same packed copy; padding rows have none.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import numpy as np
 import torch
 
 from worker.engine.attention_metadata import AttentionMetadata
+from worker.engine.cascade import CascadePlanner
+from worker.engine.lora.layer import LoraBatch
 from worker.engine.pooling import PooledRows
 from worker.engine.scheduler import Ahead, ScheduledBatch
 from worker.engine.sequence import Sequence, SequenceStatus
@@ -50,18 +55,21 @@ class PreparedStep:
     carry_src: torch.Tensor | None = None
     bucket: int | None = None  # the padded decode bucket (StaticDecode), None for an eager step
     width: int | None = None  # the padded decode step's table width (StaticDecode)
+    lora: LoraBatch | None = None  # its adapter rows grouped by slot; None when no row uses an adapter
     pooled: list[PooledRows] = field(default_factory=list)  # embedding sequences' rows, pooled after the forward
 
 
 
 class StepInputs:
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, pad_block: int,
-                 device: torch.device) -> None:
+                 device: torch.device, cascade: CascadePlanner | None = None) -> None:
         self.block_size = block_size
+        self.cascade = cascade  # decode rows sharing a cached prefix: the step's layout (cascade.py)
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
         self.pad_block = pad_block
         self.pad_row = max_num_seqs
+        self.lora_slots = 0  # LoRA adapter slots (ModelRunner.use_lora); 0 = none: rows carry no slot
         # the device-side way (updates scattered from the packed copy, whole-row gathers): on for a GPU; a
         # test turns it on for the CPU to run that logic there
         self.device_updates = device.type != "cpu"
@@ -198,15 +206,18 @@ class StepInputs:
             d_slots = np.concatenate([d_slots, np.full(pad, self.pad_block * bs, np.int64)])
             d_rows = np.concatenate([d_rows, np.full(pad, self.pad_row, np.int64)])
             decode_lens = np.concatenate([decode_lens, np.ones(pad, np.int64)])
+        lora = self._lora_plan(order, pad_to)
+        l_rows, l_starts, l_counts = lora if lora is not None else ([], [], [])
         all_sample = np.concatenate([np.array(sample_rows, np.int64), d_sample])
         if len(all_sample) and all_sample[-1] == len(all_sample) - 1:  # sorted rows, so: 0, 1, 2, ...
             all_sample = all_sample[:0]  # the leading rows: a slice, no index needed
         # int64 segments start on 16 bytes, int32 ones too: Triton specialises a kernel on its pointers'
         # alignment, so unaligned views would compile new variants mid-serving
-        longs_part, (s_ids, s_pos, s_slots, s_rows, s_sample, s_upd, s_cdst, s_csrc) = _pack(
-            [ids + d_ids, pos, d_starts, slots, d_slots, rows, d_rows, all_sample, updates, carry_rows, carry_src],
-            2, joined=((1, 2), (3, 4), (5, 6)))
-        ints_part, (s_plens, s_cu, s_dlens, s_vals) = _pack([prefill_lens, cu, decode_lens, values], 4)
+        longs_part, (s_ids, s_pos, s_slots, s_rows, s_sample, s_upd, s_cdst, s_csrc, s_lrows) = _pack(
+            [ids + d_ids, pos, d_starts, slots, d_slots, rows, d_rows, all_sample, updates, carry_rows, carry_src,
+             l_rows], 2, joined=((1, 2), (3, 4), (5, 6)))
+        ints_part, (s_plens, s_cu, s_dlens, s_vals, s_lstarts, s_lcounts) = _pack(
+            [prefill_lens, cu, decode_lens, values, l_starts, l_counts], 4)
         buf = self._send(np.concatenate([longs_part, ints_part]))
         cut = len(longs_part)
         longs, ints = buf[:cut], buf[cut:].to(torch.int32)
@@ -224,6 +235,8 @@ class StepInputs:
                                              (width or self.max_blocks_per_seq) if pad_to is not None else None)
             if has_decode else None,
             decode_seq_lens=ints[s_dlens] if has_decode else None,
+            cascade=self.cascade.layout(decode, decode_lens, len(decode_lens), self.device)
+            if self.cascade is not None and has_decode else None,
         )
         sample_index = longs[s_sample] if len(all_sample) else None
         input_ids, positions = longs[s_ids], longs[s_pos]
@@ -231,7 +244,19 @@ class StepInputs:
                             pooled=pooled)
         if carry_rows:
             step.carry_rows, step.carry_src = longs[s_cdst], longs[s_csrc]
+        if lora is not None:
+            groups = [(s, int(st), int(c)) for s, (st, c) in enumerate(zip(l_starts, l_counts, strict=True)) if c]
+            step.lora = LoraBatch(longs[s_lrows], ints[s_lstarts], ints[s_lcounts], int(l_counts.max()), groups)
         return step
+
+    def _lora_plan(self, order: list[tuple[Sequence, int]], pad_to: int | None):
+        """(rows, starts, counts) of the step's adapter rows (LoraBatch.plan), None when it has none."""
+        if not self.lora_slots or all(s.lora_slot < 0 for s, _ in order):
+            return None
+        slots = np.repeat(np.array([s.lora_slot for s, _ in order], np.int64), [n for _, n in order])
+        if pad_to is not None:
+            slots = np.concatenate([slots, np.full(pad_to - len(order), -1, np.int64)])
+        return LoraBatch.plan(slots, self.lora_slots)
 
     def _tables(self, row_index: torch.Tensor, seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
         # entries past a sequence's last block are stale ids of the row's earlier users: valid blocks the

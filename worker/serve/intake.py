@@ -22,6 +22,7 @@ from worker.serve.completion import CompletionWriter
 from worker.serve.job_queue import Ending, Entry, JobQueue
 from worker.serve.leases import Leases
 from worker.serve.messages import StartedJob
+from worker.serve.served import ServedModels
 
 log = structlog.get_logger("tokenbus.worker")
 
@@ -94,6 +95,7 @@ class Intake(threading.Thread):
         max_attempts: int,
         stream_tokens: bool,
         bulk_min_seats: int = 0,
+        served: ServedModels | None = None,
     ) -> None:
         super().__init__(name="tokenbus-intake", daemon=True)
         self.jobs = jobs
@@ -102,6 +104,7 @@ class Intake(threading.Thread):
         self.engine_inbox = engine_inbox
         self.writer = writer
         self.model_names = model_names
+        self.served = served  # which queue is which model's (a job on its model's queue needs no model check)
         self.lease_ms = lease_ms
         self.max_attempts = max_attempts
         self.stream_tokens = stream_tokens
@@ -205,7 +208,7 @@ class Intake(threading.Thread):
             if entry.not_utf8:
                 raise InvalidJob(f"invalid job: the entry's {', '.join(entry.not_utf8)} field is not valid "
                                  "UTF-8; send the request as UTF-8 JSON text")
-            request, params = self._validate(raw)
+            request, params = self._validate(raw, entry.queue)
         except InvalidJob as err:
             code = ErrorCode.model_mismatch if isinstance(err, ModelMismatch) else ErrorCode.invalid_request
             self._fail(entry, job_id, str(err), code, raw)
@@ -231,17 +234,22 @@ class Intake(threading.Thread):
         self.leases.add(job_id, entry.entry_id, entry.queue, request.priority)
         job = StartedJob(job_id, entry.entry_id, request, params, attempts, time.time(),
                          stream=request.stream and self.stream_tokens, queue=entry.queue,
-                         priority=request.priority)
+                         priority=request.priority,
+                         model=self._model_of(entry.queue) or (self.served.id if self.served else ""))
         self.budget.sent(request.n)  # each of its n choices takes a seat
         self._recent_n = max(request.n, (self._recent_n + 1) // 2)
         self.engine_inbox.put(job)
         log.info("job_started", job_id=job_id, entry_id=entry.entry_id, attempt=attempts)
 
-    def _validate(self, raw: str) -> tuple[JobRequest, SamplingParams]:
+    def _model_of(self, queue: str) -> str | None:
+        return self.served.model_of_queue(queue) if self.served is not None else None
+
+    def _validate(self, raw: str, queue: str = "") -> tuple[JobRequest, SamplingParams]:
         request = parse_request(raw)
-        if request.model is not None and request.model not in self.model_names:
-            raise ModelMismatch(f"this job asks for model {request.model!r}; this worker serves "
-                             f"{sorted(self.model_names)[0]!r}")
+        # on its model's queue the submit checked the name; on the default queues it may name any model
+        if self._model_of(queue) is None and request.model is not None and request.model not in self.model_names:
+            serves = self.served.id if self.served is not None else sorted(self.model_names)[0]
+            raise ModelMismatch(f"this job asks for model {request.model!r}; this worker serves {serves!r}")
         return request, SamplingParams.of(request)
 
     def _fail(self, entry: Entry, job_id: str, reason: str, code: str, raw: str) -> None:

@@ -14,12 +14,13 @@ from typing import Any
 import redis
 import structlog
 
+from protocol import model_status
 from protocol import scripts as shared
 from protocol.connection import on_shard
 from protocol.keys import Keys
 from protocol.models import EVENTS_MAXLEN, GROUP, JobResult
 from protocol.priority import PRIORITIES
-from protocol.records import DeadLetter, Heartbeat
+from protocol.records import DeadLetter, Heartbeat, ModelInfo
 from worker.serve.backoff import REDIS_DOWN
 
 log = structlog.get_logger("tokenbus.worker")
@@ -70,6 +71,8 @@ class JobQueue:
         self.wait_ms = wait_ms
         self.replicas_short = 0  # WAITs that timed out with fewer replicas than asked
         self.keys = Keys(namespace)
+        # the models whose queues intake reads, '' = the default queues (ServedModels.read_ids; set at start)
+        self.read_models: list[str] = [""]
         self.consumer = consumer
         self.result_ttl_s = result_ttl_s
         # Lua only the worker runs (protocol/lua/: read.lua, renew.lua, hand_back.lua, publish_tokens.lua)
@@ -81,9 +84,11 @@ class JobQueue:
     # ---- intake -------------------------------------------------------------------------------------
 
     def ensure_group(self) -> None:
-        """The consumer group on each priority's loose queue (new batch queues get it from the submit script)."""
-        for p in PRIORITIES:
-            shared.ensure_group(self.r, self.keys.queue(p))
+        """The consumer group on each priority's loose queue of every model it reads (new batch queues get it
+        from the submit script)."""
+        for model in self.read_models:
+            for p in PRIORITIES:
+                shared.ensure_group(self.r, self.keys.for_model(model).queue(p))
 
     def read_new(self, count: int, block_ms: int | None, bulk_first: int = 0) -> list[Entry]:
         """Up to `count` new entries, interactive queues first, then default, then bulk, and turn by turn over
@@ -103,12 +108,14 @@ class JobQueue:
 
     def _read_once(self, count: int, bulk_first: int = 0) -> tuple[list[Entry], list[Any]]:
         out, wake = self._read(keys=[self.keys.routing_key],
-                               args=[self.keys.layout, GROUP, self.consumer, count, bulk_first], client=self.r)
+                               args=[self.keys.layout, GROUP, self.consumer, count, bulk_first, *self.read_models],
+                               client=self.r)
         return [_entry(eid, fields, _str(queue)) for queue, eid, fields in out], wake
 
     def queues(self) -> list[str]:
-        """Every queue's stream key, interactive first, then default, then bulk."""
-        return [q for qs in shared.queue_streams(self.r, self.keys).values() for q in qs]
+        """Every queue's stream key of the models it reads, interactive first, then default, then bulk."""
+        streams = [shared.queue_streams(self.r, self.keys.for_model(m)) for m in self.read_models]
+        return [q for p in PRIORITIES for s in streams for q in s[p.value]]
 
     def claim_lapsed(self, min_idle_ms: int, count: int, cursors: dict[str, str]) -> tuple[bool, list[Entry]]:
         """XAUTOCLAIM up to `count` entries whose lease lapsed (their worker died), queue by queue in priority
@@ -213,10 +220,15 @@ class JobQueue:
     def sign_off(self) -> None:
         self.r.delete(self.keys.worker(self.consumer))
 
+    def model_infos(self) -> list[ModelInfo]:
+        """Every model of the namespace: depth by priority, pending, live workers (a few round trips)."""
+        return model_status.model_infos(self.r, self.keys, model_status.live_heartbeats(self.r, self.keys))
+
     def depth(self) -> tuple[int, int]:
-        """(entries in every queue, delivered but unacknowledged) for the metrics: the depth counter, O(1)."""
-        d = shared.depth(self.r, self.keys)
-        return d.total, d.pending
+        """(entries in every queue it reads, delivered but unacknowledged) for the metrics: the depth counters,
+        O(1) each."""
+        ds = [shared.depth(self.r, self.keys.for_model(m)) for m in self.read_models]
+        return sum(d.total for d in ds), sum(d.pending for d in ds)
 
 
 class WriteBatch:

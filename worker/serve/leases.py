@@ -27,6 +27,7 @@ from worker.serve.messages import Revoke
 log = structlog.get_logger("tokenbus.worker")
 
 CANCEL_POLL_S = 0.2
+UNSERVED_LOG_EVERY_S = 60.0  # how often a model with jobs and no live worker is logged again
 
 
 class Leases:
@@ -94,8 +95,10 @@ class Housekeeper(threading.Thread):
         heartbeat_s: float,
         status: Callable[[], dict[str, Any]],
         metrics: Any | None = None,
+        served: Any | None = None,
     ) -> None:
         super().__init__(name="tokenbus-housekeeper", daemon=True)
+        self.served = served  # ServedModels: whether it serves the default model is re-read every beat
         self.jobs = jobs
         self.leases = leases
         self.engine_inbox = engine_inbox
@@ -105,6 +108,7 @@ class Housekeeper(threading.Thread):
         self.metrics = metrics
         self.stop_event = threading.Event()
         self._cancels_sent: set[str] = set()
+        self._unserved_logged: dict[str, float] = {}  # model -> when its model_unserved line was logged
         self.started_at = time.time()
 
     def stop(self) -> None:
@@ -146,6 +150,17 @@ class Housekeeper(threading.Thread):
                 log.warning("job_lease_lost", job_id=job_id, entry_id=entry_id)
                 self.engine_inbox.put(Revoke(job_id, "lost"))
 
+    def _flag_unserved(self, infos: list[Any]) -> None:
+        """A log line for each model with jobs and no live worker: when it starts, then once a minute."""
+        now = time.monotonic()
+        unserved = {m.id: m for m in infos if m.unserved}
+        self._unserved_logged = {k: v for k, v in self._unserved_logged.items() if k in unserved}
+        for mid, m in unserved.items():
+            if now - self._unserved_logged.get(mid, -UNSERVED_LOG_EVERY_S) >= UNSERVED_LOG_EVERY_S:
+                self._unserved_logged[mid] = now
+                log.warning("model_unserved", model=mid or "(default queues)", jobs=m.queue_depth,
+                            hint="its jobs wait until a worker serving it starts")
+
     def poll_cancels(self) -> None:
         requested = self.jobs.cancel_requests()
         held = self.leases.snapshot()
@@ -160,7 +175,15 @@ class Housekeeper(threading.Thread):
         beat = Heartbeat(name=self.jobs.consumer, pid=os.getpid(), started_at=self.started_at,
                          last_seen=time.time(), **status)
         self.jobs.heartbeat(beat, ttl_s=max(3 * int(self.heartbeat_s + 0.999), 10))
+        if self.served is not None and self.served.refresh_default(self.jobs.r):
+            self.jobs.read_models = self.served.read_ids()  # one list swapped whole: intake reads it unlocked
+            self.jobs.ensure_group()
+            log.info("default_queues_changed", serves_default=self.served.serves_default,
+                     reads=self.jobs.read_models)
+        infos = self.jobs.model_infos()
+        self._flag_unserved(infos)
         if self.metrics is not None:
+            self.metrics.observe_models(infos)
             self.metrics.observe_queue(*self.jobs.depth())
             held = Counter(p.value for p in self.leases.priorities())
             self.metrics.observe_priorities(dict(held))

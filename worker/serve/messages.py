@@ -29,6 +29,7 @@ class StartedJob:
     stream: bool = False  # publish partial tokens
     queue: str = ""  # the stream its entry is in
     priority: Priority = Priority.default  # the request's (the engine seats lower ranks first)
+    model: str = ""  # the id of the model that serves it (its result's `model`; '' = the engine's name)
     # owned by the engine thread once the job is in the engine
     first_token_at: float | None = None
     published: int = 0  # tokens already sent as Partials

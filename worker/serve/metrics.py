@@ -12,6 +12,7 @@ The serve loop owns one `WorkerMetrics` and calls, from any thread:
     metrics.observe_engine(running, waiting, used_blocks, free_blocks)   # the gauges alone, between steps
     metrics.observe_queue(depth, pending)   # stream length; the group's delivered-but-unacked count
     metrics.observe_priorities({"interactive": 3, "bulk": 2})   # jobs this worker holds, per priority
+    metrics.observe_models(infos)      # every model of the namespace (protocol.records.ModelInfo)
     metrics.observe_prefix_cache(queried_tokens, hit_tokens, queried_blocks, hit_blocks, cached_blocks)
                                        # the engine's cumulative prefix-cache counts (EngineStats)
     metrics.heartbeat()                # "the loop is alive" while idle (observe_step beats too)
@@ -32,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import generate_latest
@@ -121,6 +123,17 @@ class WorkerMetrics:
                                       "in transit), by priority.", ["priority"], registry=r)
         for priority in PRIORITIES:
             self.jobs_by_priority.labels(priority=priority.value)
+        # every model of the namespace, from each worker (an autoscaler takes max over workers): a model with
+        # queued jobs and no live worker shows here too, through the workers of the other models
+        self.model_jobs = Gauge("tokenbus_model_jobs", "Jobs in a model's queues of one priority: queued or "
+                                "running (the model's depth counter); model '' = the default queues.",
+                                ["model", "priority"], registry=r)
+        self.model_pending = Gauge("tokenbus_model_jobs_pending", "Jobs of a model delivered to a worker and not "
+                                   "yet ended.", ["model"], registry=r)
+        self.model_workers = Gauge("tokenbus_model_workers", "Live workers serving a model.", ["model"], registry=r)
+        self.model_unserved = Gauge("tokenbus_model_unserved", "1 while a model has jobs in its queues and no live "
+                                    "worker.", ["model"], registry=r)
+        self._models_seen: set[str] = set()
         self.last_beat = Gauge(
             "tokenbus_last_heartbeat_timestamp_seconds", "Unix time of the loop's last beat.", registry=r
         )
@@ -224,6 +237,22 @@ class WorkerMetrics:
     def observe_queue(self, depth: int, pending: int) -> None:
         self.queue_depth.set(depth)
         self.queue_pending.set(pending)
+
+    def observe_models(self, infos: list[Any]) -> None:
+        """Each model's jobs by priority, pending, live workers and unserved flag; a retired model's series go."""
+        now = {m.id for m in infos}
+        for gone in self._models_seen - now:
+            for priority in PRIORITIES:
+                self.model_jobs.remove(gone, priority.value)
+            for gauge in (self.model_pending, self.model_workers, self.model_unserved):
+                gauge.remove(gone)
+        self._models_seen = now
+        for m in infos:
+            for priority in PRIORITIES:
+                self.model_jobs.labels(model=m.id, priority=priority.value).set(m.by_priority.get(priority.value, 0))
+            self.model_pending.labels(model=m.id).set(m.pending)
+            self.model_workers.labels(model=m.id).set(m.workers)
+            self.model_unserved.labels(model=m.id).set(int(m.unserved))
 
     def observe_priorities(self, held: dict[str, int]) -> None:
         for priority in PRIORITIES:

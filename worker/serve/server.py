@@ -18,7 +18,9 @@ from typing import Any
 
 import structlog
 
+from protocol.errors import TokenbusError
 from protocol.models import ErrorCode, JobResult
+from protocol.registry import ModelKind, short_name
 from worker.engine.config import bulk_min_seats
 from worker.engine.errors import EngineError, InvalidRequest
 from worker.engine.sampling_params import SamplingParams
@@ -29,6 +31,7 @@ from worker.serve.job_queue import Ending, JobQueue
 from worker.serve.leases import Housekeeper, Leases
 from worker.serve.messages import HandBack, Partial, Revoke, StartedJob, Wake
 from worker.serve.results import job_result
+from worker.serve.served import ServedModels
 from worker.serve.status import EngineStatus
 from worker.settings import WorkerSettings
 
@@ -59,14 +62,20 @@ class Server:
         self.leases.on_release = self.budget.wake
 
         self.writer = CompletionWriter(self.jobs, self.leases, metrics=metrics)
+        self.served = ServedModels(
+            self.jobs.keys, settings.worker_name, settings.engine.model, short_name(engine.model_name),
+            getattr(engine, "checkpoint", ""), settings.served_model_name, engine.max_model_len,
+            # an encoder serves embeddings only (its jobs' kind, for the registry)
+            ModelKind.generate if "generate" in getattr(engine, "kinds", ["generate"]) else ModelKind.embed)
         self.intake = Intake(
             self.jobs, self.leases, self.budget, self.inbox, self.writer,
-            model_names={settings.engine.model, engine.model_name}, lease_ms=settings.lease_ms,
+            model_names=self.served.names, lease_ms=settings.lease_ms,
             max_attempts=settings.max_attempts, stream_tokens=settings.stream_tokens,
-            bulk_min_seats=bulk_min_seats(settings.engine.bulk_min_fraction, seats),
+            bulk_min_seats=bulk_min_seats(settings.engine.bulk_min_fraction, seats), served=self.served,
         )
         self.housekeeper = Housekeeper(
-            self.jobs, self.leases, self.inbox, settings.lease_ms, settings.heartbeat_s, self._status, metrics
+            self.jobs, self.leases, self.inbox, settings.lease_ms, settings.heartbeat_s, self._status, metrics,
+            served=self.served,
         )
         self.running: dict[str, StartedJob] = {}  # jobs inside the engine
         # After a failed step with several jobs: they re-run one at a time (suspects), so the one that
@@ -98,11 +107,15 @@ class Server:
         signal.signal(signal.SIGINT, handler)
 
     def run(self) -> int:
-        if not self._connect():
-            return 0
+        try:
+            if not self._connect():
+                return 0
+        except TokenbusError as err:  # a name of this worker's is another checkpoint's: an operator's to fix
+            log.error("model_declaration_refused", model=self.served.record.id, error=str(err))
+            return 2
         for t in (self.writer, self.housekeeper, self.intake):
             t.start()
-        log.info("worker_ready", worker=self.jobs.consumer, model=self.engine.model_name,
+        log.info("worker_ready", worker=self.jobs.consumer, model=self.served.id, serves=self.jobs.read_models,
                  namespace=self.settings.namespace, capacity=self.capacity)
         while True:
             self._take_messages(block=not self.engine.has_unfinished_requests())
@@ -139,6 +152,8 @@ class Server:
         backoff = Backoff("connecting", self.stop_requested)
         while not self.stop_requested.is_set():
             try:
+                self.served.declare(self.jobs.r)
+                self.jobs.read_models = self.served.read_ids()
                 self.jobs.ensure_group()
                 self.jobs.publish_config(self.settings.queue_config())
                 backoff.succeeded()
@@ -177,7 +192,8 @@ class Server:
             self.metrics.observe_engine(stats.running, stats.waiting, stats.used_blocks, stats.free_blocks)
 
     def _status(self) -> dict[str, Any]:
-        return self.status.heartbeat(self.writer.jobs_done, draining=self.drain_deadline is not None)
+        return self.status.heartbeat(self.writer.jobs_done, draining=self.drain_deadline is not None) \
+            | self.served.heartbeat_fields()
 
     # ---- messages -----------------------------------------------------------------------------------
 
@@ -386,7 +402,7 @@ class Server:
             self.writer.put(Partial(job.job_id, out.token_ids[job.published:], job.published,
                                     out.text[job.published_chars:], done=True))
         cancelled = out.finish_reason == "abort"
-        result = job_result(out, self.engine.model_name, self.engine.tokenizer)
+        result = job_result(out, job.model or self.engine.model_name, self.engine.tokenizer)
         completion_tokens = result.usage.completion_tokens
         self._end(job, "cancelled" if cancelled else "finished", result=result,
                   error="cancelled while running" if cancelled else None,

@@ -1,12 +1,15 @@
 """CpuBackend: how a step runs on the CPU in float32 — the whole fast path in one place.
 
     attention, KV write   C++ kernels (kernels/csrc/cpu_*attention*.cpp) over a float32, bfloat16 or int8 cache: a
-                          decode step's, and a prompt chunk's causal attention (tiles of query tokens per block)
+                          decode step's (a cascade where rows share a prefix: kernels/cascade.py), and a prompt
+                          chunk's causal attention (tiles of query tokens per block)
     norms, SiLU·mul, RoPE one C++ pass each, in place where the layer allows it
     linear layers         CpuLinear (cpu_linear.py): a panel GEMV for decode-sized batches, oneDNN above
     a pure decode step    all decoder layers in one C++ call (cpu_decode.py), the same kernels in the same
                           order, so the same result to the bit
     greedy sampling       a row-wise argmax in C++
+    LoRA adapters         decode-sized batches in C++ (csrc/cpu_lora.cpp), prompt chunks as grouped torch matmuls;
+                          a decode step with adapter rows runs layer by layer, not as the fused C++ call (no LoRA)
 Anything a kernel does not take (a strided view it cannot read, other dtypes) runs as in the ReferenceBackend.
 """
 
@@ -17,8 +20,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from worker.engine.backends.cpu_decode import FusedDecodeLayers
-from worker.engine.backends.cpu_linear import use_cpu_linears
+from kernels.cascade import CascadeLayout
+from worker.engine.backends.cpu_decode import FusedDecodeLayers, cascade_tensors
+from worker.engine.backends.cpu_linear import PANEL_MAX_ROWS, use_cpu_linears
 from worker.engine.backends.reference import ReferenceBackend
 
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # the caches the C++ attention reads
@@ -54,9 +58,13 @@ class CpuBackend(ReferenceBackend):
             super().write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int = 0,
-                         softcap: float = 0.0) -> torch.Tensor:
+                         softcap: float = 0.0, cascade: CascadeLayout | None = None) -> torch.Tensor:
         if not self._takes(q, k_cache):
-            return super().decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
+            return super().decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap,
+                                            cascade)
+        if cascade is not None:  # rows sharing a prefix read it once (csrc/cpu_cascade_attention.cpp)
+            return self.ext.cascade_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens,
+                                                         *cascade_tensors(cascade), scale, window, softcap)
         return self.ext.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, window,
                                                    softcap)
 
@@ -99,12 +107,23 @@ class CpuBackend(ReferenceBackend):
             return q, k
         return super().rotary(q, k, cos, sin)
 
+    def lora(self, y, x, a, b, slices, batch) -> torch.Tensor:
+        """A decode-sized batch's adapter rows in one C++ call per linear (csrc/cpu_lora.cpp: two GEMVs a row at
+        the slot's own rank); longer ones (prompt chunks) as grouped matmuls, which reuse each weight across rows."""
+        if batch.rows.shape[0] > PANEL_MAX_ROWS or x.dtype != torch.float32 or x.stride(-1) != 1 \
+                or y.stride(-1) != 1 or self.lora_state is None:
+            return super().lora(y, x, a, b, slices, batch)
+        self.ext.lora_cpu(y, x, a, b, [o for o, _ in slices], [w for _, w in slices], batch.rows, batch.starts,
+                          batch.counts, self.lora_state.slot_ranks)
+        return y
+
     # ---- whole layers and sampling ------------------------------------------------------------------------
 
     def run_layers(self, model: torch.nn.Module, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fused is not None and self.fused.serves(x, meta):
+        lora = self.lora_state
+        if self.fused is not None and (lora is None or lora.batch is None) and self.fused.serves(x, meta):
             return self.fused(x, rotary, kv_caches, meta)
         return super().run_layers(model, x, rotary, kv_caches, meta)
 

@@ -4,7 +4,8 @@ The call runs the same C++ kernels as the CpuBackend's per-layer path, in the sa
 the same to the bit; what it saves is the Python between them (module calls, dispatch, argument
 conversion), about as long as the kernels themselves at a decode step's few rows. Steps with prompt tokens,
 batches wider than the panel linears serve, and models the C++ layer does not cover (QK-norm, Gemma's
-layer: cpu_fusable False) take the per-layer path.
+layer: cpu_fusable False) take the per-layer path. A step with a cascade layout (kernels/cascade.py) runs
+every layer's decode attention as a cascade.
 """
 
 from __future__ import annotations
@@ -13,10 +14,18 @@ from types import ModuleType
 
 import torch
 
+from kernels.cascade import CascadeLayout
 from worker.engine.attention_metadata import AttentionMetadata
 from worker.engine.backends.cpu_linear import PANEL_MAX_ROWS, CpuLinear
 
 NO_BIAS = torch.empty(0)  # the C++ side reads an empty tensor as "no bias"
+
+
+def cascade_tensors(layout: CascadeLayout | None) -> list[torch.Tensor]:
+    """A step's cascade layout as the C++ calls take it: its four int32 tensors, or none (plain decode)."""
+    if layout is None:
+        return []
+    return [layout.group_rows, layout.group_starts, layout.prefix_lens, layout.suffix_starts]
 
 
 class FusedDecodeLayers:
@@ -71,6 +80,6 @@ class FusedDecodeLayers:
         x, residual = self.ext.decode_layers_cpu(
             x, rotary[0], rotary[1], meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
             self.weights, caches, self.scales, self.num_heads, self.num_kv_heads, self.head_dim,
-            self.intermediate_size, self.eps, self.scale, self.window,
+            self.intermediate_size, self.eps, self.scale, self.window, cascade_tensors(meta.cascade),
         )
         return x, residual

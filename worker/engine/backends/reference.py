@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kernels.cascade import CascadeLayout, cascade_decode_attention_ref
 from kernels.reference import (
     add_rms_norm_ref,
     gelu_ref,
@@ -28,10 +29,14 @@ from kernels.reference import (
 
 if TYPE_CHECKING:
     from worker.engine.attention_metadata import AttentionMetadata
+    from worker.engine.lora.layer import LoraBatch, LoraState
 
 
 class ReferenceBackend:
     name = "torch-reference"
+    # the model's adapters' shared state, when the engine serves LoRA (lora/manager.py sets it): a backend that
+    # fuses whole layers (CpuBackend) runs a step with adapter rows layer by layer instead
+    lora_state: LoraState | None = None
     # the rank's TpGroup when the engine is one rank of a tensor-parallel worker (worker/engine/parallel/):
     # the model sizes its sharded layers by it and sums row-parallel outputs through all_reduce
     tp: Any = None
@@ -55,9 +60,13 @@ class ReferenceBackend:
         write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
     # window: the layer's sliding window (0 = none); softcap: attention-logit soft-capping (0 = none);
+    # cascade: the step's groups of rows sharing a prefix (kernels/cascade.py), None = plain decode
     # causal False (prefill): every query sees all its sequence's keys (an encoder's bidirectional attention)
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int = 0,
-                         softcap: float = 0.0) -> torch.Tensor:
+                         softcap: float = 0.0, cascade: CascadeLayout | None = None) -> torch.Tensor:
+        if cascade is not None:
+            return cascade_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cascade, scale, window,
+                                                softcap)
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
 
     def prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
@@ -112,6 +121,14 @@ class ReferenceBackend:
         from kernels.moe_reference import fused_moe_ref
 
         return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+
+    def lora(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             slices: tuple[tuple[int, int], ...], batch: LoraBatch) -> torch.Tensor:
+        """In place: y += (x · A_slot) · B_slot for every row of the batch that uses an adapter (kernels/
+        lora_reference.py has the layout): grouped torch matmuls, one shrink and one expand a slice per slot."""
+        from kernels.lora_reference import lora_apply_ref
+
+        return lora_apply_ref(y, x, a, b, slices, batch.rows, batch.groups)
 
     # ---- whole layers and sampling ------------------------------------------------------------------------
 

@@ -1,12 +1,13 @@
 """TritonBackend: a step's kernel-level ops in our Triton kernels (kernels/*.py) on CUDA tensors, or on CPU
 tensors under TRITON_INTERPRET=1 (tests): paged attention, the KV write fused with RoPE, residual add +
-RMSNorm, SiLU·mul. Each is one launch, with no host sync and no data-dependent allocation, so a decode
-step can be captured in a CUDA graph."""
+RMSNorm, SiLU·mul, the LoRA shrink and expand. Each is one launch, with no host sync and no data-dependent
+allocation, so a decode step can be captured in a CUDA graph."""
 
 from __future__ import annotations
 
 import torch
 
+from kernels.cascade import CascadeLayout
 from worker.engine.backends.reference import ReferenceBackend
 
 
@@ -14,8 +15,10 @@ class TritonBackend(ReferenceBackend):
     def __init__(self, interpreted: bool = False) -> None:
         # imported here, not at module level: Triton must see TRITON_INTERPRET before these modules load
         from kernels.activation import gelu_tanh_and_mul_triton, silu_and_mul_triton
+        from kernels.cascade_attention import cascade_decode_attention_triton
         from kernels.decode_attention import DecodeWorkspace, num_sms, paged_decode_attention_triton
         from kernels.kv_write import write_kv_triton
+        from kernels.lora import lora_expand_triton, lora_shrink_triton
         from kernels.moe import fused_moe_triton
         from kernels.norm import add_rms_norm_triton, rms_norm_triton
         from kernels.prefill_attention import paged_prefill_attention_triton
@@ -24,6 +27,7 @@ class TritonBackend(ReferenceBackend):
         self.name = "triton-interpreter" if interpreted else "triton"
         self._write_kv = write_kv_triton
         self._decode = paged_decode_attention_triton
+        self._cascade = cascade_decode_attention_triton
         self._prefill = paged_prefill_attention_triton
         self._rms_norm = rms_norm_triton
         self._add_rms_norm = add_rms_norm_triton
@@ -32,6 +36,7 @@ class TritonBackend(ReferenceBackend):
         self._rotary = rotary_triton
         self._rotary_write_kv = rotary_write_kv_triton
         self._fused_moe = fused_moe_triton
+        self._lora_shrink, self._lora_expand = lora_shrink_triton, lora_expand_triton
         self._workspace_type, self._num_sms = DecodeWorkspace, num_sms
         self.decode_workspace: DecodeWorkspace | None = None
 
@@ -55,7 +60,10 @@ class TritonBackend(ReferenceBackend):
         self._write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int = 0,
-                         softcap: float = 0.0) -> torch.Tensor:
+                         softcap: float = 0.0, cascade: CascadeLayout | None = None) -> torch.Tensor:
+        if cascade is not None:  # rows sharing a prefix read it once (kernels/cascade_attention.py)
+            return self._cascade(q, k_cache, v_cache, block_tables, seq_lens, cascade, scale,
+                                 workspace=self.decode_workspace, window=window, softcap=softcap)
         return self._decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace=self.decode_workspace,
                             window=window, softcap=softcap)
 
@@ -79,6 +87,11 @@ class TritonBackend(ReferenceBackend):
 
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
         return self._fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+    def lora(self, y, x, a, b, slices, batch) -> torch.Tensor:
+        """The SGMV shrink and expand kernels (kernels/lora.py), grid bounded by batch.max_count: no host sync."""
+        t = self._lora_shrink(x, a, batch.rows, batch.starts, batch.counts, batch.max_count)
+        return self._lora_expand(y, t, b, slices, batch.rows, batch.starts, batch.counts, batch.max_count)
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
