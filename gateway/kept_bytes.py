@@ -47,7 +47,8 @@ class KeptCall:
 
 
 def admit(ctx: GatewayContext, job_id: str, who: str, endpoint: str, request: JobRequest) -> KeptCall:
-    """Reserve the call's most bytes and write its ownership record, in one step; 429 past a byte limit."""
+    """Reserve the call's most bytes and write its ownership record (before its job is queued, so a poll right
+    after the submit finds it), in one step; 429 past a byte limit."""
     streamed = request.max_tokens * STREAM_TOKEN_BYTES if request.stream else 0  # only choice 0 streams
     most = capacity.estimate(1, len(request.model_dump_json().encode()), result_bytes(request) + streamed)
     kept = KeptCall(job_id, who, most + OWNERSHIP_BYTES)
