@@ -19,6 +19,7 @@ import math
 import time
 
 import redis
+import structlog
 
 from gateway.batches.quota import RECENT_BATCHES, quota_refusal
 from gateway.batches.records import GatewayBatch
@@ -27,6 +28,8 @@ from gateway.errors import APIError
 from protocol.connection import on_shard
 from protocol.models import DEFAULT_RESULT_TTL, TERMINAL_BATCH_STATUSES
 from protocol.scripts import lua, script
+
+log = structlog.get_logger("tokenbus.gateway")
 
 JOB_OVERHEAD_BYTES = 500  # measured: 401 per job (fit over lines of 235-3,195 bytes, gateway-long ids), rounded up
 BODY_FACTOR = 1.25  # measured: 1.14 x the input line's bytes (the request JSON once, as stored), rounded up
@@ -59,15 +62,23 @@ def reserve_problem(maxmemory: int, reserve_free: int) -> str | None:
 
 
 def check_at_start(ctx: GatewayContext) -> None:
-    """ValueError when Redis's maxmemory leaves no room for any batch (reserve_problem); a Redis that does not
-    answer yet is left to /healthz."""
+    """ValueError when Redis's maxmemory leaves no room for any batch (reserve_problem); a warning when the byte
+    limits would let Redis fill up before them. A Redis that does not answer yet is left to /healthz."""
     try:
         maxmemory = _memory(ctx)[0]
-        reserve_free = limits(ctx)[2]
+        per_key, total, reserve_free = limits(ctx)
     except redis.RedisError:
         return
     if problem := reserve_problem(maxmemory, reserve_free):
         raise ValueError(problem)
+    room = maxmemory - reserve_free
+    if maxmemory and (not total or total > room or not per_key or per_key > room):
+        # Completions are held to the byte limits alone (the reserve is kept for them): limits above what
+        # Redis can hold let one key's results fill it, as 27 calls filled a 25 MB Redis (issue #34).
+        log.warning("gateway_byte_limits_above_redis", maxmemory=maxmemory, redis_reserve_bytes=reserve_free,
+                    max_queued_bytes=total, max_queued_bytes_per_key=per_key,
+                    fix=f"set TOKENBUS_GATEWAY_MAX_QUEUED_BYTES to at most {room} (maxmemory less the reserve) "
+                        "and MAX_QUEUED_BYTES_PER_KEY to one key's share of it")
 
 
 def _memory(ctx: GatewayContext) -> tuple[int, int]:
