@@ -66,9 +66,14 @@ def admit(ctx: GatewayContext, job_id: str, who: str, endpoint: str, request: Jo
 
 
 def settle(ctx: GatewayContext, kept: KeptCall | None, job: Job | None) -> None:
-    """Count what an ended call's records hold instead of its most. A failure leaves the most counted: logged."""
-    if kept is None or job is None or not job.done:
-        return
+    """Count what an ended call's records hold instead of its most (nothing while it has not ended)."""
+    if kept is not None and job is not None and job.done:
+        measure(ctx, kept)
+
+
+def measure(ctx: GatewayContext, kept: KeptCall) -> None:
+    """Count what the call's records hold now, once: its job has ended, or was never queued (the submit failed).
+    A failure leaves the most counted (logged)."""
     try:
         script(_SETTLE)(keys=[ctx.gkeys.job(kept.job_id), *capacity.ledgers(ctx, kept.owner),
                               ctx.keys.job(kept.job_id), ctx.keys.tokens(kept.job_id)], client=ctx.redis)

@@ -24,7 +24,7 @@ from gateway.context import GatewayContext
 from gateway.errors import APIError, invalid
 from gateway.http import get_ctx, json_body
 from gateway.jobs import job_error
-from gateway.kept_bytes import KeptCall, admit, settle
+from gateway.kept_bytes import KeptCall, admit, measure, settle
 from gateway.live.sse import abandon, job_events
 from gateway.live.waiter import ClientGone
 from producer.batch_file import max_tokens_problem, request_tokens
@@ -63,7 +63,11 @@ def submit(ctx: GatewayContext, who: str, endpoint: str, request: JobRequest) ->
     # the key's priority comes from the gateway's configuration (key_priorities), never from the request
     request = request.model_copy(update={"priority": Priority(ctx.priorities.get(who, Priority.interactive))})
     kept = admit(ctx, job_id, who, endpoint, request)  # its bytes against the key's limit, and its ownership: 429
-    ctx.client.submit_many([request], job_ids=[job_id])  # validated already (body_request): not again
+    try:
+        ctx.client.submit_many([request], job_ids=[job_id])  # validated already (body_request): not again
+    except BaseException:
+        measure(ctx, kept)  # no job was queued: only its ownership record stays counted
+        raise
     log.info("gateway_job_submitted", job_id=job_id, endpoint=endpoint, owner=who, stream=request.stream,
              kept_bytes=kept.most)
     return kept

@@ -168,7 +168,7 @@ def limits(ctx: GatewayContext) -> tuple[int, int, int]:
 
 def release(ctx: GatewayContext, batch_id: str, owner: str, kept: int = 0) -> int:
     """Give back a batch's reservation (once; later calls return 0), and count the `kept` bytes its records hold
-    after it in the owner's ledger until they expire (kept_bytes.until)."""
+    after it in the owner's ledger until they expire (until)."""
     now = time.time()
     return int(script(_RELEASE)(keys=[ctx.gkeys.batch(batch_id), ctx.gkeys.queued_bytes, *ledgers(ctx, owner)],
                                 args=[owner, now, kept, until(ctx, now)], client=ctx.redis))
