@@ -114,12 +114,13 @@ def test_a_full_redis_is_reported_as_full_not_unreachable(light_stack):
     try:
         r.config_set("maxmemory", int(r.info("memory")["used_memory"]) + 256 * 1024)
         filler = 0
-        while True:  # fill it up to maxmemory with one key's junk
-            try:
-                r.set(f"junk:{filler}", "x" * 65536)
-                filler += 1
-            except Exception:
-                break
+        for size in (65536, 1024, 64):  # fill it up to maxmemory with one key's junk, to the last few bytes:
+            while True:  # a failed 64 KB write frees its buffer, leaving room for a small one
+                try:
+                    r.set(f"junk:{filler}", "x" * size)
+                    filler += 1
+                except Exception:
+                    break
         with light_stack.http("alice") as c:
             resp = c.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "Hi"}]})
         assert resp.status_code == 503, resp.text
