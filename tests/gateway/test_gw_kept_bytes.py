@@ -151,5 +151,12 @@ def test_a_finished_batchs_results_keep_counting_until_they_expire(light_stack, 
         assert err.value.code == "queued_bytes_per_key_exceeded" and "results kept" in err.value.body["message"]
         with stand_in_worker(light_stack):
             assert _chat(light_stack, "bob", HEAVY).status_code == 200, "another key's call is served"
-    finally:
+        # Everyone's results kept count against the global limit too.
         r.hdel(f"{GW}:config", "max_queued_bytes_per_key")
+        everyone = sum(int(b) for b in r.hgetall(f"{GW}:kept-bytes:*").values())
+        assert everyone >= kept + 200_000, "alice's batch and bob's call"
+        r.hset(f"{GW}:config", "max_queued_bytes", everyone + int(r.hget(f"{GW}:queued-bytes", "*") or 0) + 100_000)
+        refused = _chat(light_stack, "carol", HEAVY)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "stored_bytes_exceeded"
+    finally:
+        r.hdel(f"{GW}:config", "max_queued_bytes_per_key", "max_queued_bytes")
