@@ -1,6 +1,6 @@
-"""The `tokenbus` command: submit, get, wait, cancel, info, models list|add|remove|default, exporter, batch
-submit|status|wait|export|cancel, and bench (handed to the bench package, which needs the worker extra:
-nothing here imports it)."""
+"""The `tokenbus` command: submit, get, wait, cancel, info, models list|add|remove|default, adapters
+list|add|remove, exporter, batch submit|status|wait|export|cancel, and bench (handed to the bench package, which
+needs the worker extra: nothing here imports it)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 import redis
 import structlog
 
-from producer import batches, exporter, models
+from producer import adapters, batches, exporter, models
 from producer.client import Client
 from protocol.errors import TokenbusError
 from protocol.keys import DEFAULT_NAMESPACE
@@ -125,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     mr.add_argument("--force", action="store_true", help="even with jobs queued or live workers")
     md = m.add_parser("default", help="make a declared model the default (the model of jobs naming none)")
     md.add_argument("name")
+    adapters.add_parser(sub)
     e = sub.add_parser("exporter", help="serve the jobs waiting and pending per model as Prometheus metrics "
                        "(for an autoscaler: it runs while no worker does)")
     e.add_argument("--model", default="", help="the `model` label of the default queues' jobs while no model is "
@@ -216,7 +217,8 @@ def format_model(m: ModelInfo) -> str:
     aliases = ",".join(n for n in m.names if n != m.id)
     return (f"{name:<24} depth={m.queue_depth} pending={m.pending} workers={m.workers} "
             + " ".join(f"{p}={n}" for p, n in m.by_priority.items())
-            + (f" kind={m.kind}" if m.kind else "") + (f" aliases={aliases}" if aliases else "") + flags)
+            + (f" kind={m.kind}" if m.kind else "") + (f" parent={m.parent}" if m.parent else "")
+            + (f" aliases={aliases}" if aliases else "") + flags)
 
 
 def _models(c: Client, a: argparse.Namespace) -> int:
@@ -343,6 +345,8 @@ def run(a: argparse.Namespace) -> int:
             return _batch(c, a)
         elif a.command == "models":
             return _models(c, a)
+        elif a.command == "adapters":
+            return adapters.command(c.redis, c.keys, a)
     return 0
 
 

@@ -66,6 +66,11 @@ class Heartbeat(BaseModel):
     generated_tokens: int = 0  # since the engine started (the dashboard's tokens/s is its rate)
     step_ms: list[float] = Field(default_factory=list)  # the latest steps' wall times, oldest first (<= 32)
     draining: bool = False  # stopping: takes no new jobs, hands back what it has not started
+    # LoRA adapters (docs/adapters.md): the ones it serves (loaded, declared, their queues read), why each one it
+    # refused was refused, and the revision of {ns}:adapters it has applied (what `tokenbus adapters` waits for)
+    adapters: list[str] = Field(default_factory=list)
+    adapter_errors: dict[str, str] = Field(default_factory=dict)
+    adapters_rev: int = 0
     # the prefix cache since the worker's engine started: prompt tokens / full blocks looked up and found
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
@@ -116,6 +121,8 @@ class ModelInfo(BaseModel):
     id: str
     names: list[str] = Field(default_factory=list)
     kind: str = ""
+    parent: str | None = None  # a LoRA adapter's base model
+    root: str | None = None  # its weights' source (ModelRecord.root)
     default: bool = False  # the namespace's default model: its workers also read the default queues
     context_length: int | None = None
     queue_depth: int = 0  # entries in its queues: queued + running

@@ -22,7 +22,8 @@ DEFAULT_MODEL_FIELD = "default_model"  # the field of {ns}:config naming the def
 
 
 class ModelKind(StrEnum):
-    """What a model's workers do with a job: generate text now; embeddings and adapters (with a parent) later."""
+    """What a model's workers do with a job. A LoRA adapter is a model of its base's kind with a `parent` (the
+    base's id): it needs no kind of its own."""
 
     generate = "generate"
     embed = "embed"
@@ -67,7 +68,9 @@ class ModelRecord(BaseModel):
     kind: ModelKind = ModelKind.generate
     checkpoint: str = ""  # "<short name>#<config fingerprint>" of the weights ('' = declared by hand, none yet)
     context_length: int | None = None
-    parent: str | None = None  # an adapter's base model (later)
+    parent: str | None = None  # a LoRA adapter's base model (its id); None for a base model
+    root: str | None = None  # where its weights come from, as its first declarer loaded them: the worker's --model
+    # value, an adapter's directory (vLLM's model card field of the same name)
     declared_at: float | None = None
     declared_by: str = ""  # the worker that declared it first, or "operator"
 

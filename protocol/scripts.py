@@ -79,6 +79,8 @@ CANCEL_BATCH = lua("cancel_batch")
 DROP_ENTRY = lua("drop_entry")
 DECLARE_MODEL = lua("declare_model")
 RETIRE_MODEL = lua("retire_model")
+ADAPTER_ADD = lua("adapter_add")
+ADAPTER_REMOVE = lua("adapter_remove")
 NOT_DECLARED = -3  # SUBMIT_JOB(S)'s reply code for a model nobody declared: {-3, JSON list of the declared ids}
 
 
@@ -296,3 +298,18 @@ def retire_model(r: redis.Redis, keys: Keys, model_id: str, force: bool = False)
     code, jobs = _run(r, RETIRE_MODEL, [keys.models, keys.model_names, keys.config],
                       [model_id, keys.layout, "1" if force else "0", DEFAULT_MODEL_FIELD])
     return int(code), int(jobs)
+
+
+def add_adapter(r: redis.Redis, keys: Keys, name: str, base: str, path: str) -> list[Any]:
+    """ADAPTER_ADD: [1 | 0, rev, base id] written or already so; [-1, declared ids JSON] no such base; [-2, base]
+    the base is an adapter; [-3, owner] the name is another model's."""
+    out = _run(r, ADAPTER_ADD, [keys.adapters, keys.models, keys.model_names], [name, base, path, time.time()])
+    return [int(out[0]), *(_s(x) for x in out[1:])]
+
+
+def remove_adapter(r: redis.Redis, keys: Keys, name: str, force: bool = False) -> list[Any]:
+    """ADAPTER_REMOVE: [1, rev, base id, jobs] removed; [0, rev, base id] none of that name; [-1, jobs] kept
+    (jobs queued, not forced); [-2, id] a base model."""
+    out = _run(r, ADAPTER_REMOVE, [keys.adapters, keys.models, keys.model_names, keys.config],
+               [name, keys.layout, "1" if force else "0", DEFAULT_MODEL_FIELD, time.time()])
+    return [int(out[0]), *(_s(x) for x in out[1:])]

@@ -24,6 +24,7 @@ from protocol.registry import ModelKind, short_name
 from worker.engine.config import bulk_min_seats
 from worker.engine.errors import EngineError, InvalidRequest
 from worker.engine.sampling_params import SamplingParams
+from worker.serve.adapters import AdapterChange, ServedAdapters
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter, FirstToken
 from worker.serve.intake import BLOCK_MS, Intake, IntakeBudget
@@ -33,7 +34,7 @@ from worker.serve.messages import HandBack, Partial, Revoke, StartedJob, Wake
 from worker.serve.results import job_result
 from worker.serve.served import ServedModels
 from worker.serve.status import EngineStatus
-from worker.settings import WorkerSettings
+from worker.settings import WorkerSettings, lora_flags
 
 log = structlog.get_logger("tokenbus.worker")
 
@@ -66,7 +67,9 @@ class Server:
             self.jobs.keys, settings.worker_name, settings.engine.model, short_name(engine.model_name),
             getattr(engine, "checkpoint", ""), settings.served_model_name, engine.max_model_len,
             # an encoder serves embeddings only (its jobs' kind, for the registry)
-            ModelKind.generate if "generate" in getattr(engine, "kinds", ["generate"]) else ModelKind.embed)
+            ModelKind.generate if "generate" in getattr(engine, "kinds", ["generate"]) else ModelKind.embed,
+            root=settings.engine.model)
+        self.adapters = ServedAdapters(self.jobs.keys, self.served, lora_flags(settings.lora))
         self.intake = Intake(
             self.jobs, self.leases, self.budget, self.inbox, self.writer,
             model_names=self.served.names, lease_ms=settings.lease_ms,
@@ -75,7 +78,7 @@ class Server:
         )
         self.housekeeper = Housekeeper(
             self.jobs, self.leases, self.inbox, settings.lease_ms, settings.heartbeat_s, self._status, metrics,
-            served=self.served,
+            served=self.served, adapters=self.adapters,
         )
         self.running: dict[str, StartedJob] = {}  # jobs inside the engine
         # After a failed step with several jobs: they re-run one at a time (suspects), so the one that
@@ -124,6 +127,8 @@ class Server:
             self._seat_set_aside()
             if self.engine.has_unfinished_requests():
                 self._step()
+            if self.adapters.unloading:  # removed while requests used them: unloaded once those have ended
+                self.adapters.apply(self.engine, None)
             stats = self.engine.stats()
             set_aside = len(self.suspects) + len(self.held)
             self.budget.set_room(self._room(stats.running, stats.waiting + stats.forking + set_aside))
@@ -153,6 +158,7 @@ class Server:
         while not self.stop_requested.is_set():
             try:
                 self.served.declare(self.jobs.r)
+                self.adapters.start(self.engine, self.jobs.r)  # the threads are not running yet
                 self.jobs.read_models = self.served.read_ids()
                 self.jobs.ensure_group()
                 self.jobs.publish_config(self.settings.queue_config())
@@ -193,7 +199,7 @@ class Server:
 
     def _status(self) -> dict[str, Any]:
         return self.status.heartbeat(self.writer.jobs_done, draining=self.drain_deadline is not None) \
-            | self.served.heartbeat_fields()
+            | self.served.heartbeat_fields() | self.adapters.heartbeat_fields()
 
     # ---- messages -----------------------------------------------------------------------------------
 
@@ -217,6 +223,8 @@ class Server:
             self._add(msg)
         elif isinstance(msg, Revoke):
             self._revoke(msg)
+        elif isinstance(msg, AdapterChange):
+            self.adapters.apply(self.engine, msg)
 
     def _add(self, job: StartedJob) -> None:
         if self.drain_deadline is not None:
@@ -233,7 +241,8 @@ class Server:
 
     def _seat(self, job: StartedJob) -> None:
         try:
-            self.engine.add_request(job.job_id, job.request.engine_prompt(), job.params, priority=job.priority)
+            self.engine.add_request(job.job_id, job.request.engine_prompt(), job.params, priority=job.priority,
+                                    lora=self.served.lora_of(job.model))
         except InvalidRequest as err:  # the client's to fix: prompt too long, can never fit the cache, ...
             self._end(job, "failed", error=f"invalid job: {err}", error_code=err.code)
             return
