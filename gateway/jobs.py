@@ -3,7 +3,6 @@ GET /v1/jobs/{id}, the HTTP error of a job, the status of a batch error line).""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from gateway.context import GatewayContext
@@ -12,15 +11,6 @@ from producer.openai_batch import response_body
 from protocol.models import JOB_ID_RE, Job, JobStatus
 
 OWNERSHIP_SLACK_S = 24 * 3600  # the ownership record outlives the job's record (result_ttl) by this
-
-
-def record_ownership(ctx: GatewayContext, job_id: str, who: str, endpoint: str) -> None:
-    """Written before the job is queued, so a poll right after the submit already finds it."""
-    key = ctx.gkeys.job(job_id)
-    pipe = ctx.redis.pipeline(transaction=True)
-    pipe.hset(key, mapping={"owner": who, "endpoint": endpoint, "created_at": time.time()})
-    pipe.expire(key, ctx.client.result_ttl + OWNERSHIP_SLACK_S)
-    pipe.execute()
 
 
 def owned_job(ctx: GatewayContext, who: str, job_id: str) -> tuple[Job, str]:

@@ -57,6 +57,11 @@ class GatewayKeys:
         """hash: owner -> estimated Redis bytes of its open batches; '*' -> all owners' (batches/capacity.py)."""
         return f"{self.prefix}:gw:queued-bytes"
 
+    def kept_bytes(self, owner: str) -> str:
+        """hash: the end of an hour -> estimated Redis bytes of one owner's results kept until then ('*': all
+        owners'), counted against the same limits as open batches (gateway/kept_bytes.py)."""
+        return f"{self.prefix}:gw:kept-bytes:{owner}"
+
     @property
     def config(self) -> str:
         """hash: limits changed at run time (batches/capacity.py), over the settings."""

@@ -77,11 +77,11 @@ class GatewaySettings(BaseSettings):
     rq_redis_url: str = Field("", description="Redis of the RQ task queues; unset = redis_url. Required when "
                                               "redis_url is a Redis Cluster, which RQ cannot use: a plain or "
                                               "Sentinel Redis (docs/deployment.md, Redis Cluster)")
-    # Redis capacity: what one tenant, and all of them, may hold queued (estimated Redis bytes, docs/gateway.md).
-    max_queued_bytes_per_key: int = Field(512 * MiB, ge=0, description="one key's open batches, in estimated "
-                                                                       "Redis bytes (0 = no limit)")
-    max_queued_bytes: int = Field(4096 * MiB, ge=0, description="all keys' open batches, in estimated Redis "
-                                                                "bytes (0 = no limit)")
+    # Redis capacity: what one tenant, and all of them, may hold queued or kept (estimated bytes, docs/gateway.md).
+    max_queued_bytes_per_key: int = Field(512 * MiB, ge=0, description="one key's open batches and results "
+                                          "kept (gateway/kept_bytes.py), in estimated Redis bytes (0 = no limit)")
+    max_queued_bytes: int = Field(4096 * MiB, ge=0, description="all keys' open batches and results kept, in "
+                                                                "estimated Redis bytes (0 = no limit)")
     redis_reserve_bytes: int = Field(64 * MiB, ge=0, description="a batch is refused unless Redis keeps this "
                                                                   "much of its maxmemory free after it")
     max_requests_per_file: int = Field(50_000, gt=0, description="lines of one batch input file (OpenAI: 50,000)")

@@ -73,6 +73,13 @@ class LightStack(Deployment):
 
         return wait_until(done, timeout, f"batch {batch_id} to reach {statuses}", self.all(), every=0.1)
 
+    def forget_kept(self) -> None:
+        """Empty every key's ledger of results kept, as if they had all expired: a test of the byte limits then
+        starts from what its own calls hold, not from what earlier tests on this stack left for result_ttl."""
+        r = self.r()
+        for ledger in list(r.scan_iter("{tokenbus}:gw:kept-bytes:*")):
+            r.delete(ledger)
+
     def restart_gateway(self, settings: dict[str, str | None]) -> None:
         """Stop `gateway serve`, change its settings (None: unset) and start it again, as an operator would."""
         self.procs["gateway"].stop()
@@ -90,8 +97,10 @@ class LightStack(Deployment):
     def resume(self, name: str) -> None:
         os.kill(self.procs[name].proc.pid, signal.SIGCONT)
 
-    def end_job(self, job_id: str, *, error_code: str | None = None, text: str = "ok", error: str = "") -> None:
-        """End a queued job as a worker would (start_job then finish_job: the worker's own Lua)."""
+    def end_job(self, job_id: str, *, error_code: str | None = None, text: str = "ok", error: str = "",
+                result: dict[str, Any] | None = None) -> None:
+        """End a queued job as a worker would (start_job then finish_job: the worker's own Lua), with `result`
+        (a JobResult's fields) or a short one saying `text`."""
         from protocol import scripts
         from protocol.keys import Keys
 
@@ -104,7 +113,7 @@ class LightStack(Deployment):
                                error=error or f"the test worker says {error_code}")
         else:
             scripts.finish_job(r, keys, job_id, "finished", entry_id=entry, queue=queue,
-                               result={"text": text, "finish_reason": "stop", "model": "smollm2-135m"})
+                               result=result or {"text": text, "finish_reason": "stop", "model": "smollm2-135m"})
 
 
 def start_light_stack(tmp: Path, settings: dict[str, str] | None = None) -> LightStack:

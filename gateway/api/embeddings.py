@@ -32,8 +32,9 @@ async def embeddings(request: Request, who: str = Depends(owner)) -> Any:
     except InvalidJob as err:
         raise invalid_body(err) from None
     timeout = ctx.settings.completion_timeout_s
-    job_id, lease = await leased_submit(ctx, who, EMBEDDINGS, job_request, timeout)
-    job = await wait_finished(ctx, request, job_id, lease, timeout)
+    kept, lease = await leased_submit(ctx, who, EMBEDDINGS, job_request, timeout)
+    job_id = kept.job_id
+    job = await wait_finished(ctx, request, kept, lease, timeout)
     if isinstance(job, JSONResponse):
         return job
     blob = await run_in_threadpool(lambda: vectors.read_blobs(ctx.client.redis, ctx.client.keys, [job_id])[0])

@@ -10,10 +10,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import structlog
+from starlette.concurrency import run_in_threadpool
 
 from gateway.context import GatewayContext
 from gateway.errors import APIError
 from gateway.jobs import job_error
+from gateway.kept_bytes import KeptCall, settle
 from gateway.live.quotas import Lease
 from gateway.live.streams import END
 from producer.openai_batch import CHAT
@@ -28,7 +30,7 @@ def _event(data: dict[str, Any]) -> str:
 
 async def job_events(ctx: GatewayContext, job_id: str, endpoint: str, model: str | None,
                include_usage: bool, lease: Lease | None = None,
-               handled: list[bool] | None = None) -> AsyncIterator[str]:
+               handled: list[bool] | None = None, kept: KeptCall | None = None) -> AsyncIterator[str]:
     chat = endpoint == CHAT
     base = {"id": f"chatcmpl-{job_id}" if chat else f"cmpl-{job_id}",
             "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
@@ -70,6 +72,7 @@ async def job_events(ctx: GatewayContext, job_id: str, endpoint: str, model: str
         # The done chunk and the record's end are written together by the worker; wait for the record.
         job = await ctx.waiter.wait(job_id, 30.0)
         ended = job is not None
+        await run_in_threadpool(settle, ctx, kept, job)  # its bytes kept in Redis, now known (kept_bytes.py)
         if job is None or job.status != JobStatus.finished or job.result is None:
             err = job_error(job) if job is not None else APIError(504, f"job {job_id} did not end", code="timeout")
             yield _event(err.body())

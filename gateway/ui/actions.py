@@ -150,7 +150,7 @@ def _retry(ctx, sess: Session, entry_id: str) -> tuple[str, str]:
     except (ValueError, TypeError) as err:
         raise ValueError(f"its request is not a valid job ({str(err)[:300]}); delete it instead") from None
     endpoint = "/v1/chat/completions" if request.messages else "/v1/completions"
-    job_id = submit(ctx, sess.owner, endpoint, request)
+    job_id = submit(ctx, sess.owner, endpoint, request).job_id  # its bytes counted as a completion's (429)
     ctx.redis.xdel(ctx.keys.dead, entry_id)
     return job_id, dead.letter.job_id
 
@@ -160,7 +160,7 @@ async def retry_dead(request: Request, sess: Acting,
                      entry_id: str = Path(pattern=ENTRY_ID)) -> Response:
     try:
         job_id, old = await run_in_threadpool(_retry, get_ctx(request), sess, entry_id)
-    except (ValueError, TokenbusError) as err:
+    except (ValueError, TokenbusError, APIError) as err:  # APIError: past the key's byte limits (kept_bytes.py)
         return _notice(f"Not retried: {err}", ok=False)
     return HTMLResponse(f'<p role="status" class="notice ok">Queued again as '
                         f'<a href="/ui/jobs/{escape(job_id)}">{escape(job_id)}</a> (was {escape(old)}).</p>',
