@@ -1,12 +1,13 @@
-"""`tokenbus bench engine|e2e|queue` (`python -m bench ...`): the benchmarks a user runs to size a deployment.
+"""`tokenbus bench engine|e2e|queue|embed` (`python -m bench ...`): the benchmarks a user runs to size a deployment.
 
     tokenbus bench engine                 # the offline engine on the chat workload: tok/s, TTFT, latency
     tokenbus bench e2e                    # the same workload end to end: Client -> Redis -> a worker process
     tokenbus bench queue --jobs 20000     # what one job costs Redis (CPU, commands, bytes), no model
+    tokenbus bench embed                  # 10,000 mixed-length inputs: SentenceTransformer, offline, e2e, vLLM
 
 Every subcommand takes the same --model, --num-prompts / --max-tokens (the workload), --rounds and --json
 flags where they apply, starts a throwaway redis-server unless --redis-url names one, and prints one table
-(each round, then the median). A new subcommand (embeddings, say) is one entry in COMMANDS.
+(each round, then the median). A new subcommand is one entry in COMMANDS.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ COMMANDS = {
         "redis": True}, commands.engine_flags, commands.run_e2e),
     "queue": Command("what one job costs Redis, phase by phase, with no model", {"rounds": 1, "redis": True},
                      commands.queue_flags, commands.run_queue),
+    "embed": Command("embeddings in tokens/s: SentenceTransformer, the offline engine, end to end, vLLM's CPU build",
+                     {"model": "all-minilm-l6-v2", "prompts": 10_000, "rounds": 3, "redis": True},
+                     commands.embed_flags, commands.run_embed),
 }
 
 

@@ -4,11 +4,13 @@ rounds and output flags) and what it runs. Each prints one table: a row per roun
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 from bench.harness import Row, Timed, machine, markdown_table, p50_p99, percentile, redis_url, write_json
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEM_COLUMNS = ["round", "tok/s", "requests/s", "TTFT p50 / p99 (s)", "latency p50 / p99 (s)", "steps"]
 
 
@@ -134,3 +136,70 @@ def run_queue(args: argparse.Namespace) -> str:
         ["phase", "Redis CPU µs / job", "commands / job", "script calls / job", "Redis bytes / job after it",
          "client jobs/s"], lines), "",
         f"One Redis core carries about {1 / cpu:,.0f} jobs/s of whole lives like these (plan for half)."])
+
+
+def embed_flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--threads", type=int, default=None, help="torch threads of every system (default: torch's)")
+    ap.add_argument("--st-batch-sizes", default="16,32,64,128,256",
+                    help="SentenceTransformer.encode's batch sizes; its best stands for it")
+    ap.add_argument("--inputs-per-job", type=int, default=64, help="inputs of each end-to-end embedding job")
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    ap.add_argument("--systems", default="st,offline,e2e,vllm", help="which systems, comma-separated")
+    ap.add_argument("--vllm-python", default=os.path.join(ROOT, ".venv-vllm", "bin", "python"))
+
+
+def run_embed(args: argparse.Namespace) -> str:
+    import tempfile
+
+    import torch
+
+    from bench import embed
+    from worker.engine import loader
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.threads = torch.get_num_threads()
+    model_dir = loader.resolve(args.model).directory
+    texts = embed.inputs(args.num_prompts)
+    counts = embed.token_counts(model_dir, texts, 256 if args.model == "all-minilm-l6-v2" else 512)
+    systems = args.systems.split(",")
+    settings = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    rows: dict[str, Row] = {key: Row(key, name) for key, name in (
+        ("st", "SentenceTransformer.encode (best batch size)"), ("offline", "tokenbus engine, offline"),
+        ("e2e", "tokenbus end to end (Client → Redis → worker → vectors)"), ("vllm", "vLLM CPU (LLM.embed)"))
+        if key in systems}
+    logs = tempfile.mkdtemp(prefix="bench-embed-")
+    st_rates: dict[int, float] = {}
+    with redis_url(args.redis_url) as url:
+        for i in range(args.rounds):  # the systems take turns each round, so drift falls on all of them
+            if "st" in rows:
+                run, st_rates = embed.sentence_transformers(model_dir, texts, counts,
+                                                            [int(b) for b in args.st_batch_sizes.split(",")],
+                                                            args.threads)
+                rows["st"].runs.append(run)
+            if "offline" in rows:
+                rows["offline"].runs.append(embed.offline(args.model, texts, counts, settings))
+            if "e2e" in rows:
+                rows["e2e"].runs.append(embed.end_to_end(url, args.model, texts, counts, args.threads,
+                                                         f"{logs}/worker-{i + 1}.log", args.inputs_per_job, flags))
+            if "vllm" in rows:
+                got = embed.vllm(args.vllm_python, model_dir, texts, counts, args.threads)
+                if isinstance(got, str):
+                    rows["vllm"].note = got
+                else:
+                    rows["vllm"].runs.append(got)
+            print(f"round {i + 1}: " + ", ".join(f"{k} {r.runs[-1].tok_s:,.0f} tok/s" for k, r in rows.items()
+                                                  if r.runs), flush=True)
+    base = rows["st"].tok_s if "st" in rows and rows["st"].runs else 0.0
+    write_json(args.json, {k: {"tok/s": r.tok_s, "rounds": r.rates()} for k, r in rows.items()}
+               | {"st_by_batch_size": st_rates})
+    lines = [f"| {r.name} | {r.tok_s:,.0f} | " + (f"{r.tok_s / base:.2f}x" if base and r.runs else "–")
+             + f" | {r.note or ' / '.join(f'{x:,.0f}' for x in r.rates())} |" for r in rows.values()]
+    head = (f"{len(texts):,} inputs of mixed length ({sum(counts):,} tokens), {args.model} fp32 on the CPU, "
+            f"{args.threads} torch threads, median of {args.rounds} rounds; e2e: {args.inputs_per_job} inputs a job; "
+            f"{machine()}; {time.strftime('%Y-%m-%d %H:%M')}.")
+    st_line = "SentenceTransformer by batch size: " + ", ".join(f"{b}: {v:,.0f}" for b, v in st_rates.items())
+    return "\n".join([head, "", *markdown_table(["system", "tok/s", "vs SentenceTransformer", "each round"], lines),
+                      "", st_line if st_rates else ""])

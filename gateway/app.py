@@ -16,6 +16,7 @@ from gateway.batches import capacity
 from gateway.context import GatewayContext
 from gateway.limits import BodyLimit
 from gateway.settings import GatewaySettings
+from gateway.throttle import check_key_strength
 from gateway.webhooks.delivery import parse_networks
 from gateway.webhooks.secrets import check_master
 
@@ -27,6 +28,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     if not settings.keys_by_owner:
         raise ValueError("no API keys: set TOKENBUS_GATEWAY_API_KEYS to one or more comma-separated keys "
                          "(e.g. `openssl rand -hex 24`); the gateway serves no anonymous requests")
+    check_key_strength(list(settings.keys_by_owner.values()))
     for name, value in (("TOKENBUS_GATEWAY_WEBHOOK_SECRET", settings.webhook_secret),
                         ("TOKENBUS_GATEWAY_WEBHOOK_PREVIOUS_SECRET", settings.webhook_previous_secret)):
         if value:

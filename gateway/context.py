@@ -14,6 +14,7 @@ from gateway.live.quotas import KeyQuotas
 from gateway.live.streams import StreamHub
 from gateway.live.waiter import JobWaiter
 from gateway.settings import GatewaySettings
+from gateway.throttle import AuthThrottle
 from producer.client import Client
 from protocol.connection import is_cluster_url, is_sentinel_url, redis_from_url
 from protocol.keys import Keys
@@ -45,8 +46,9 @@ class GatewayContext:
         self.streams = StreamHub(settings.redis_url, self.keys)
         self.cancels = Canceller(settings.redis_url, self.keys)
         self.quotas = KeyQuotas(settings.max_requests_per_key, settings.max_streams_per_key,
-                                settings.max_tokens_per_key)
+                                settings.max_tokens_per_key, max_streams_total=settings.max_streams)
         self.priorities = settings.priority_by_owner
+        self.auth_throttle = AuthThrottle(settings.auth_max_failures, settings.auth_failure_window_s)
 
     @cached_property
     def rq_redis(self) -> redis.Redis:

@@ -3,7 +3,6 @@ GET /v1/jobs/{id}, the HTTP error of a job, the status of a batch error line).""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from gateway.context import GatewayContext
@@ -12,15 +11,6 @@ from producer.openai_batch import response_body
 from protocol.models import JOB_ID_RE, Job, JobStatus
 
 OWNERSHIP_SLACK_S = 24 * 3600  # the ownership record outlives the job's record (result_ttl) by this
-
-
-def record_ownership(ctx: GatewayContext, job_id: str, who: str, endpoint: str) -> None:
-    """Written before the job is queued, so a poll right after the submit already finds it."""
-    key = ctx.gkeys.job(job_id)
-    pipe = ctx.redis.pipeline(transaction=True)
-    pipe.hset(key, mapping={"owner": who, "endpoint": endpoint, "created_at": time.time()})
-    pipe.expire(key, ctx.client.result_ttl + OWNERSHIP_SLACK_S)
-    pipe.execute()
 
 
 def owned_job(ctx: GatewayContext, who: str, job_id: str) -> tuple[Job, str]:
@@ -47,7 +37,8 @@ def error_for(code: str | None, message: str, job_id: str | None = None) -> APIE
     """The HTTP error for a job's error code (also the status_code of a batch error-file line)."""
     if code == "model_mismatch":
         return APIError(404, message, param="model", code="model_not_found")
-    if code in ("invalid_request", "grammar_too_costly"):  # the request's own fault: retrying will not help
+    # the request's own fault: retrying will not help
+    if code in ("invalid_request", "grammar_too_costly", "unsupported_kind"):
         return APIError(400, message, code=code)
     if code == "cancelled":
         return APIError(409, message, code="cancelled")
@@ -63,7 +54,9 @@ def job_object(job: Job, endpoint: str) -> dict[str, Any]:
         "finished_at": job.finished_at, "attempts": job.attempts, "batch_id": job.batch_id,
         "custom_id": job.custom_id, "response": None, "error": None,
     }
-    if job.status == JobStatus.finished and job.result is not None:
+    if job.status == JobStatus.finished and job.result is not None and job.result.embeddings is not None:
+        out["embeddings"] = job.result.embeddings  # the vectors: POST /v1/embeddings answers them, or the batch
+    elif job.status == JobStatus.finished and job.result is not None:
         out["response"] = response_body(job, endpoint)
     elif job.done:
         out["error"] = job_error(job).body()["error"]

@@ -57,6 +57,11 @@ class GatewayKeys:
         """hash: owner -> estimated Redis bytes of its open batches; '*' -> all owners' (batches/capacity.py)."""
         return f"{self.prefix}:gw:queued-bytes"
 
+    def kept_bytes(self, owner: str) -> str:
+        """hash: the end of an hour -> estimated Redis bytes of one owner's results kept until then ('*': all
+        owners'), counted against the same limits as open batches (gateway/kept_bytes.py)."""
+        return f"{self.prefix}:gw:kept-bytes:{owner}"
+
     @property
     def config(self) -> str:
         """hash: limits changed at run time (batches/capacity.py), over the settings."""
@@ -79,3 +84,7 @@ class GatewayKeys:
     def ui_session(self, token_hash: str) -> str:
         """hash: one UI login session (gateway/ui/session.py), by the sha256 of its cookie token."""
         return f"{self.prefix}:gw:ui:session:{token_hash}"
+
+    def ui_sessions(self, owner: str) -> str:
+        """sorted set: one owner's UI session token hashes by created_at (the per-key cap, ui/session.py)."""
+        return f"{self.prefix}:gw:ui:sessions:{owner}"

@@ -1,6 +1,7 @@
 """Request size limits (413) as ASGI middleware: by Content-Length up front, and by counting the bytes read.
 
-Uploads get their own (large) limit; every other body the small JSON one. Counting while reading also
+Uploads (the API's POST /v1/files and the dashboard's batch form, POST /ui/batches: both stream the file to disk,
+files/upload.py) get their own (large) limit; every other body the small JSON one. Counting while reading also
 covers chunked uploads that send no Content-Length. Before answering 413 the rest of the body is read and
 dropped (up to DRAIN_CAP), because an HTTP client still sending would otherwise see a reset connection
 instead of the 413.
@@ -20,19 +21,21 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.errors import APIError, too_large
 
 DRAIN_CAP = 64 * 1024 * 1024
+UPLOAD_PATHS = ("/v1/files", "/ui/batches")  # the routes whose body is a file (files/upload.py receive_upload)
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, *, max_body: int, max_upload: int, upload_path: str = "/v1/files",
-                 grace_s: float = 10.0, min_rate: int = 16 * 1024) -> None:
-        self.app, self.max_body, self.max_upload, self.upload_path = app, max_body, max_upload, upload_path
+    def __init__(self, app: ASGIApp, *, max_body: int, max_upload: int,
+                 upload_paths: tuple[str, ...] = UPLOAD_PATHS, grace_s: float = 10.0,
+                 min_rate: int = 16 * 1024) -> None:
+        self.app, self.max_body, self.max_upload, self.upload_paths = app, max_body, max_upload, upload_paths
         self.grace_s, self.min_rate = grace_s, min_rate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        upload = scope["method"] == "POST" and scope["path"].rstrip("/") == self.upload_path
+        upload = scope["method"] == "POST" and scope["path"].rstrip("/") in self.upload_paths
         limit, what = (self.max_upload, "the upload") if upload else (self.max_body, "the request body")
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:

@@ -45,7 +45,14 @@ class GatewaySettings(BaseSettings):
     redis_pool_timeout_s: float = Field(5.0, gt=0, description="longest wait for a pooled Redis connection")
     max_requests_per_key: int = Field(64, gt=0, description="interactive completions one key may have in "
                                                             "flight (streams included); more: 429")
-    max_streams_per_key: int = Field(32, gt=0, description="open `stream: true` completions of one key; more: 429")
+    max_streams_per_key: int = Field(32, gt=0, description="long-lived streams of one key (`stream: true` "
+                                                           "completions and dashboard token streams); more: 429")
+    max_streams: int = Field(2048, gt=0, description="long-lived streams (API `stream: true` and dashboard "
+                                                     "token streams) this gateway process holds in all; more: 503")
+    auth_max_failures: int = Field(20, gt=0, description="wrong API keys (bearer or dashboard login) one client "
+                                                         "address, or one key, may send in a burst; then 429")
+    auth_failure_window_s: float = Field(60.0, gt=0, description="how long a burst of auth_max_failures takes "
+                                                                 "to be forgiven (one more every window / max)")
     max_tokens_per_key: int = Field(2_000_000, gt=0, description="tokens (prompt + max_tokens x n) one key's "
                                                                  "interactive requests in flight may ask for")
     max_queued_requests_per_key: int = Field(200_000, gt=0, description="requests one key's unfinished "
@@ -70,11 +77,11 @@ class GatewaySettings(BaseSettings):
     rq_redis_url: str = Field("", description="Redis of the RQ task queues; unset = redis_url. Required when "
                                               "redis_url is a Redis Cluster, which RQ cannot use: a plain or "
                                               "Sentinel Redis (docs/deployment.md, Redis Cluster)")
-    # Redis capacity: what one tenant, and all of them, may hold queued (estimated Redis bytes, docs/gateway.md).
-    max_queued_bytes_per_key: int = Field(512 * MiB, ge=0, description="one key's open batches, in estimated "
-                                                                       "Redis bytes (0 = no limit)")
-    max_queued_bytes: int = Field(4096 * MiB, ge=0, description="all keys' open batches, in estimated Redis "
-                                                                "bytes (0 = no limit)")
+    # Redis capacity: what one tenant, and all of them, may hold queued or kept (estimated bytes, docs/gateway.md).
+    max_queued_bytes_per_key: int = Field(512 * MiB, ge=0, description="one key's open batches and results "
+                                          "kept (gateway/kept_bytes.py), in estimated Redis bytes (0 = no limit)")
+    max_queued_bytes: int = Field(4096 * MiB, ge=0, description="all keys' open batches and results kept, in "
+                                                                "estimated Redis bytes (0 = no limit)")
     redis_reserve_bytes: int = Field(64 * MiB, ge=0, description="a batch is refused unless Redis keeps this "
                                                                   "much of its maxmemory free after it")
     max_requests_per_file: int = Field(50_000, gt=0, description="lines of one batch input file (OpenAI: 50,000)")
@@ -95,7 +102,12 @@ class GatewaySettings(BaseSettings):
                                          "unset = every API key")
     ui_readonly_keys: str = Field("", description="comma-separated API keys that log in to the dashboard "
                                                   "read-only (they see, but retry, delete and cancel nothing)")
+    ui_operator_keys: str = Field("", description="comma-separated API keys that operate the deployment in the "
+                                                  "dashboard: every key's dead letters (others see only their "
+                                                  "own); unset = no operator")
     ui_session_ttl_s: int = Field(8 * 3600, gt=0, description="a dashboard session's lifetime")
+    ui_max_sessions_per_key: int = Field(16, gt=0, description="live dashboard sessions of one key; a new "
+                                                               "login past it ends that key's oldest session")
     ui_secure_cookie: bool | None = Field(None, description="Secure session cookie; unset = when the request "
                                                             "came over HTTPS (X-Forwarded-Proto too)")
     log_level: str = Field("info", validation_alias=_env("log_level"), description="debug, info, warning, error")
@@ -160,6 +172,10 @@ class GatewaySettings(BaseSettings):
     @property
     def ui_readonly_owners(self) -> set[str]:
         return {owner_id(k) for k in (k.strip() for k in self.ui_readonly_keys.split(",")) if k}
+
+    @property
+    def ui_operator_owners(self) -> set[str]:
+        return {owner_id(k) for k in (k.strip() for k in self.ui_operator_keys.split(",")) if k}
 
     @property
     def priority_by_owner(self) -> dict[str, str]:

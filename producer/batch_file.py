@@ -23,6 +23,7 @@ from pydantic_core import from_json as _from_json
 
 from producer.openai_batch import batch_request
 from producer.seen_ids import SeenIds
+from protocol.embeddings import vector_bytes
 from protocol.errors import MAX_ERRORS_SHOWN, InvalidJob
 from protocol.models import JobRequest
 from protocol.text import bounded, clip, surrogate_problem
@@ -31,6 +32,8 @@ from protocol.text import bounded, clip, surrogate_problem
 def request_tokens(request: JobRequest) -> int:
     """What a job may cost in tokens: its prompt (about 4 bytes a token) plus max_tokens for each of n. The one
     estimate behind the gateway's per-key token limits (interactive and queued)."""
+    if request.input is not None:  # an embedding: its inputs, and nothing generated
+        return sum(len(x) if isinstance(x, list) else len(x.encode()) // 4 + 1 for x in request.embed_inputs())
     if request.prompt_token_ids is not None:
         prompt_tokens = len(request.prompt_token_ids)
     elif request.messages is not None:
@@ -41,6 +44,9 @@ def request_tokens(request: JobRequest) -> int:
 
 
 RESULT_TOKEN_BYTES = 24  # a generated token in a stored result without logprobs (~18 measured, issue #34)
+# a vector's width reserved when the request gives no `dimensions`: BGE-large's and most encoders' at most (384 for
+# all-MiniLM-L6-v2, 4,096 for the 8B decoder embedders, which ask for dimensions or a larger reservation)
+EMBED_RESERVE_WIDTH = 1024
 LOGPROB_BYTES = 44  # one logprob entry of a token (its text, bytes, logprob): ~40 measured at top_logprobs 20
 
 
@@ -48,6 +54,9 @@ def result_bytes(request: JobRequest) -> int:
     """What a job's result may make Redis hold at most: max_tokens x n tokens, each with 1 + top_logprobs
     logprob entries when it asks for logprobs (854 bytes a token at 20, against 18 without). The one estimate
     behind the gateway's byte reservations of results (batches/capacity.py)."""
+    if request.input is not None:  # an embedding: one vector per input, its width unknown before a worker runs it
+        width = request.dimensions or EMBED_RESERVE_WIDTH
+        return len(request.embed_inputs()) * vector_bytes(width, request.embedding_dtype)
     entries = 0 if request.logprobs is None else 1 + request.logprobs
     return request.max_tokens * request.n * (RESULT_TOKEN_BYTES + entries * LOGPROB_BYTES)
 

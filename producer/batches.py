@@ -11,10 +11,11 @@ from pathlib import Path
 
 import structlog
 
-from producer import models, openai_batch
+from producer import models, openai_batch, vectors
 from producer.batch_file import BatchFileReader
 from producer.batch_spool import Progress, Spooled, feed, name_of, spool_batch
 from producer.client_api import ClientApi
+from producer.openai_batch import EMBEDDINGS
 from producer.submit_pipe import SubmitPipe
 from protocol import scripts
 from protocol.errors import BatchNotFound, InvalidBatch, TokenbusError, WaitTimeout
@@ -225,8 +226,11 @@ def wait_batch(
 
 
 def export_batch(client: ClientApi, batch_id: str, out: str | Path, *, allow_partial: bool = False,
-                 on_progress: Progress | None = None) -> int:
+                 on_progress: Progress | None = None, drop_vectors: bool = False) -> int:
     """Write OpenAI Batch output lines (input order) to `out`; returns how many lines were written.
+
+    drop_vectors: once the file is complete, delete the exported embedding jobs' vectors from Redis (the big
+    part of an embedding batch; the records stay, small, until their result_ttl).
 
     Refuses a batch that has not ended unless allow_partial (then jobs still queued/running are left out).
     Streams: CHUNK records read, written and dropped at a time. on_progress("export", jobs, total).
@@ -242,12 +246,18 @@ def export_batch(client: ClientApi, batch_id: str, out: str | Path, *, allow_par
         for chunk in iter_batch_job_ids(client, batch_id):
             if on_progress is not None:
                 on_progress("export", len(chunk), record.total)
-            for jid, job in zip(chunk, client.get_many(chunk), strict=True):
+            # an embedding batch's vectors: one GET per job, pipelined, as its records are read
+            blobs = vectors.read_blobs(client.redis, client.keys, chunk) if record.endpoint == EMBEDDINGS \
+                else [None] * len(chunk)
+            for jid, job, blob in zip(chunk, client.get_many(chunk), blobs, strict=True):
                 if job is not None and not job.done:
                     continue
-                f.write(json.dumps(openai_batch.output_line(job, jid, record.endpoint), ensure_ascii=False))
+                f.write(json.dumps(openai_batch.output_line(job, jid, record.endpoint, blob), ensure_ascii=False))
                 f.write("\n")
                 written += 1
     os.replace(tmp, out)
-    log.info("batch_exported", batch_id=batch_id, lines=written, out=str(out))
+    if drop_vectors and record.endpoint == EMBEDDINGS:
+        for chunk in iter_batch_job_ids(client, batch_id):
+            client.redis.delete(*[client.keys.vectors(jid) for jid in chunk])
+    log.info("batch_exported", batch_id=batch_id, lines=written, out=str(out), dropped_vectors=drop_vectors)
     return written

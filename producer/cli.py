@@ -1,6 +1,6 @@
-"""The `tokenbus` command: submit, get, wait, cancel, info, models list|add|remove|default, exporter, batch
-submit|status|wait|export|cancel, and bench (handed to the bench package, which needs the worker extra:
-nothing here imports it)."""
+"""The `tokenbus` command: submit, get, wait, cancel, info, models list|add|remove|default, adapters
+list|add|remove, exporter, batch submit|status|wait|export|cancel, and bench (handed to the bench package, which
+needs the worker extra: nothing here imports it)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 import redis
 import structlog
 
-from producer import batch_retry, batches, exporter, models
+from producer import adapters, batch_retry, batches, exporter, models, vectors
 from producer.client import Client
 from protocol.errors import TokenbusError
 from protocol.keys import DEFAULT_NAMESPACE
@@ -100,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which queue: workers read interactive first, then default (the default), then bulk")
     _add_generation_flags(s)
 
+    em = sub.add_parser("embed", help="embed texts (one embedding job) and print OpenAI's embeddings response")
+    em.add_argument("input", nargs="+", help="the texts, one vector each")
+    em.add_argument("--model", help="a model that embeds (tokenbus models list shows kinds)")
+    em.add_argument("--dimensions", type=int, help="keep the first N entries (Matryoshka), renormalized")
+    em.add_argument("--truncate", action="store_true", help="cut inputs longer than the model's context")
+    em.add_argument("--encoding-format", choices=["float", "base64"], default="float")
+    em.add_argument("--float16", action="store_true", help="store the vectors in Redis as float16 (half the bytes)")
+    em.add_argument("--timeout", type=float, help="seconds to wait")
+
     for name, helptext in (("get", "print a job record as JSON"), ("wait", "wait for a job to end"),
                            ("cancel", "cancel a job (queued: at once; running: its worker aborts it)")):
         c = sub.add_parser(name, help=helptext)
@@ -125,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     mr.add_argument("--force", action="store_true", help="even with jobs queued or live workers")
     md = m.add_parser("default", help="make a declared model the default (the model of jobs naming none)")
     md.add_argument("name")
+    adapters.add_parser(sub)
     e = sub.add_parser("exporter", help="serve the jobs waiting and pending per model as Prometheus metrics "
                        "(for an autoscaler: it runs while no worker does)")
     e.add_argument("--model", default="", help="the `model` label of the default queues' jobs while no model is "
@@ -155,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("out")
     be.add_argument("--partial", action="store_true",
                     help="export a batch that has not ended (its ended jobs only)")
+    be.add_argument("--drop-vectors", action="store_true",
+                    help="an embedding batch: delete its vectors from Redis once the file is written")
     return p
 
 
@@ -174,6 +186,20 @@ def _submit(c: Client, a: argparse.Namespace) -> int:
     print(jid)
     if a.wait:
         return _show_ended(c.wait(jid, timeout=a.timeout))
+    return 0
+
+
+def _embed(c: Client, a: argparse.Namespace) -> int:
+    params: dict[str, Any] = {k: v for k, v in (("model", a.model), ("dimensions", a.dimensions)) if v is not None}
+    if a.truncate:
+        params["truncate"] = True
+    if a.float16:
+        params["embedding_dtype"] = "float16"
+    job = c.wait(c.submit_embedding(a.input if len(a.input) > 1 else a.input[0], **params), timeout=a.timeout)
+    if job.status != JobStatus.finished:
+        return _show_ended(job)
+    blob = vectors.read_blobs(c.redis, c.keys, [job.id])[0]
+    print(json.dumps(vectors.embeddings_response(job, blob, a.encoding_format)))
     return 0
 
 
@@ -221,7 +247,8 @@ def format_model(m: ModelInfo) -> str:
     aliases = ",".join(n for n in m.names if n != m.id)
     return (f"{name:<24} depth={m.queue_depth} pending={m.pending} workers={m.workers} "
             + " ".join(f"{p}={n}" for p, n in m.by_priority.items())
-            + (f" kind={m.kind}" if m.kind else "") + (f" aliases={aliases}" if aliases else "") + flags)
+            + (f" kind={'+'.join(m.kinds or [m.kind])}" if m.kind else "") + (f" parent={m.parent}" if m.parent else "")
+            + (f" aliases={aliases}" if aliases else "") + flags)
 
 
 def _models(c: Client, a: argparse.Namespace) -> int:
@@ -322,7 +349,8 @@ def _batch_command(c: Client, a: argparse.Namespace, cmd: str, bars: _Bars) -> i
         print(record.id)
         return _batch_wait(c, record.id, None) if a.wait else 0
     elif cmd == "export":
-        n = batches.export_batch(c, a.batch_id, a.out, allow_partial=a.partial, on_progress=bars)
+        n = batches.export_batch(c, a.batch_id, a.out, allow_partial=a.partial, on_progress=bars,
+                                 drop_vectors=a.drop_vectors)
         bars.close()
         print(f"wrote {n} lines to {a.out}", file=sys.stderr)
     return 0
@@ -337,6 +365,8 @@ def run(a: argparse.Namespace) -> int:
     with client as c:
         if a.command == "submit":
             return _submit(c, a)
+        if a.command == "embed":
+            return _embed(c, a)
         if a.command == "get":
             _print_json(c.get(a.job_id))
         elif a.command == "wait":
@@ -352,6 +382,8 @@ def run(a: argparse.Namespace) -> int:
             return _batch(c, a)
         elif a.command == "models":
             return _models(c, a)
+        elif a.command == "adapters":
+            return adapters.command(c.redis, c.keys, a)
     return 0
 
 

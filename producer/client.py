@@ -11,7 +11,7 @@ from typing import Any
 import redis
 import structlog
 
-from producer import batches, models, waiting
+from producer import batches, models, vectors, waiting
 from producer.waiting import TokenChunk
 from protocol import scripts
 from protocol.connection import redis_from_url, socket_timeout
@@ -92,6 +92,22 @@ class Client:
         fields = {"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids}
         fields = {k: v for k, v in fields.items() if v is not None} | params
         return self.submit_many([fields], job_ids=[job_id])[0]
+
+    def submit_embedding(self, input: str | list[Any], *, job_id: str | None = None, **params: Any) -> str:
+        """Queue one embedding job (OpenAI's embeddings request: `input` and model, dimensions, truncate,
+        encoding_format, embedding_dtype); returns its id. Read its vectors with `vectors` once it ended."""
+        return self.submit_many([{"input": input} | params], job_ids=[job_id])[0]
+
+    def embed(self, input: str | list[Any], *, timeout: float | None = None, **params: Any) -> list[list[float]]:
+        """Embed `input` (a string, strings, token ids or lists of them) and wait: one vector per input, in
+        order. TokenbusError saying why when the job failed (e.g. unsupported_kind: the model does not embed)."""
+        job = self.wait(self.submit_embedding(input, **params), timeout=timeout)
+        return self.vectors(job)
+
+    def vectors(self, job: Job | str) -> list[list[float]]:
+        """A finished embedding job's vectors (floats, one per input in order)."""
+        job = self.get(job) if isinstance(job, str) else job
+        return vectors.vectors_of(job, vectors.read_blobs(self.redis, self.keys, [job.id])[0])
 
     def submit_many(
         self,

@@ -50,7 +50,8 @@ def add(r: redis.Redis, keys: Keys, name: str, aliases: Iterable[str] = (), kind
         context_length: int | None = None, make_default: bool = False) -> ModelRecord:
     """Declare a model by hand (no checkpoint yet: the first worker serving it sets it)."""
     names = [check_model_name(n) for n in dict.fromkeys([name, *aliases])]
-    record = ModelRecord(id=names[0], names=names, kind=ModelKind(kind), context_length=context_length,
+    record = ModelRecord(id=names[0], names=names, kind=ModelKind(kind), kinds=[ModelKind(kind)],
+                         context_length=context_length,
                          declared_at=time.time(), declared_by="operator")
     served = scripts.declare_model(r, keys, record)
     if make_default:
@@ -61,6 +62,13 @@ def add(r: redis.Redis, keys: Keys, name: str, aliases: Iterable[str] = (), kind
 def remove(r: redis.Redis, keys: Keys, name: str, force: bool = False) -> ModelRecord:
     """Retire a model: refused while its queues hold jobs or live workers serve it, unless forced."""
     record = lookup(r, keys, name)
+    if record.parent:  # its workers must hear of it too: ADAPTER_REMOVE tells them
+        raise TokenbusError(f"model {record.id!r} is a LoRA adapter of {record.parent!r}: remove it with "
+                            f"`tokenbus adapters remove {record.id}`")
+    children = sorted(mid for mid, rec in declared(r, keys).items() if rec.parent == record.id)
+    if children and not force:
+        raise TokenbusError(f"model {record.id!r} is the base of LoRA adapters {children}: remove them first "
+                            "(tokenbus adapters remove NAME), or retire it anyway with --force")
     workers = live_workers(live_heartbeats(r, keys)).get(record.id, 0)
     if workers and not force:
         raise TokenbusError(f"model {record.id!r} is served by {workers} live worker(s); stop them first, or "

@@ -1,7 +1,9 @@
 """OpenAI Batch API lines <-> tokenbus jobs: input line -> JobRequest dict, job -> output line.
 
-Served endpoints: SERVED (chat, completions, responses: producer/openai_responses.py maps the last); OpenAI's
-other batch endpoints are named in KNOWN so a batch of them is refused as not served rather than unknown.
+Served endpoints: SERVED (chat, completions, responses: producer/openai_responses.py maps them; embeddings: an
+embedding job, protocol/embeddings.py, its output line's body OpenAI's embeddings response made from the job's
+vectors, producer/vectors.py). OpenAI's other batch endpoints are named in KNOWN, so a batch of them is refused
+as not served rather than unknown.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from producer.openai_responses import RESPONSES, response_object, responses_fields
+from producer.vectors import embeddings_response
 from protocol.errors import InvalidJob
 from protocol.models import (
     GenerationParams,
@@ -27,13 +30,14 @@ from protocol.priority import Priority
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-# The endpoints a batch line (and the gateway) serves. A new served endpoint (e.g. /v1/embeddings) joins here
-# with its body mapping in _MAPPINGS and its answer in response_body.
-SERVED = (CHAT, COMPLETIONS, RESPONSES)
+EMBEDDINGS = "/v1/embeddings"
+# The endpoints a batch line (and the gateway) serves: each has its body mapping in _MAPPINGS and its answer in
+# response_body.
+SERVED = (CHAT, COMPLETIONS, RESPONSES, EMBEDDINGS)
 # OpenAI's batch endpoints (batches.create's list, 2026): accepted by name, refused as unsupported_endpoint
 # unless served, so a client learns what is served instead of a bare validation error.
-KNOWN = SERVED + ("/v1/embeddings", "/v1/moderations", "/v1/images/generations", "/v1/images/edits",
-                  "/v1/videos", "/v1/audio/speech", "/v1/audio/transcriptions")
+KNOWN = SERVED + ("/v1/moderations", "/v1/images/generations", "/v1/images/edits", "/v1/videos",
+                  "/v1/audio/speech", "/v1/audio/transcriptions")
 
 # Body fields passed through under the same name: every generation field (OpenAI's and the engine's extras,
 # as vLLM accepts them) but logprobs, whose OpenAI meaning differs per endpoint (mapped below).
@@ -42,6 +46,8 @@ _IGNORED = {"user"}  # accepted, no effect on generation
 _CHAT_FIELDS = _SAME_NAME | _IGNORED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "stream",
                                         "metadata"}
 _COMPLETION_FIELDS = _SAME_NAME | _IGNORED | {"prompt", "logprobs", "stream", "echo", "best_of", "suffix"}
+# OpenAI's embeddings body, plus tokenbus's truncate and embedding_dtype (how the vectors are kept in Redis)
+_EMBED_FIELDS = {"input", "model", "encoding_format", "dimensions", "truncate", "embedding_dtype", "metadata"}
 
 
 class InputLine(BaseModel):
@@ -51,7 +57,7 @@ class InputLine(BaseModel):
 
     custom_id: str
     method: Literal["POST"]
-    url: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
+    url: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"]
     body: dict[str, Any]
 
 
@@ -185,6 +191,13 @@ def _message(i: int, m: Any) -> Any:
     return m
 
 
+def _embedding_fields(body: dict[str, Any]) -> dict[str, Any]:
+    _check_known(body, _EMBED_FIELDS | _IGNORED, EMBEDDINGS)
+    if "input" not in body:
+        raise InvalidJob("body.input: required for /v1/embeddings")
+    return {k: v for k, v in body.items() if k in _EMBED_FIELDS}
+
+
 def _completion_fields(body: dict[str, Any]) -> dict[str, Any]:
     _check_known(body, _COMPLETION_FIELDS, COMPLETIONS)
     fields = _common(body)
@@ -211,11 +224,13 @@ def _completion_fields(body: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-_MAPPINGS = {CHAT: _chat_fields, COMPLETIONS: _completion_fields, RESPONSES: responses_fields}
+_MAPPINGS = {CHAT: _chat_fields, COMPLETIONS: _completion_fields, RESPONSES: responses_fields,
+             EMBEDDINGS: _embedding_fields}
 
 
-def output_line(job: Job | None, job_id: str, endpoint: str) -> dict[str, Any]:
-    """The OpenAI Batch output line for one ended job (or one whose record expired)."""
+def output_line(job: Job | None, job_id: str, endpoint: str, vectors: bytes | None = None) -> dict[str, Any]:
+    """The OpenAI Batch output line for one ended job (or one whose record expired); vectors: an embedding
+    job's (producer/vectors.read_blobs)."""
     if job is None:
         return {"id": f"batch_req_{job_id}", "custom_id": None, "response": None,
                 "error": {"code": "expired", "message": f"the record of job {job_id} expired (result_ttl)"}}
@@ -224,14 +239,19 @@ def output_line(job: Job | None, job_id: str, endpoint: str) -> dict[str, Any]:
         code = job.error_code or ("cancelled" if job.status == JobStatus.cancelled else "failed")
         message = job.error or f"job ended with status {job.status.value}"
         return line | {"response": None, "error": {"code": code, "message": message}}
-    response = {"status_code": 200, "request_id": job.id, "body": response_body(job, endpoint)}
+    if endpoint == EMBEDDINGS and vectors is None:
+        return line | {"response": None, "error": {"code": "expired", "message": f"the vectors of job {job_id} "
+                                                   "are gone from Redis (expired, or dropped after an export)"}}
+    response = {"status_code": 200, "request_id": job.id, "body": response_body(job, endpoint, vectors)}
     return line | {"response": response, "error": None}
 
 
-def response_body(job: Job, endpoint: str) -> dict[str, Any]:
+def response_body(job: Job, endpoint: str, vectors: bytes | None = None) -> dict[str, Any]:
     """A finished job's answer as `endpoint` gives it (the HTTP body, a batch output line's response.body)."""
     if endpoint == RESPONSES:
         return response_object(job)
+    if endpoint == EMBEDDINGS:
+        return embeddings_response(job, vectors)
     result = job.result
     model = result.model or (job.request or {}).get("model") or "unknown"
     created = int(job.finished_at or job.created_at or 0)

@@ -18,6 +18,7 @@ class ErrorCode(StrEnum):
     cancelled = "cancelled"
     grammar_too_costly = "grammar_too_costly"  # one mask of its constraint took over mask_budget_ms of CPU
     model_not_found = "model_not_found"  # names a model the namespace has not declared (refused at submit)
+    unsupported_kind = "unsupported_kind"  # a job kind its model cannot serve (generation on an encoder, ...)
 
 
 def listing(problems: list[str]) -> str:

@@ -73,6 +73,11 @@ class JobResult(BaseModel):
     logprob_tokens: dict[int, TokenText] | None = None
     model: str | None = None  # the worker's model name
     choices: list[ResultChoice] = Field(default_factory=list)  # empty from a worker that wrote none
+    # an embedding job's: how many vectors `{ns}:job:{id}:vectors` holds (one per input, in order), their width
+    # and dtype (protocol/embeddings.py); usage.prompt_tokens counts every input's tokens
+    embeddings: int | None = None
+    embedding_dim: int | None = None
+    embedding_dtype: str | None = None
 
     def all_choices(self) -> list[ResultChoice]:
         """The n choices; for a result without `choices`, the one its own fields describe."""

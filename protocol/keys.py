@@ -159,8 +159,18 @@ class Keys:
         """Hash of every name a job may give for a model -> the model's id."""
         return f"{self.prefix}:model-names"
 
+    @property
+    def adapters(self) -> str:
+        """Hash of the operator's LoRA adapters (`tokenbus adapters add|remove`): adapter name -> its entry (JSON:
+        name, base, path, state added | removed, rev, at), and field `:rev` the revision the workers poll."""
+        return f"{self.prefix}:adapters"
+
     def job(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}"
+
+    def vectors(self, job_id: str) -> str:
+        """String: an embedding job's vectors, raw little-endian bytes (protocol/embeddings.py); the record's TTL."""
+        return f"{self.prefix}:job:{job_id}:vectors"
 
     def tokens(self, job_id: str) -> str:
         """Stream of a `stream: true` job's partial output: entries {offset, token_ids (JSON), text, done}."""

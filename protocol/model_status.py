@@ -58,7 +58,9 @@ def model_infos(r: redis.Redis, keys: Keys, beats: dict[str, Heartbeat | None]) 
         # the default queues are served by the default model's workers
         workers = counts.get(mid, 0) if mid else counts.get("", 0)
         infos.append(ModelInfo(
-            id=mid, names=rec.names if rec else [], kind=rec.kind.value if rec else "", default=mid == default,
+            id=mid, names=rec.names if rec else [], kind=rec.kind.value if rec else "",
+            kinds=rec.served_kinds() if rec else [], default=mid == default,
+            parent=rec.parent if rec else None, root=rec.root if rec else None,
             context_length=rec.context_length if rec else None, queue_depth=depth.total, pending=depth.pending,
             by_priority=depth.by_priority, workers=workers, unserved=depth.total > 0 and workers == 0))
     return infos

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticSerializationError
 
 from protocol.constraints import check_choice, check_regex, check_response_format, grammar_error, grammar_for
+from protocol.embeddings import EMBED_FIELDS, EmbedDtype, EncodingFormat, check_input
 from protocol.errors import ErrorCode, InvalidJob  # noqa: F401  (ErrorCode: part of the protocol)
 from protocol.jobs import TERMINAL_STATUSES, Job, JobResult, JobStatus, ResultChoice, TokenText, Usage  # noqa: F401
 from protocol.priority import Priority
@@ -168,11 +169,18 @@ class Message(BaseModel):
 
 
 class JobRequest(GenerationParams):
-    """One job: exactly one of prompt / messages / prompt_token_ids, plus generation fields."""
+    """One job: exactly one of prompt / messages / prompt_token_ids (a generation, plus its generation fields),
+    or `input` (an embedding job, OpenAI's embeddings request: protocol/embeddings.py)."""
 
     prompt: str | None = None
     messages: list[Message] | None = None
     prompt_token_ids: list[int] | None = None
+    # embedding jobs: a string, a list of strings, a list of token ids, or a list of such lists
+    input: str | list[Any] | None = None
+    encoding_format: EncodingFormat = "float"  # how the front doors render the vectors (OpenAI's)
+    dimensions: int | None = Field(None, ge=1, le=MAX_COUNT)  # Matryoshka: the first `dimensions` entries
+    truncate: bool = False  # cut an input longer than the model's embedding context instead of refusing it
+    embedding_dtype: EmbedDtype = "float32"  # how the vectors are stored in Redis (float16: half the bytes)
     model: str | None = None  # picks its model's queues (a declared name, checked at submit); None: the default
     stream: bool = False  # publish partial tokens (worker option)
     # the queue it waits on: every worker's intake serves interactive, then default, then bulk
@@ -187,12 +195,29 @@ class JobRequest(GenerationParams):
             raise ValueError(f"{problem} (it becomes a part of its queue's Redis key)")
         return v
 
+    @field_validator("input")
+    @classmethod
+    def _input(cls, v: str | list[Any] | None) -> str | list[Any] | None:
+        if v is not None:
+            check_input(v)
+        return v
+
     @model_validator(mode="after")
     def _one_prompt(self) -> JobRequest:
-        if (self.prompt is not None) + (self.messages is not None) + (self.prompt_token_ids is not None) != 1:
-            given = [n for n in ("prompt", "messages", "prompt_token_ids") if getattr(self, n) is not None]
+        given = [n for n in ("prompt", "messages", "prompt_token_ids", "input") if getattr(self, n) is not None]
+        if len(given) != 1:
             what = "none" if not given else " and ".join(given)
-            raise ValueError(f"give exactly one of prompt, messages, prompt_token_ids (got {what})")
+            raise ValueError(f"give exactly one of prompt, messages, prompt_token_ids (got {what}), or input for an "
+                             "embedding job")
+        if self.input is not None:
+            wrong = sorted((self.model_fields_set & set(GenerationParams.model_fields)) | (
+                {"stream"} if self.stream else set()))
+            if wrong:
+                raise ValueError(f"an embedding job (input) takes no generation fields: {', '.join(wrong)}")
+            return self
+        wrong = sorted(self.model_fields_set & set(EMBED_FIELDS))
+        if wrong:
+            raise ValueError(f"{', '.join(wrong)} apply to embedding jobs (input) only")
         if self.prompt is not None and self.prompt == "":
             raise ValueError("prompt must not be empty")
         if self.messages is not None and not self.messages:
@@ -205,6 +230,20 @@ class JobRequest(GenerationParams):
             if max(self.prompt_token_ids) > MAX_COUNT:
                 raise ValueError(f"prompt_token_ids must be <= {MAX_COUNT} (and below the model's vocabulary size)")
         return self
+
+    @property
+    def kind(self) -> str:
+        """The job's kind, as ModelRecord.kinds names them: "embed" with `input`, else "generate"."""
+        return "embed" if self.input is not None else "generate"
+
+    def embed_inputs(self) -> list[str] | list[list[int]]:
+        """An embedding job's inputs, one per vector, in order ([] for a generation)."""
+        return check_input(self.input) if self.input is not None else []
+
+    @property
+    def seats(self) -> int:
+        """Engine sequences the job takes: one per input of an embedding, n for a generation."""
+        return len(self.embed_inputs()) if self.input is not None else self.n
 
     def engine_prompt(self) -> str | list[int] | list[dict[str, str]]:
         """What Engine.add_request takes as its prompt."""

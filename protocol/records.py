@@ -53,6 +53,7 @@ class Heartbeat(BaseModel):
     model: str | None = None  # the id of the model it serves (before models: its --model value)
     models: list[str] = Field(default_factory=list)  # the ids of every model whose queues it reads
     serves_default: bool = False  # it reads the default queues too (it serves the default model)
+    kinds: list[str] = Field(default_factory=list)  # the job kinds it serves: generate, embed ([]: generate)
     model_path: str | None = None  # which code runs the model: "native" (tokenbus's) or "transformers" (fallback)
     backend: str | None = None  # which kernels run it: "cpu-cpp", "triton", "triton-interpreter", "torch-reference"
     device: str | None = None  # where: "cpu", "cuda:0"
@@ -66,6 +67,11 @@ class Heartbeat(BaseModel):
     generated_tokens: int = 0  # since the engine started (the dashboard's tokens/s is its rate)
     step_ms: list[float] = Field(default_factory=list)  # the latest steps' wall times, oldest first (<= 32)
     draining: bool = False  # stopping: takes no new jobs, hands back what it has not started
+    # LoRA adapters (docs/adapters.md): the ones it serves (loaded, declared, their queues read), why each one it
+    # refused was refused, and the revision of {ns}:adapters it has applied (what `tokenbus adapters` waits for)
+    adapters: list[str] = Field(default_factory=list)
+    adapter_errors: dict[str, str] = Field(default_factory=dict)
+    adapters_rev: int = 0
     # the prefix cache since the worker's engine started: prompt tokens / full blocks looked up and found
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
@@ -116,6 +122,9 @@ class ModelInfo(BaseModel):
     id: str
     names: list[str] = Field(default_factory=list)
     kind: str = ""
+    kinds: list[str] = Field(default_factory=list)  # every job kind its workers serve (generate, embed)
+    parent: str | None = None  # a LoRA adapter's base model
+    root: str | None = None  # its weights' source (ModelRecord.root)
     default: bool = False  # the namespace's default model: its workers also read the default queues
     context_length: int | None = None
     queue_depth: int = 0  # entries in its queues: queued + running

@@ -13,7 +13,7 @@ import json
 import unicodedata
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from protocol.errors import InvalidJob
 
@@ -22,7 +22,8 @@ DEFAULT_MODEL_FIELD = "default_model"  # the field of {ns}:config naming the def
 
 
 class ModelKind(StrEnum):
-    """What a model's workers do with a job: generate text now; embeddings and adapters (with a parent) later."""
+    """What a model's workers do with a job. A LoRA adapter is a model of its base's kind with a `parent` (the
+    base's id): it needs no kind of its own."""
 
     generate = "generate"
     embed = "embed"
@@ -65,11 +66,23 @@ class ModelRecord(BaseModel):
     id: str
     names: list[str] = Field(default_factory=list)  # every name that routes to it, the id first
     kind: ModelKind = ModelKind.generate
+    kinds: list[ModelKind] = Field(default_factory=list)  # every job kind it serves ([] from older releases: kind)
     checkpoint: str = ""  # "<short name>#<config fingerprint>" of the weights ('' = declared by hand, none yet)
     context_length: int | None = None
-    parent: str | None = None  # an adapter's base model (later)
+    parent: str | None = None  # a LoRA adapter's base model (its id); None for a base model
+    root: str | None = None  # where its weights come from, as its first declarer loaded them: the worker's --model
+    # value, an adapter's directory (vLLM's model card field of the same name)
     declared_at: float | None = None
     declared_by: str = ""  # the worker that declared it first, or "operator"
+
+    @field_validator("kinds", "names", mode="before")
+    @classmethod
+    def _empty_list(cls, v: object) -> object:
+        return [] if v == {} else v  # Redis's cjson encodes an empty list as {} (DECLARE_MODEL re-encodes records)
+
+    def served_kinds(self) -> list[str]:
+        """The job kinds its workers serve (a record written before kinds: its one kind)."""
+        return [str(k) for k in self.kinds] or [str(self.kind)]
 
     def to_json(self) -> str:
         return self.model_dump_json(exclude_none=True)

@@ -80,6 +80,8 @@ CANCEL_BATCH = lua("cancel_batch")
 DROP_ENTRY = lua("drop_entry")
 DECLARE_MODEL = lua("declare_model")
 RETIRE_MODEL = lua("retire_model")
+ADAPTER_ADD = lua("adapter_add")
+ADAPTER_REMOVE = lua("adapter_remove")
 NOT_DECLARED = -3  # SUBMIT_JOB(S)'s reply code for a model nobody declared: {-3, JSON list of the declared ids}
 
 
@@ -170,8 +172,12 @@ def finish_job(
     now: float | None = None,
     result_ttl: int = DEFAULT_RESULT_TTL,
     group: str = GROUP,
+    vectors: bytes = b"",
 ) -> int:
     """End a job (worker side): 1 ended now, 0 was already terminal (left as is), -1 no record.
+
+    `vectors`: an embedding job's raw vectors, written to keys.vectors(job_id) (with the record's TTL) only when
+    the job ends now.
 
     The stream entry (entry_id in `queue`, '' = the default loose queue; no entry_id: the record's own) is
     acked and deleted in every case. `r` may be a pipeline (then the return value
@@ -185,9 +191,10 @@ def finish_job(
         usage = f"[{u.prompt_tokens},{u.cached_tokens},{u.completion_tokens}]"
         result = result.model_dump_json()
     status = JobStatus(status)
-    out = _run(r, FINISH_JOB, [keys.job(job_id), queue or keys.queue(), keys.events, keys.cancel, keys.tokens(job_id)],
+    out = _run(r, FINISH_JOB, [keys.job(job_id), queue or keys.queue(), keys.events, keys.cancel, keys.tokens(job_id),
+                               keys.vectors(job_id)],
                [group, entry_id, job_id, status.value, result or "", error or "", error_code or "",
-                now or time.time(), result_ttl, keys.layout, EVENTS_MAXLEN, usage])
+                now or time.time(), result_ttl, keys.layout, EVENTS_MAXLEN, vectors, usage])
     return out if not isinstance(out, int | bytes | str) else int(out)
 
 
@@ -321,3 +328,18 @@ def retire_model(r: redis.Redis, keys: Keys, model_id: str, force: bool = False)
     code, jobs = _run(r, RETIRE_MODEL, [keys.models, keys.model_names, keys.config],
                       [model_id, keys.layout, "1" if force else "0", DEFAULT_MODEL_FIELD])
     return int(code), int(jobs)
+
+
+def add_adapter(r: redis.Redis, keys: Keys, name: str, base: str, path: str) -> list[Any]:
+    """ADAPTER_ADD: [1 | 0, rev, base id] written or already so; [-1, declared ids JSON] no such base; [-2, base]
+    the base is an adapter; [-3, owner] the name is another model's."""
+    out = _run(r, ADAPTER_ADD, [keys.adapters, keys.models, keys.model_names], [name, base, path, time.time()])
+    return [int(out[0]), *(_s(x) for x in out[1:])]
+
+
+def remove_adapter(r: redis.Redis, keys: Keys, name: str, force: bool = False) -> list[Any]:
+    """ADAPTER_REMOVE: [1, rev, base id, jobs] removed; [0, rev, base id] none of that name; [-1, jobs] kept
+    (jobs queued, not forced); [-2, id] a base model."""
+    out = _run(r, ADAPTER_REMOVE, [keys.adapters, keys.models, keys.model_names, keys.config],
+               [name, keys.layout, "1" if force else "0", DEFAULT_MODEL_FIELD, time.time()])
+    return [int(out[0]), *(_s(x) for x in out[1:])]

@@ -23,7 +23,7 @@ from testbed.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"
-KEYS = {"alice": "sk-alice-" + "a" * 24, "bob": "sk-bob-" + "b" * 24, "carol": "sk-carol-" + "c" * 24,
+KEYS = {"alice": "sk-alice-" + "a" * 24, "bob": "sk-bob-" + "b0" * 12, "carol": "sk-carol-" + "c" * 24,
         "dave": "sk-dave-" + "d" * 24}  # dave's completions queue as default (key_priorities)
 WEBHOOK_SECRET = "whsec_" + base64.b64encode(b"tokenbus-gateway-test-secret-32b").decode()
 

@@ -73,16 +73,35 @@ class LightStack(Deployment):
 
         return wait_until(done, timeout, f"batch {batch_id} to reach {statuses}", self.all(), every=0.1)
 
+    def forget_kept(self) -> None:
+        """Empty every key's ledger of results kept, as if they had all expired: a test of the byte limits then
+        starts from what its own calls hold, not from what earlier tests on this stack left for result_ttl."""
+        r = self.r()
+        for ledger in list(r.scan_iter("{tokenbus}:gw:kept-bytes:*")):
+            r.delete(ledger)
+
+    def restart_gateway(self, settings: dict[str, str | None]) -> None:
+        """Stop `gateway serve`, change its settings (None: unset) and start it again, as an operator would."""
+        self.procs["gateway"].stop()
+        for name, value in settings.items():
+            if value is None:
+                self.env.pop(name, None)
+            else:
+                self.env[name] = value
+        self.start("gateway")
+        wait_until(lambda: healthy(self.base_url), 60, "the restarted gateway's /healthz", self.all(), every=0.1)
+
     def pause(self, name: str) -> None:
         os.kill(self.procs[name].proc.pid, signal.SIGSTOP)
 
     def resume(self, name: str) -> None:
         os.kill(self.procs[name].proc.pid, signal.SIGCONT)
 
-    def end_job(self, job_id: str, *, error_code: str | None = None, text: str = "ok",
-                usage: dict[str, int] | None = None) -> None:
-        """End a queued job as a worker would (start_job then finish_job: the worker's own Lua); usage: the
-        result's (prompt_tokens, completion_tokens, total_tokens, cached_tokens)."""
+    def end_job(self, job_id: str, *, error_code: str | None = None, text: str = "ok", error: str = "",
+                result: dict[str, Any] | None = None, usage: dict[str, int] | None = None) -> None:
+        """End a queued job as a worker would (start_job then finish_job: the worker's own Lua), with `result`
+        (a JobResult's fields) or a short one saying `text`, with `usage` (prompt_tokens, completion_tokens,
+        total_tokens, cached_tokens)."""
         from protocol import scripts
         from protocol.keys import Keys
 
@@ -92,19 +111,21 @@ class LightStack(Deployment):
         assert status == "running", status
         if error_code:
             scripts.finish_job(r, keys, job_id, "failed", entry_id=entry, queue=queue, error_code=error_code,
-                               error=f"the test worker says {error_code}")
+                               error=error or f"the test worker says {error_code}")
         else:
             scripts.finish_job(r, keys, job_id, "finished", entry_id=entry, queue=queue,
-                               result={"text": text, "finish_reason": "stop", "model": "smollm2-135m",
-                                       "usage": usage or {}})
+                               result=result or {"text": text, "finish_reason": "stop", "model": "smollm2-135m",
+                                                 "usage": usage or {}})
 
 
-def start_light_stack(tmp: Path) -> LightStack:
+def start_light_stack(tmp: Path, settings: dict[str, str] | None = None) -> LightStack:
+    """The stack, its processes' environment being ENV with `settings` (TOKENBUS_GATEWAY_* values) over it."""
     srv = RedisServer().start()
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENBUS_REDIS_URL=srv.url, TOKENBUS_LOG_JSON="1",
                TOKENBUS_GATEWAY_API_KEYS=",".join(KEYS.values()), TOKENBUS_GATEWAY_PORT=str(port),
-               TOKENBUS_GATEWAY_FILES_DIR=str(tmp / "files"), TOKENBUS_GATEWAY_WEBHOOK_SECRET=WEBHOOK_SECRET, **ENV)
+               TOKENBUS_GATEWAY_FILES_DIR=str(tmp / "files"), TOKENBUS_GATEWAY_WEBHOOK_SECRET=WEBHOOK_SECRET,
+               **(ENV | (settings or {})))
     stack = LightStack(redis=srv, base_url=f"http://127.0.0.1:{port}", env=env, log_dir=tmp)
     # The queue's limit, read once by each producer Client: low enough that a test can fill the queue.
     srv.client().hset("{tokenbus}:config", "max_queue_len", MAX_QUEUE_LEN)

@@ -207,7 +207,7 @@ def worker_process(tmp_path):
 
 # ---- the gateway (tests/test_gateway_*.py): one deployment of real processes per session ------------------
 
-from tests.support.gateway_harness import gateway_stack, release_gateway_stack  # noqa: E402, F401
+from tests.support.gateway_harness import embed_gateway_stack, gateway_stack, release_gateway_stack  # noqa: E402, F401
 
 
 def pytest_runtest_teardown(item, nextitem):

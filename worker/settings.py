@@ -7,17 +7,19 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from typing import Any, get_type_hints
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from protocol.models import DEFAULT_MAX_QUEUE_LEN, DEFAULT_REDIS_URL, DEFAULT_RESULT_TTL
+from protocol.registry import model_name_problem
 from worker.engine.config import EngineConfig
 
 ENV_PREFIX = "TOKENBUS_"
 ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig))
+DEFAULT_LORA_SLOTS = 8  # device slots a worker given --lora and no --max-loras takes
 WORKER_BULK_MIN_FRACTION = 0.25  # the worker's default share of seats kept for bulk jobs (EngineConfig's is 0)
 # The CLI help of the engine's settings (their types and defaults are EngineConfig's)
 ENGINE_HELP = {
@@ -54,6 +56,8 @@ ENGINE_HELP = {
     "max_loras": "LoRA adapter slots on the device (0 = LoRA off); docs/adapters.md",
     "max_lora_rank": "the largest LoRA rank a slot holds (memory per slot grows with it)",
     "max_cpu_loras": "LoRA adapters kept in host memory for reloading into slots; unset = max_loras",
+    "cascade_attention": "decode rows sharing a cached prefix read it once per step: 'auto' (where the cost rule "
+    "says it pays), 'on' (every such row), 'off'",
 }
 
 
@@ -87,6 +91,12 @@ class WorkerSettings(BaseSettings):
         default_factory=list,
         description="a name jobs may give for this worker's model (repeatable; the first is the model's id in the "
         "registry and in results, else the checkpoint's short name); env: a JSON list",
+    )
+    lora: list[str] = Field(
+        default_factory=list,
+        description="a LoRA adapter to serve as a model of its own, NAME=PATH (a PEFT directory; repeatable; env: a "
+        "JSON list), its base this worker's model; without --max-loras: a slot per adapter, up to 8 "
+        "(docs/adapters.md)",
     )
     lease_ms: int = Field(
         30_000, ge=100, description="an in-flight job whose lease is not renewed for this long is reclaimed"
@@ -130,6 +140,25 @@ class WorkerSettings(BaseSettings):
             raise ValueError(f"unknown log level {v!r}")
         return v
 
+    @field_validator("lora")
+    @classmethod
+    def _adapter_flags(cls, v: list[str]) -> list[str]:
+        for flag in v:
+            name, eq, path = flag.partition("=")
+            problem = model_name_problem(name) if eq and path else "give it as NAME=PATH"
+            if problem:
+                raise ValueError(f"--lora {flag!r}: {problem}")
+        if len(set(lora_flags(v))) < len(v):
+            raise ValueError(f"--lora {v}: an adapter name is given twice")
+        return v
+
+    @model_validator(mode="after")
+    def _slots_for_adapters(self) -> WorkerSettings:
+        """Adapters asked for by flag and no slots: one slot per adapter (up to DEFAULT_LORA_SLOTS)."""
+        if self.lora and self.engine.max_loras == 0:
+            self.engine = replace(self.engine, max_loras=min(len(self.lora), DEFAULT_LORA_SLOTS))
+        return self
+
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
                                    file_secret_settings):
@@ -154,6 +183,11 @@ class WorkerSettings(BaseSettings):
         """The queue limits the operator set explicitly (env or flag): the producers' {ns}:config."""
         names = {"max_queue_len": "max_queue_len", "result_ttl_s": "result_ttl"}
         return {key: getattr(self, name) for name, key in names.items() if name in self.model_fields_set}
+
+
+def lora_flags(flags: list[str]) -> dict[str, str]:
+    """--lora NAME=PATH flags as name -> path."""
+    return dict(flag.partition("=")[::2] for flag in flags)
 
 
 def _flag_type(annotation: Any):

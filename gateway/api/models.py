@@ -1,5 +1,6 @@
 """GET /v1/models and /v1/models/{model}: the namespace's model registry in OpenAI's shape, plus what tokenbus
-knows of each model (its live workers, kind, aliases, context length, jobs in its queues)."""
+knows of each model (its live workers, kind, aliases, context length, jobs in its queues). A LoRA adapter is listed
+as a model of its own with its base as `parent`, as vLLM lists them."""
 
 from __future__ import annotations
 
@@ -20,9 +21,12 @@ router = APIRouter()
 
 
 def model_object(info: ModelInfo, created: float | None) -> dict[str, Any]:
-    """OpenAI's model object ({id, object, created, owned_by}) and tokenbus's fields beside it."""
+    """OpenAI's model object ({id, object, created, owned_by}), vLLM's `root` (where its weights come from) and
+    `parent` (a LoRA adapter's base model; null for a base), and tokenbus's fields beside them."""
     return {"id": info.id, "object": "model", "created": int(created or 0), "owned_by": "tokenbus",
-            "workers": info.workers, "kind": info.kind, "aliases": [n for n in info.names if n != info.id],
+            "root": info.root or info.id, "parent": info.parent,
+            "workers": info.workers, "kind": info.kind, "kinds": info.kinds,
+            "aliases": [n for n in info.names if n != info.id],
             "context_length": info.context_length, "default": info.default, "queued": info.queue_depth,
             "unserved": info.unserved}
 

@@ -5,29 +5,36 @@ overhead (hash and stream bookkeeping, ids, timestamps). JOB_OVERHEAD_BYTES and 
 benchmarks/queue/redis_bytes.py (docs/gateway-redis-bytes.md); the estimate rounds both up.
 
 Checked at POST /v1/batches, in order: Redis keeps redis_reserve_bytes of its maxmemory free after the batch
-(INFO memory); the key's open batches stay under max_queued_bytes_per_key; all keys' under max_queued_bytes.
-The reservation ({ns}:gw:queued-bytes: owner -> bytes, "*" -> all) is returned once when the batch ends.
+(INFO memory); the key's open batches and results kept (gateway/kept_bytes.py) stay under
+max_queued_bytes_per_key; all keys' under max_queued_bytes. The reservation ({ns}:gw:queued-bytes: owner ->
+bytes, "*" -> all) is returned once when the batch ends, and what its results keep moves to the key's ledger
+until they expire.
 The three limits can be changed without a restart: HSET {ns}:gw:config max_queued_bytes_per_key N (also
 max_queued_bytes, redis_reserve_bytes); HDEL goes back to the setting.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import redis
+import structlog
 
 from gateway.batches.quota import RECENT_BATCHES, quota_refusal
 from gateway.batches.records import GatewayBatch
 from gateway.context import GatewayContext
 from gateway.errors import APIError
 from protocol.connection import on_shard
-from protocol.models import TERMINAL_BATCH_STATUSES
+from protocol.models import DEFAULT_RESULT_TTL, TERMINAL_BATCH_STATUSES
 from protocol.scripts import lua, script
+
+log = structlog.get_logger("tokenbus.gateway")
 
 JOB_OVERHEAD_BYTES = 500  # measured: 401 per job (fit over lines of 235-3,195 bytes, gateway-long ids), rounded up
 BODY_FACTOR = 1.25  # measured: 1.14 x the input line's bytes (the request JSON once, as stored), rounded up
 RECORD_OVERHEAD_BYTES = 200  # allowance for a gateway batch record's hash beyond its fields' bytes
+LEDGER_HOUR_S = 3600  # a ledger of results kept counts them by the hour they expire in: at most 24 x 8 fields
 
 _RESERVE = lua("reserve_bytes")  # protocol/lua/reserve_bytes.lua
 _ADMIT = lua("admit_batch")  # protocol/lua/admit_batch.lua: the quotas, the bytes and the record in one step
@@ -55,15 +62,23 @@ def reserve_problem(maxmemory: int, reserve_free: int) -> str | None:
 
 
 def check_at_start(ctx: GatewayContext) -> None:
-    """ValueError when Redis's maxmemory leaves no room for any batch (reserve_problem); a Redis that does not
-    answer yet is left to /healthz."""
+    """ValueError when Redis's maxmemory leaves no room for any batch (reserve_problem); a warning when the byte
+    limits would let Redis fill up before them. A Redis that does not answer yet is left to /healthz."""
     try:
         maxmemory = _memory(ctx)[0]
-        reserve_free = limits(ctx)[2]
+        per_key, total, reserve_free = limits(ctx)
     except redis.RedisError:
         return
     if problem := reserve_problem(maxmemory, reserve_free):
         raise ValueError(problem)
+    room = maxmemory - reserve_free
+    if maxmemory and (not total or total > room or not per_key or per_key > room):
+        # Completions are held to the byte limits alone (the reserve is kept for them): limits above what
+        # Redis can hold let one key's results fill it, as 27 calls filled a 25 MB Redis (issue #34).
+        log.warning("gateway_byte_limits_above_redis", maxmemory=maxmemory, redis_reserve_bytes=reserve_free,
+                    max_queued_bytes=total, max_queued_bytes_per_key=per_key,
+                    fix=f"set TOKENBUS_GATEWAY_MAX_QUEUED_BYTES to at most {room} (maxmemory less the reserve) "
+                        "and MAX_QUEUED_BYTES_PER_KEY to one key's share of it")
 
 
 def _memory(ctx: GatewayContext) -> tuple[int, int]:
@@ -87,9 +102,9 @@ def reserve(ctx: GatewayContext, owner: str, need: int) -> None:
     """Reserve `need` bytes for `owner`, or raise 429 naming the limit (admit does it for a new batch)."""
     per_key, total, reserve_free = limits(ctx)
     _check_memory(ctx, need, reserve_free)
-    code, value = script(_RESERVE)(keys=[ctx.gkeys.queued_bytes], args=[owner, need, per_key, total],
-                                   client=ctx.redis)
-    _raise_for(int(code), int(value), need, per_key, total)
+    code, value = script(_RESERVE)(keys=[ctx.gkeys.queued_bytes, *ledgers(ctx, owner)],
+                                   args=[owner, need, per_key, total, time.time()], client=ctx.redis)
+    raise_for(int(code), int(value), need, per_key, total)
 
 
 def admit(ctx: GatewayContext, gw: GatewayBatch, requests: int, tokens: int, queued_bytes: int) -> None:
@@ -104,7 +119,8 @@ def admit(ctx: GatewayContext, gw: GatewayBatch, requests: int, tokens: int, que
     s = ctx.settings
     pairs = [x for kv in gw.fields().items() for x in kv]
     code, value = script(_ADMIT)(
-        keys=[ctx.gkeys.queued_bytes, ctx.gkeys.batch(gw.id), ctx.gkeys.batches(gw.owner), ctx.gkeys.validating],
+        keys=[ctx.gkeys.queued_bytes, ctx.gkeys.batch(gw.id), ctx.gkeys.batches(gw.owner), ctx.gkeys.validating,
+              *ledgers(ctx, gw.owner)],
         args=[gw.owner, need, per_key, total, requests, tokens, s.max_queued_requests_per_key,
               s.max_queued_tokens_per_key, ctx.gkeys.batch(""), ctx.keys.batch(""), RECENT_BATCHES, gw.created_at,
               gw.id, ",".join(str(x.value) for x in TERMINAL_BATCH_STATUSES), *pairs],
@@ -112,18 +128,34 @@ def admit(ctx: GatewayContext, gw: GatewayBatch, requests: int, tokens: int, que
     code, value = int(code), int(value)
     if code in (-3, -4):
         raise quota_refusal(s, code == -4, value, requests, tokens)
-    _raise_for(code, value, need, per_key, total)
+    raise_for(code, value, need, per_key, total)
 
 
-def _raise_for(code: int, value: int, need: int, per_key: int, total: int) -> None:
+def until(ctx: GatewayContext, now: float, slack_s: float = 0) -> int:
+    """The end of the hour by which records written now (kept result_ttl, plus `slack_s`) have expired: a
+    ledger counts them until then (an hour late at most, never early). A result_ttl of 0 (kept for good) is
+    counted for the default 7 days."""
+    keep = ctx.client.result_ttl if ctx.client.result_ttl > 0 else DEFAULT_RESULT_TTL
+    return math.ceil((now + keep + slack_s) / LEDGER_HOUR_S) * LEDGER_HOUR_S
+
+
+def ledgers(ctx: GatewayContext, owner: str) -> list[str]:
+    """The owner's ledger of results kept and everyone's (kept_bytes.py), as the byte scripts take them."""
+    return [ctx.gkeys.kept_bytes(owner), ctx.gkeys.kept_bytes("*")]
+
+
+def raise_for(code: int, value: int, need: int, per_key: int, total: int, what: str = "batch",
+               codes: tuple[str, str] = ("queued_bytes_per_key_exceeded", "queued_bytes_exceeded")) -> None:
+    """429 for a byte limit's refusal (code -1: the key's, -2: everyone's); `what` is refused, answered `codes`."""
+    held = "open batches and results kept"
     if code == -1:
-        raise _refuse(f"this API key's open batches already hold about {value} bytes in Redis; with this one "
-                      f"(about {need}) they would pass max_queued_bytes_per_key {per_key}. "
-                      "Wait for a batch to end, or split the file", "queued_bytes_per_key_exceeded")
+        raise _refuse(f"this API key's {held} already hold about {value} bytes in Redis; with this {what} "
+                      f"(about {need}) they would pass max_queued_bytes_per_key {per_key}. Wait for a batch to "
+                      f"end or results to expire (result_ttl), or ask for less (max_tokens, n, top_logprobs)",
+                      codes[0])
     if code == -2:
-        raise _refuse(f"the gateway's open batches already hold about {value} bytes in Redis; with this one "
-                      f"(about {need}) they would pass max_queued_bytes {total}. Retry later",
-                      "queued_bytes_exceeded")
+        raise _refuse(f"the gateway's {held} already hold about {value} bytes in Redis; with this {what} "
+                      f"(about {need}) they would pass max_queued_bytes {total}. Retry later", codes[1])
 
 
 def limits(ctx: GatewayContext) -> tuple[int, int, int]:
@@ -134,11 +166,14 @@ def limits(ctx: GatewayContext) -> tuple[int, int, int]:
     return tuple(int(v) if v not in (None, "") else d for v, d in zip(raw, defaults, strict=True))  # type: ignore
 
 
-def release(ctx: GatewayContext, batch_id: str, owner: str) -> int:
-    """Give back a batch's reservation (once; later calls return 0)."""
-    return int(script(_RELEASE)(keys=[ctx.gkeys.batch(batch_id), ctx.gkeys.queued_bytes],
-                                args=[owner, time.time()], client=ctx.redis))
+def release(ctx: GatewayContext, batch_id: str, owner: str, kept: int = 0) -> int:
+    """Give back a batch's reservation (once; later calls return 0), and count the `kept` bytes its records hold
+    after it in the owner's ledger until they expire (until)."""
+    now = time.time()
+    return int(script(_RELEASE)(keys=[ctx.gkeys.batch(batch_id), ctx.gkeys.queued_bytes, *ledgers(ctx, owner)],
+                                args=[owner, now, kept, until(ctx, now)], client=ctx.redis))
 
 
 def held(ctx: GatewayContext, owner: str | None = None) -> int:
+    """The owner's (None: everyone's) open reservations, without its ledger of results kept."""
     return int(ctx.redis.hget(ctx.gkeys.queued_bytes, owner or "*") or 0)

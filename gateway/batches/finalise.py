@@ -1,5 +1,6 @@
 """The finalise task's work: an ended batch's output file (its 200 lines) and error file (the rest), made from
-`tokenbus batch export` lines in OpenAI's shapes (error_lines.py); then its reservation back and its webhook."""
+`tokenbus batch export` lines in OpenAI's shapes (error_lines.py); then its reservation back, what its job
+records keep counted in the key's ledger until they expire (capacity.release), and its webhook."""
 
 from __future__ import annotations
 
@@ -23,6 +24,19 @@ log = structlog.get_logger("tokenbus.gateway")
 def _file_id(batch_id: str, kind: str) -> str:
     # Deterministic, so a retried finalisation rewrites the same files instead of adding new ones.
     return "file-" + hashlib.sha256(f"{batch_id}:{kind}".encode()).hexdigest()[:24]
+
+
+def _records_bytes(ctx: GatewayContext, batch_id: str) -> int:
+    """What the batch's job records hold in Redis now, and keep for result_ttl: Redis's own count (MEMORY USAGE,
+    every field), a pipeline a chunk of ids. Their export lines are no measure: OpenAI's logprobs shape repeats
+    each candidate's text and bytes, twice what a record holds."""
+    held = 0
+    for chunk in batches.iter_batch_job_ids(ctx.client, batch_id):
+        pipe = ctx.redis.pipeline(transaction=False)
+        for job_id in chunk:
+            pipe.memory_usage(ctx.keys.job(job_id), samples=0)
+        held += sum(int(b or 0) for b in pipe.execute())
+    return held
 
 
 def finalize(ctx: GatewayContext, batch_id: str) -> str:
@@ -74,7 +88,7 @@ def finalize(ctx: GatewayContext, batch_id: str) -> str:
         "in_progress_at", "input_tokens", "cached_tokens", "output_tokens"))
     pipe.srem(ctx.gkeys.open_batches, batch_id)
     pipe.execute()
-    capacity.release(ctx, batch_id, gw.owner)
+    capacity.release(ctx, batch_id, gw.owner, _records_bytes(ctx, batch_id))
     log.info("gateway_batch_finalized", batch_id=batch_id, status=gw.final_status, output_lines=lines["output"],
              error_lines=lines["error"])
     enqueue_webhook(ctx, gw)

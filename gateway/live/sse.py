@@ -10,10 +10,12 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import structlog
+from starlette.concurrency import run_in_threadpool
 
 from gateway.context import GatewayContext
 from gateway.errors import APIError
 from gateway.jobs import job_error
+from gateway.kept_bytes import KeptCall, settle
 from gateway.live.quotas import Lease
 from gateway.live.streams import END
 from producer.openai_batch import CHAT
@@ -79,7 +81,7 @@ class ChunkShape:
 
 
 async def job_events(ctx: GatewayContext, job_id: str, shape: StreamShape, lease: Lease | None = None,
-                     handled: list[bool] | None = None) -> AsyncIterator[str]:
+                     handled: list[bool] | None = None, kept: KeptCall | None = None) -> AsyncIterator[str]:
     ended = False
     # The hub's thread reads the job's token stream: waiting here holds no thread and no Redis connection.
     sub = ctx.streams.open(job_id)
@@ -108,6 +110,7 @@ async def job_events(ctx: GatewayContext, job_id: str, shape: StreamShape, lease
         # The done chunk and the record's end are written together by the worker; wait for the record.
         job = await ctx.waiter.wait(job_id, 30.0)
         ended = job is not None
+        await run_in_threadpool(settle, ctx, kept, job)  # its bytes kept in Redis, now known (kept_bytes.py)
         if job is None or job.status != JobStatus.finished or job.result is None:
             err = job_error(job) if job is not None else APIError(504, f"job {job_id} did not end", code="timeout")
             yield shape.error(err.body())

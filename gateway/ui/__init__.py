@@ -44,10 +44,15 @@ async def _forbidden(_request: Request, exc: Exception) -> Response:
 def mount(app: FastAPI) -> None:
     """Add the dashboard's routes and its two exception handlers to the gateway's app."""
     settings = app.state.ctx.settings
-    strangers = (settings.ui_login_owners | settings.ui_readonly_owners) - settings.keys_by_owner.keys()
+    named = settings.ui_login_owners | settings.ui_readonly_owners | settings.ui_operator_owners
+    strangers = named - settings.keys_by_owner.keys()
     if strangers:
-        raise ValueError(f"{len(strangers)} key(s) of TOKENBUS_GATEWAY_UI_KEYS / _UI_READONLY_KEYS are not among "
-                         "TOKENBUS_GATEWAY_API_KEYS; the dashboard's keys are API keys: add them there too")
+        raise ValueError(f"{len(strangers)} key(s) of TOKENBUS_GATEWAY_UI_KEYS / _UI_READONLY_KEYS / "
+                         "_UI_OPERATOR_KEYS are not among TOKENBUS_GATEWAY_API_KEYS; the dashboard's keys are API "
+                         "keys: add them there too")
+    if both := settings.ui_readonly_owners & settings.ui_operator_owners:
+        raise ValueError(f"{len(both)} key(s) are in both TOKENBUS_GATEWAY_UI_READONLY_KEYS and _UI_OPERATOR_KEYS: "
+                         "an operator acts, a read-only key does not; name each key in one of them")
     app.include_router(actions.router)
     app.include_router(pages.router)
     app.include_router(static)

@@ -5,21 +5,24 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Any
 
 from fastapi import APIRouter, Form, Path, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from markupsafe import escape
 from starlette.concurrency import run_in_threadpool
 
+from gateway.api.completions import submit
 from gateway.batches import service as batch_service
 from gateway.batches.service import CreateBatch
 from gateway.errors import APIError
 from gateway.files.upload import receive_upload
 from gateway.http import get_ctx
-from gateway.jobs import owned_job, record_ownership
+from gateway.jobs import owned_job
+from gateway.settings import owner_id
+from gateway.throttle import client_of, key_of
 from gateway.ui import data, session
 from gateway.ui.render import HEADERS, Acting, page
+from gateway.ui.session import Session
 from protocol.errors import TokenbusError
 from protocol.models import JobRequest
 
@@ -43,7 +46,7 @@ def _goto(url: str) -> Response:
 async def login_form(request: Request, error: str = "") -> HTMLResponse:
     """The one page served without a session. Its form carries a one-off token also set as a cookie."""
     token = secrets.token_urlsafe(24)
-    resp = page("login.html", request, None, 401 if error else 200, login_token=token, error=error)
+    resp = await page("login.html", request, None, 401 if error else 200, login_token=token, error=error)
     resp.set_cookie(session.LOGIN_COOKIE, token, httponly=True, samesite="strict", path="/ui/login", max_age=900)
     return resp
 
@@ -56,8 +59,17 @@ async def login(request: Request, api_key: str = Form("", max_length=512),
     expected = request.cookies.get(session.LOGIN_COOKIE, "")
     if not expected or not secrets.compare_digest(expected, login_token):
         return RedirectResponse("/ui/login?error=expired", status_code=303, headers=HEADERS)
+    # Throttled before the key is compared, like the API's bearer keys (gateway/throttle.py): the address's bucket
+    # is the API's, the key's is the login's own (a key refused here must not lose its API calls)
+    names = (client_of(request.client.host if request.client else None),
+             "login-" + key_of(owner_id(api_key.strip())))
+    if wait_s := ctx.auth_throttle.retry_after(*names):
+        resp = await page("login.html", request, None, 429, login_token=login_token, error="throttled", wait_s=wait_s)
+        resp.headers["retry-after"] = str(wait_s)
+        return resp
     made = await run_in_threadpool(session.create, ctx, api_key.strip())
     if made is None:  # the same answer for unknown keys and keys not allowed here: no oracle
+        ctx.auth_throttle.failed(*names)
         return RedirectResponse("/ui/login?error=refused", status_code=303, headers=HEADERS)
     token, _sess = made
     resp = RedirectResponse("/ui/", status_code=303, headers=HEADERS)
@@ -122,20 +134,23 @@ async def cancel_job(job_id: str, request: Request, sess: Acting) -> Response:
 
 # ---- dead letters ---------------------------------------------------------------------------------------------
 
-def _retry(ctx, owner: str, entry_id: str) -> tuple[str, str]:
-    """Queue the dead letter's request again as a new job of this owner, then remove the dead letter."""
-    dead = data.dead_letter(ctx, entry_id)
+def _visible_to(sess: Session) -> str | None:
+    """Whose dead letters a session may see and act on: its own key's, or (an operator) every key's (None)."""
+    return None if sess.operator else sess.owner
+
+
+def _retry(ctx, sess: Session, entry_id: str) -> tuple[str, str]:
+    """Queue the dead letter's request again as a new job of this key (at this key's priority, as its completions
+    are), then remove the dead letter."""
+    dead = data.dead_letter(ctx, entry_id, _visible_to(sess))
     if dead is None:
         raise ValueError(f"dead letter {entry_id} is gone (deleted or retried already)")
     try:
         request = JobRequest.model_validate(json.loads(dead.letter.request))
     except (ValueError, TypeError) as err:
         raise ValueError(f"its request is not a valid job ({str(err)[:300]}); delete it instead") from None
-    fields: dict[str, Any] = request.model_dump(exclude_none=True)
-    fields.pop("job_id", None)
-    job_id = ctx.client.submit_many([fields])[0]
     endpoint = "/v1/chat/completions" if request.messages else "/v1/completions"
-    record_ownership(ctx, job_id, owner, endpoint)
+    job_id = submit(ctx, sess.owner, endpoint, request).job_id  # its bytes counted as a completion's (429)
     ctx.redis.xdel(ctx.keys.dead, entry_id)
     return job_id, dead.letter.job_id
 
@@ -144,8 +159,8 @@ def _retry(ctx, owner: str, entry_id: str) -> tuple[str, str]:
 async def retry_dead(request: Request, sess: Acting,
                      entry_id: str = Path(pattern=ENTRY_ID)) -> Response:
     try:
-        job_id, old = await run_in_threadpool(_retry, get_ctx(request), sess.owner, entry_id)
-    except (ValueError, TokenbusError) as err:
+        job_id, old = await run_in_threadpool(_retry, get_ctx(request), sess, entry_id)
+    except (ValueError, TokenbusError, APIError) as err:  # APIError: past the key's byte limits (kept_bytes.py)
         return _notice(f"Not retried: {err}", ok=False)
     return HTMLResponse(f'<p role="status" class="notice ok">Queued again as '
                         f'<a href="/ui/jobs/{escape(job_id)}">{escape(job_id)}</a> (was {escape(old)}).</p>',
@@ -155,5 +170,12 @@ async def retry_dead(request: Request, sess: Acting,
 @router.post("/dead/{entry_id}/delete")
 async def delete_dead(request: Request, sess: Acting,
                       entry_id: str = Path(pattern=ENTRY_ID)) -> Response:
-    removed = await run_in_threadpool(get_ctx(request).redis.xdel, get_ctx(request).keys.dead, entry_id)
+    ctx = get_ctx(request)
+
+    def delete() -> int:
+        if data.dead_letter(ctx, entry_id, _visible_to(sess)) is None:
+            return 0
+        return ctx.redis.xdel(ctx.keys.dead, entry_id)
+
+    removed = await run_in_threadpool(delete)
     return _notice("Deleted." if removed else "Already gone.", ok=bool(removed))

@@ -4,6 +4,7 @@ jobs or all batches (a batch of 1M jobs costs one HGETALL; the batch list one ZR
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,10 @@ from protocol.records import BatchRecord, DeadLetter, QueueInfo
 
 PAGE = 25
 DEAD_PAYLOAD_CHARS = 8000  # a dead letter's request shown up to this (the rest is cut, with a note)
+LINE_READ_CHARS = 64 * 1024  # an output/error file's line parsed for the page up to this (longer: its start shown)
+CUSTOM_ID = re.compile(r'"custom_id": ?"([^"\\]{0,500})"')  # a long line's id, from the start it shows
+DEAD_SCAN = 200  # a tenant's dead letters: entries read a call while looking for its own
+DEAD_SCAN_LIMIT = 2000  # ... and at most this many a page, so a page costs the same whatever the stream holds
 
 
 @dataclass
@@ -81,13 +86,19 @@ def file_lines(ctx: GatewayContext, owner: str, file_id: str | None, limit: int 
     if not path.is_file():
         return []
     with path.open(encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if len(out) >= limit:
-                break
+        while len(out) < limit and (line := f.readline(LINE_READ_CHARS)):
+            if not line.endswith("\n") and len(line) == LINE_READ_CHARS:
+                while (rest := f.readline(LINE_READ_CHARS)) and not rest.endswith("\n"):
+                    pass  # the rest of a long line: read through, never held (the page shows its start only)
+                cid = CUSTOM_ID.search(line)
+                out.append({"custom_id": cid and cid.group(1),
+                            "error": {"message": f"(a line longer than {LINE_READ_CHARS:,} characters: download the "
+                                                 f"file) {line}"}})
+                continue
             try:
                 out.append(json.loads(line))
             except ValueError:
-                out.append({"custom_id": None, "error": {"message": line[:500]}})
+                out.append({"custom_id": None, "error": {"message": line}})
     return out
 
 
@@ -110,18 +121,74 @@ def _dead(entry_id: str, fields: dict[str, str]) -> DeadLetterCard:
     return DeadLetterCard(entry_id, letter, text[:DEAD_PAYLOAD_CHARS], len(text) > DEAD_PAYLOAD_CHARS)
 
 
-def dead_letters(ctx: GatewayContext, before: str | None) -> tuple[list[DeadLetterCard], int, str | None]:
-    """A page of dead letters, newest first (XREVRANGE from `before`, exclusive), the total, the next cursor."""
+def dead_owners(ctx: GatewayContext, job_ids: list[str]) -> list[str | None]:
+    """The key that made each dead letter's job, as the gateway stamped it, or None (not the gateway's job).
+
+    A completion's (and a retried dead letter's) owner is its `{ns}:gw:job:{id}` record; a batch job's, its
+    batch's `{ns}:gw:batch:{id}`, found from the job record's batch_id or, with the record gone, from the id
+    itself (`{batch_id}-{index}`, protocol.models.batch_job_id). Two pipelined reads for a whole page."""
+    valid = [JOB_ID_RE.match(j) is not None for j in job_ids]
+    pipe = ctx.redis.pipeline(transaction=False)
+    for jid, ok in zip(job_ids, valid, strict=True):
+        if ok:
+            pipe.hget(ctx.gkeys.job(jid), "owner").hget(ctx.keys.job(jid), "batch_id")
+    raw = iter(pipe.execute())
+    owners: list[str | None] = []
+    batch_of: dict[int, str] = {}
+    for i, (jid, ok) in enumerate(zip(job_ids, valid, strict=True)):
+        owner, batch_id = (next(raw), next(raw)) if ok else (None, None)
+        owners.append(owner)
+        if ok and owner is None:
+            head, _, index = jid.rpartition("-")
+            if batch_id or (head and index.isdigit()):
+                batch_of[i] = batch_id or head
+    if batch_of:
+        pipe = ctx.redis.pipeline(transaction=False)
+        for bid in batch_of.values():
+            pipe.hget(ctx.gkeys.batch(bid), "owner")
+        for i, owner in zip(batch_of, pipe.execute(), strict=True):
+            owners[i] = owner
+    return owners
+
+
+def dead_letters(ctx: GatewayContext, before: str | None,
+                 owner: str | None) -> tuple[list[DeadLetterCard], int | None, str | None]:
+    """A page of dead letters, newest first (XREVRANGE from `before`, exclusive), the total, the next cursor.
+
+    owner None (an operator): every entry, and the stream's length. Otherwise only that key's entries: read
+    DEAD_SCAN at a time, at most DEAD_SCAN_LIMIT entries a page (then the cursor goes on from there), and no
+    total (counting one key's would mean reading the whole stream)."""
     top = f"({before}" if before else "+"
-    entries = ctx.redis.xrevrange(ctx.keys.dead, top, "-", count=PAGE + 1)
-    more = len(entries) > PAGE
-    rows = [_dead(i, f) for i, f in entries[:PAGE]]
-    return rows, ctx.redis.xlen(ctx.keys.dead), rows[-1].id if more else None
+    if owner is None:
+        entries = ctx.redis.xrevrange(ctx.keys.dead, top, "-", count=PAGE + 1)
+        rows = [_dead(i, f) for i, f in entries[:PAGE]]
+        return rows, ctx.redis.xlen(ctx.keys.dead), rows[-1].id if len(entries) > PAGE else None
+    rows, scanned, cursor = [], 0, None
+    while len(rows) < PAGE and scanned < DEAD_SCAN_LIMIT:
+        entries = ctx.redis.xrevrange(ctx.keys.dead, top, "-", count=DEAD_SCAN)
+        if not entries:
+            return rows, None, None
+        for (entry_id, fields), who in zip(entries, dead_owners(ctx, [f.get("job_id", "") for _, f in entries]),
+                                           strict=True):
+            scanned, cursor = scanned + 1, entry_id
+            if who == owner:
+                rows.append(_dead(entry_id, fields))
+                if len(rows) == PAGE:
+                    break
+        top = f"({cursor}"
+    more = ctx.redis.xrevrange(ctx.keys.dead, top, "-", count=1)
+    return rows, None, cursor if more else None
 
 
-def dead_letter(ctx: GatewayContext, entry_id: str) -> DeadLetterCard | None:
+def dead_letter(ctx: GatewayContext, entry_id: str, owner: str | None) -> DeadLetterCard | None:
+    """One dead letter, if `owner` made its job (owner None: an operator, any entry)."""
     entries = ctx.redis.xrange(ctx.keys.dead, entry_id, entry_id, count=1)
-    return _dead(*entries[0]) if entries else None
+    if not entries:
+        return None
+    card = _dead(*entries[0])
+    if owner is not None and dead_owners(ctx, [card.letter.job_id])[0] != owner:
+        return None  # another key's entry reads as missing, as another key's job does
+    return card
 
 
 def workers(info: QueueInfo) -> list[dict[str, Any]]:
@@ -150,7 +217,7 @@ def models(info: QueueInfo, rates: dict[str, float]) -> list[dict[str, Any]]:
                 running[mid] = running.get(mid, 0) + w.heartbeat.running
     return [{"id": m.id or "(default queues)", "default": m.default, "queued": max(0, m.queue_depth - m.pending),
              "running": running.get(m.id, 0), "workers": m.workers, "jobs_s": rates.get(m.id, 0.0),
-             "unserved": m.unserved} for m in info.models]
+             "unserved": m.unserved, "kinds": m.kinds} for m in info.models]
 
 
 def valid_job_id(job_id: str) -> bool:

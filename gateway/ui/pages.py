@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
-from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from gateway.errors import APIError
 from gateway.http import get_ctx
 from gateway.jobs import job_object, owned_job
+from gateway.live.streams import END
 from gateway.ui import data, samples
 from gateway.ui.render import HEADERS, Current, page
-from protocol.errors import WaitTimeout
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
+TOKENS_STREAM_S = 300  # a job page's token stream ends after this (the page then shows the record's text)
 
 
 def _view(name: str, fragment: bool) -> str:
@@ -41,7 +44,7 @@ async def overview(request: Request, sess: Current, fragment: bool = False) -> H
     s = values["series"]
     values["jobs_s"] = s["jobs_s"][-1] if s["t"] else 0.0
     values["tokens_s"] = s["tokens_s"][-1] if s["t"] else 0.0
-    return page(_view("overview.html", fragment), request, sess, active="overview", **values)
+    return await page(_view("overview.html", fragment), request, sess, active="overview", **values)
 
 
 @router.get("/api/series")
@@ -56,7 +59,7 @@ async def batches(request: Request, sess: Current,
                   fragment: bool = False) -> HTMLResponse:
     rows, total = await run_in_threadpool(data.batches_page, get_ctx(request), sess.owner, page_no)
     pages = max(1, -(-total // data.PAGE))
-    return page(_view("batches.html", fragment), request, sess, active="batches", rows=rows, total=total,
+    return await page(_view("batches.html", fragment), request, sess, active="batches", rows=rows, total=total,
                 page_no=page_no, pages=pages)
 
 
@@ -76,9 +79,9 @@ async def batch(batch_id: str, request: Request, sess: Current,
 
     values = await run_in_threadpool(read)
     if values is None:
-        return page("missing.html", request, sess, 404, what="batch", id=batch_id)
+        return await page("missing.html", request, sess, 404, what="batch", id=batch_id)
     pages = max(1, -(-values["njobs"] // data.PAGE))
-    return page(_view("batch.html", fragment), request, sess, active="batches", page_no=page_no, pages=pages,
+    return await page(_view("batch.html", fragment), request, sess, active="batches", page_no=page_no, pages=pages,
                 **values)
 
 
@@ -90,7 +93,7 @@ async def file_content(file_id: str, request: Request, sess: Current):
     ctx = get_ctx(request)
     meta = await run_in_threadpool(ctx.files.find, sess.owner, file_id)
     if meta is None or not ctx.files.path(meta.id).is_file():
-        return page("missing.html", request, sess, 404, what="file", id=file_id)
+        return await page("missing.html", request, sess, 404, what="file", id=file_id)
     return FileResponse(ctx.files.path(meta.id), media_type="application/jsonl", filename=meta.filename,
                         content_disposition_type="attachment", headers=HEADERS)
 
@@ -98,14 +101,15 @@ async def file_content(file_id: str, request: Request, sess: Current):
 @router.get("/workers", response_class=HTMLResponse)
 async def workers(request: Request, sess: Current, fragment: bool = False) -> HTMLResponse:
     info = await run_in_threadpool(get_ctx(request).client.info)
-    return page(_view("workers.html", fragment), request, sess, active="workers", rows=data.workers(info))
+    return await page(_view("workers.html", fragment), request, sess, active="workers", rows=data.workers(info))
 
 
 @router.get("/dead", response_class=HTMLResponse)
 async def dead(request: Request, sess: Current,
                before: str | None = Query(None, pattern=r"^\d{1,20}-\d{1,20}$")) -> HTMLResponse:
-    rows, total, more = await run_in_threadpool(data.dead_letters, get_ctx(request), before)
-    return page("dead.html", request, sess, active="dead", rows=rows, total=total, more=more, before=before)
+    rows, total, more = await run_in_threadpool(data.dead_letters, get_ctx(request), before,
+                                                None if sess.operator else sess.owner)
+    return await page("dead.html", request, sess, active="dead", rows=rows, total=total, more=more, before=before)
 
 
 @router.get("/jobs", response_class=HTMLResponse)
@@ -116,7 +120,7 @@ async def job_lookup(request: Request, sess: Current, id: str = "") -> HTMLRespo
     job_id = id.strip()
     if job_id and data.valid_job_id(job_id):
         return RedirectResponse(f"/ui/jobs/{job_id}", status_code=303)
-    return page("job_lookup.html", request, sess, active="job", id=job_id)
+    return await page("job_lookup.html", request, sess, active="job", id=job_id)
 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
@@ -125,30 +129,48 @@ async def job(job_id: str, request: Request, sess: Current, fragment: bool = Fal
     try:
         found, endpoint = await run_in_threadpool(owned_job, ctx, sess.owner, job_id)
     except APIError:
-        return page("missing.html", request, sess, 404, what="job", id=job_id)
+        return await page("missing.html", request, sess, 404, what="job", id=job_id)
     obj = job_object(found, endpoint)
-    return page(_view("job.html", fragment), request, sess, active="job", job=found, obj=obj,
+    return await page(_view("job.html", fragment), request, sess, active="job", job=found, obj=obj,
                 streamed=bool(found.request and found.request.get("stream")))
 
 
 @router.get("/jobs/{job_id}/tokens")
-async def job_tokens(job_id: str, request: Request, sess: Current) -> StreamingResponse:
-    """Server-sent events: the job's tokens as its worker publishes them (`token` events), then `end`."""
+async def job_tokens(job_id: str, request: Request, sess: Current) -> Response:
+    """Server-sent events: the job's tokens as its worker publishes them (`token` events), then `end`.
+
+    Read through the StreamHub like an API stream (no thread, no pooled connection while it waits), under a
+    stream lease of the key's one budget (live/quotas.py): 429 past the key's streams, 503 past the process's."""
     ctx = get_ctx(request)
     try:
         await run_in_threadpool(owned_job, ctx, sess.owner, job_id)
     except APIError:
         return JSONResponse({"error": "no such job"}, status_code=404, headers=HEADERS)
+    try:
+        lease = ctx.quotas.acquire(sess.owner, stream=True, tokens=0, hold_s=TOKENS_STREAM_S + 60)
+    except APIError as err:
+        return JSONResponse(err.body(), status_code=err.status, headers=HEADERS | (err.headers or {}))
 
     async def events() -> AsyncIterator[str]:
         started = time.monotonic()
+        sub = ctx.streams.open(job_id)
         try:
-            async for chunk in iterate_in_threadpool(ctx.client.stream(job_id, timeout=300)):
+            while (left := started + TOKENS_STREAM_S - time.monotonic()) > 0:
+                try:
+                    chunk = await asyncio.wait_for(sub.queue.get(), left)
+                except TimeoutError:
+                    break
+                if chunk is END:
+                    break
                 if chunk.text:
                     yield f"event: token\ndata: {json.dumps(chunk.text)}\n\n"
-        except WaitTimeout:
-            pass
-        yield f"event: end\ndata: {json.dumps(round(time.monotonic() - started, 3))}\n\n"
+                if chunk.done:
+                    break
+            yield f"event: end\ndata: {json.dumps(round(time.monotonic() - started, 3))}\n\n"
+        finally:
+            ctx.streams.close(sub)
+            ctx.quotas.release(lease)
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers=HEADERS | {"x-accel-buffering": "no"})
+    stream = events()
+    weakref.finalize(stream, ctx.quotas.release, lease)  # a client gone before the first chunk: never started
+    return StreamingResponse(stream, media_type="text/event-stream", headers=HEADERS | {"x-accel-buffering": "no"})

@@ -18,6 +18,9 @@ from gateway.ui import session
 from gateway.ui.session import Session
 
 HERE = Path(__file__).parent
+# Every text a tenant controls is shown cut to this: a batch page of 25 failed lines and 25 jobs stays tens of KB
+# whatever their ids and errors hold (one with 400 KB ids rendered 63 MB of HTML a poll, issue #34).
+CLIP_CHARS = 300
 # No inline script anywhere (script-src 'self'); inline styles for htmx's indicator rule and the login page.
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
        "connect-src 'self'; frame-ancestors 'none'; form-action 'self'; base-uri 'none'")
@@ -43,6 +46,12 @@ def _duration(s: float | None) -> str:
     return f"{s / 3600:.1f} h"
 
 
+def _clip(value: object, limit: int = CLIP_CHARS) -> str:
+    """A tenant's text (an id, an error message) cut to `limit` characters, saying how long it was."""
+    text = "" if value is None else str(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"
+
+
 def _sparkline(values: list[float], width: int = 160, height: int = 32) -> str:
     """An inline SVG polyline (server-drawn: it survives every htmx swap without a script)."""
     if len(values) < 2:
@@ -55,12 +64,14 @@ def _sparkline(values: list[float], width: int = 160, height: int = 32) -> str:
 
 env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]),
                   trim_blocks=True, lstrip_blocks=True)
-env.filters.update(when=_when, duration=_duration, sparkline=_sparkline)
+env.filters.update(when=_when, duration=_duration, sparkline=_sparkline, clip=_clip)
 env.globals.update(now=time.time, login_css=(HERE / "static" / "ui.css").read_text())  # ours: safe to inline
 
 
-def page(name: str, request: Request, sess: Session | None, status: int = 200, **values: Any) -> HTMLResponse:
-    html = env.get_template(name).render(request=request, sess=sess, **values)
+async def page(name: str, request: Request, sess: Session | None, status: int = 200,
+               **values: Any) -> HTMLResponse:
+    """A page rendered in a thread: a big page never holds the event loop (nor /healthz) while it renders."""
+    html = await run_in_threadpool(env.get_template(name).render, request=request, sess=sess, **values)
     return HTMLResponse(html, status_code=status, headers=HEADERS)
 
 

@@ -4,6 +4,11 @@ The cookie holds a random token only; Redis holds `{ns}:gw:ui:session:{sha256(to
 (with a TTL), so the key itself is never stored in the browser nor shown again. Every state-changing request
 carries the session's CSRF token (htmx sends it as X-CSRF-Token; plain forms as a hidden field) and, when the
 browser sends one, an Origin that is this host: SameSite=Strict alone does not cover old browsers or subdomains.
+
+A session's role is worked out again from the settings at every request (a key made read-only, or taken off the
+dashboard's keys, loses its rights in the sessions it has open at their next request), and each key keeps at
+most `ui_max_sessions_per_key` sessions: a login past that ends the key's oldest one (the key's holder can always
+log in; a script logging in in a loop holds no more than the cap).
 """
 
 from __future__ import annotations
@@ -17,13 +22,14 @@ from urllib.parse import urlsplit
 
 from fastapi import Request
 
-from gateway.keys import GatewayKeys
 from gateway.settings import owner_id
 
 COOKIE = "tb_session"
 LOGIN_COOKIE = "tb_login"  # the login form's own CSRF token (double submit: there is no session yet)
 CSRF_HEADER = "x-csrf-token"
-OPERATOR, VIEWER = "operator", "viewer"
+# operator: acts on its own objects and sees every key's dead letters (opt-in: UI_OPERATOR_KEYS); tenant: acts on
+# its own objects only; viewer: sees its own objects and acts on nothing (UI_READONLY_KEYS).
+OPERATOR, TENANT, VIEWER = "operator", "tenant", "viewer"
 
 
 class NotLoggedIn(Exception):
@@ -44,15 +50,26 @@ class Session:
 
     @property
     def can_act(self) -> bool:
+        return self.role in (OPERATOR, TENANT)
+
+    @property
+    def operator(self) -> bool:
+        """Sees (and acts on) every key's dead letters, not only its own."""
         return self.role == OPERATOR
-
-
-def _key(ns: str, token_hash: str) -> str:
-    return GatewayKeys(ns).ui_session(token_hash)
 
 
 def _hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def role_for(ctx, owner: str) -> str | None:
+    """The dashboard role of an owner under the settings now: None when it may not log in (or be logged in)."""
+    s = ctx.settings
+    if owner not in ctx.api_keys or (s.ui_login_owners and owner not in s.ui_login_owners):
+        return None
+    if owner in s.ui_readonly_owners:
+        return VIEWER
+    return OPERATOR if owner in s.ui_operator_owners else TENANT
 
 
 def role_of(ctx, api_key: str) -> str | None:
@@ -62,25 +79,31 @@ def role_of(ctx, api_key: str) -> str | None:
     # Compared in constant time; looked up by hash so the lookup says nothing about near misses.
     if known is None or not hmac.compare_digest(known.encode(), api_key.encode()):
         return None
-    s = ctx.settings
-    if s.ui_login_owners and who not in s.ui_login_owners:
-        return None
-    return VIEWER if who in s.ui_readonly_owners else OPERATOR
+    return role_for(ctx, who)
 
 
 def create(ctx, api_key: str) -> tuple[str, Session] | None:
-    """A new session for a valid key: (cookie token, session), or None."""
+    """A new session for a valid key: (cookie token, session), or None. Past the key's cap, its oldest go."""
     role = role_of(ctx, api_key)
     if role is None:
         return None
     token = secrets.token_urlsafe(32)
     sess = Session(_hash(token), owner_id(api_key), role, secrets.token_urlsafe(32), time.time())
-    key = _key(ctx.settings.namespace, sess.token_hash)
+    ttl, cap = ctx.settings.ui_session_ttl_s, ctx.settings.ui_max_sessions_per_key
+    key, index = ctx.gkeys.ui_session(sess.token_hash), ctx.gkeys.ui_sessions(sess.owner)
     pipe = ctx.redis.pipeline(transaction=True)
     pipe.hset(key, mapping={"owner": sess.owner, "role": sess.role, "csrf": sess.csrf,
                             "created_at": sess.created_at})
-    pipe.expire(key, ctx.settings.ui_session_ttl_s)
-    pipe.execute()
+    pipe.expire(key, ttl)
+    pipe.zadd(index, {sess.token_hash: sess.created_at})
+    pipe.zremrangebyscore(index, "-inf", sess.created_at - ttl)  # expired by their own TTL already
+    pipe.expire(index, ttl)
+    pipe.zrange(index, 0, -cap - 1)  # the oldest beyond the cap
+    evicted = pipe.execute()[-1]
+    if evicted:
+        # Two logins at once may both evict the same ones: the deletes are idempotent.
+        ctx.redis.pipeline(transaction=False).delete(*map(ctx.gkeys.ui_session, evicted)) \
+            .zrem(index, *evicted).execute()
     return token, sess
 
 
@@ -89,17 +112,20 @@ def load(ctx, request: Request) -> Session:
     if not token or len(token) > 128:
         raise NotLoggedIn()
     token_hash = _hash(token)
-    raw = ctx.redis.hgetall(_key(ctx.settings.namespace, token_hash))
+    raw = ctx.redis.hgetall(ctx.gkeys.ui_session(token_hash))
     if not raw:
         raise NotLoggedIn()
-    # A key removed from the settings ends its sessions at once, not at their TTL.
-    if raw["owner"] not in ctx.api_keys:
+    # The role the settings give the key now, not the one it logged in with: a key removed from the API keys
+    # or the dashboard's keys ends its sessions at once, a key made read-only acts no more.
+    role = role_for(ctx, raw["owner"])
+    if role is None:
         raise NotLoggedIn()
-    return Session(token_hash, raw["owner"], raw["role"], raw["csrf"], float(raw["created_at"]))
+    return Session(token_hash, raw["owner"], role, raw["csrf"], float(raw["created_at"]))
 
 
 def destroy(ctx, sess: Session) -> None:
-    ctx.redis.delete(_key(ctx.settings.namespace, sess.token_hash))
+    ctx.redis.pipeline(transaction=False).delete(ctx.gkeys.ui_session(sess.token_hash)) \
+        .zrem(ctx.gkeys.ui_sessions(sess.owner), sess.token_hash).execute()
 
 
 def check_origin(request: Request) -> None:

@@ -1,7 +1,8 @@
 -- ADMIT_BATCH (gateway, capacity.py): a new batch checked against its key's quotas on queued work and the byte
 -- limits, and written, in one step: checked and written in two, 24 simultaneous creates against a limit of 10
 -- queued requests let 18 through (issue #34).
--- KEYS: 1 {ns}:gw:queued-bytes, 2 the new gateway batch record, 3 {ns}:gw:batches:{owner}, 4 {ns}:gw:validating
+-- KEYS: 1 {ns}:gw:queued-bytes, 2 the new gateway batch record, 3 {ns}:gw:batches:{owner}, 4 {ns}:gw:validating,
+--   5 {ns}:gw:kept-bytes:{owner}, 6 {ns}:gw:kept-bytes:* (the results kept of its calls and ended batches count too)
 -- ARGV: 1 owner, 2 bytes to reserve, 3 per-key byte limit, 4 global byte limit (0 = none), 5 the batch's
 --   requests, 6 its tokens, 7 max queued requests per key, 8 max queued tokens per key, 9 the key prefix of a
 --   gateway batch record, 10 of a producer batch record, 11 the newest batches looked at, 12 now, 13 the batch id,
@@ -27,7 +28,8 @@ for _, bid in ipairs(redis.call('ZREVRANGE', KEYS[3], 0, tonumber(ARGV[11]) - 1)
 end
 if requests + tonumber(ARGV[5]) > tonumber(ARGV[7]) then return {-3, requests} end
 if tokens + tonumber(ARGV[6]) > tonumber(ARGV[8]) then return {-4, tokens} end
-local code, value = reserve_bytes(KEYS[1], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]))
+local code, value = reserve_bytes(KEYS[1], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]),
+                                  KEYS[5], KEYS[6], tonumber(ARGV[12]), 0)
 if code < 0 then return {code, value} end
 local fields = {}
 for i = 15, #ARGV do fields[#fields + 1] = ARGV[i] end

@@ -6,7 +6,8 @@
 -- Repeating a declaration changes nothing more: a record keeps its first declared_at and declared_by.
 -- KEYS: 1 {ns}:models, 2 {ns}:model-names, 3 {ns}:config
 -- ARGV: 1 the record (JSON: id, names (the id first), kind, checkpoint ('' = not known: by hand),
---       context_length, parent, declared_at, declared_by), 2 the config field naming the default model
+--       context_length, parent (a LoRA adapter's base), root, declared_at, declared_by), 2 the config field
+--       naming the default model
 -- returns {1, id, other model ids it serves...} | {-1, name, the model holding it, that model's checkpoint}
 local new = cjson.decode(ARGV[1])
 local asked, ck = new.id, new.checkpoint or ''
@@ -50,10 +51,12 @@ if cur then
   for _, n in ipairs(mine) do
     if not known[n] then table.insert(out.names, n) end
   end
-  if (cur.checkpoint or '') == '' then out.checkpoint = ck end
+  if (cur.checkpoint or '') == '' then out.checkpoint = ck; out.parent = new.parent end
+  if out.root == nil then out.root = new.root end
   if new.context_length ~= nil and new.context_length ~= cjson.null then out.context_length = new.context_length end
 end
 for _, n in ipairs(mine) do redis.call('HSET', KEYS[2], n, id) end
 redis.call('HSET', KEYS[1], id, cjson.encode(out))
-redis.call('HSETNX', KEYS[3], ARGV[2], id)
+-- an adapter never becomes the default: the default queues' jobs name no adapter
+if not out.parent or out.parent == cjson.null then redis.call('HSETNX', KEYS[3], ARGV[2], id) end
 return {1, id, unpack(also)}

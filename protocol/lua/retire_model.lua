@@ -7,13 +7,10 @@
 --       4 the config field naming the default model
 -- returns {1, jobs in its queues} retired | {0, 0} not declared | {-1, jobs in its queues} kept (not forced)
 -- #include _queue_depth.lua
+-- #include _retire.lua
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
 if not raw then return {0, 0} end
 local depth = queue_depth(model_layout(cjson.decode(ARGV[2]), ARGV[1]))
 if depth > 0 and ARGV[3] ~= '1' then return {-1, depth} end
-for _, name in ipairs(cjson.decode(raw).names or {}) do
-  if redis.call('HGET', KEYS[2], name) == ARGV[1] then redis.call('HDEL', KEYS[2], name) end
-end
-redis.call('HDEL', KEYS[1], ARGV[1])
-if redis.call('HGET', KEYS[3], ARGV[4]) == ARGV[1] then redis.call('HDEL', KEYS[3], ARGV[4]) end
+retire(KEYS[1], KEYS[2], KEYS[3], ARGV[1], cjson.decode(raw), ARGV[4])
 return {1, depth}

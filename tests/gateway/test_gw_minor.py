@@ -18,7 +18,7 @@ from tests.support.gateway_harness import KEYS, Proc
 
 def test_healthz_hides_the_redis_error(tmp_path):
     port, dead = free_port(), free_port()
-    env = dict(os.environ, TOKENBUS_REDIS_URL=f"redis://127.0.0.1:{dead}/0", TOKENBUS_GATEWAY_API_KEYS="k",
+    env = dict(os.environ, TOKENBUS_REDIS_URL=f"redis://127.0.0.1:{dead}/0", TOKENBUS_GATEWAY_API_KEYS=KEYS["alice"],
                TOKENBUS_GATEWAY_PORT=str(port), TOKENBUS_GATEWAY_FILES_DIR=str(tmp_path / "f"), TOKENBUS_LOG_JSON="1")
     proc = Proc("gateway-no-redis", ["-m", "gateway", "serve"], env, tmp_path)
     try:

@@ -23,7 +23,8 @@ PAGES = ["/ui", "/ui/", "/ui/?fragment=1", "/ui/batches", "/ui/batches?fragment=
 @pytest.fixture
 def ui(redis_server, tmp_path):
     settings = GatewaySettings(api_keys=f"{ADMIN},{VIEWER},{OTHER}", ui_keys=f"{ADMIN},{VIEWER}",
-                               ui_readonly_keys=VIEWER, redis_url=redis_server.url, files_dir=tmp_path / "files")
+                               ui_readonly_keys=VIEWER, ui_operator_keys=ADMIN, redis_url=redis_server.url,
+                               files_dir=tmp_path / "files")
     with TestClient(create_app(settings), base_url="http://gw.test") as client:
         yield client, redis_server.client(decode_responses=True)
 

@@ -30,7 +30,7 @@ def test_the_overview_and_v1_models_show_each_model_and_flag_one_nobody_serves(r
     client = Client(redis_server.url)
     r = client.redis
     models.add(r, K, "alpha")
-    models.add(r, K, "beta", aliases=["b"])
+    models.add(r, K, "beta", aliases=["b"], kind="embed")
     beat(r, "w-alpha", "alpha", running=2, jobs_done=10)
     client.submit_many([{"prompt": "x", "model": "alpha"}] * 3 + [{"prompt": "y", "model": "b"}] * 2)
     settings = GatewaySettings(api_keys=KEY, ui_keys=KEY, redis_url=redis_server.url, files_dir=tmp_path / "f")
@@ -38,7 +38,8 @@ def test_the_overview_and_v1_models_show_each_model_and_flag_one_nobody_serves(r
         listed = http.get("/v1/models", headers={"authorization": f"Bearer {KEY}"}).json()["data"]
         assert {m["id"]: (m["workers"], m["queued"], m["unserved"]) for m in listed} == {
             "alpha": (1, 3, False), "beta": (0, 2, True)}
-        assert http.get("/v1/models/b", headers={"authorization": f"Bearer {KEY}"}).json()["id"] == "beta"
+        beta = http.get("/v1/models/b", headers={"authorization": f"Bearer {KEY}"}).json()
+        assert beta["id"] == "beta" and beta["kind"] == "embed" and beta["kinds"] == ["embed"]
         missing = http.get("/v1/models/zeta", headers={"authorization": f"Bearer {KEY}"})
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
@@ -53,3 +54,4 @@ def test_the_overview_and_v1_models_show_each_model_and_flag_one_nobody_serves(r
     alpha = re.findall(r'class="num">([^<]*)<', rows["alpha"])
     assert alpha[:3] == ["3", "2", "1"] and float(alpha[3]) > 0  # queued, running, workers, jobs/s
     assert "no live worker" in rows["beta"] and "no live worker" not in rows["alpha"]
+    assert "embed" in rows["beta"] and "generate" in rows["alpha"]  # the kinds each model's workers serve

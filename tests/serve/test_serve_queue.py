@@ -14,7 +14,7 @@ from protocol.keys import Keys
 from protocol.models import GROUP
 from worker.serve.intake import IntakeBudget
 from worker.serve.job_queue import JobQueue
-from worker.settings import WorkerSettings, build_parser, load_settings
+from worker.settings import WorkerSettings, build_parser, load_settings, lora_flags
 
 NS = "tokenbus"
 Q = Keys(NS).queue()  # the default loose queue, where submit() puts every job
@@ -169,6 +169,19 @@ def test_settings_env_then_cli(monkeypatch):
     # every setting documents itself
     assert all(f.description for f in WorkerSettings.model_fields.values())
     assert all(a.help for a in build_parser()._actions if a.dest != "help")
+
+
+def test_lora_flags_repeat_take_slots_and_refuse_what_cannot_be_a_model_name(monkeypatch):
+    s = load_settings(["--lora", "judge=/a/judge", "--lora", "writer=/a/w=1"])
+    assert lora_flags(s.lora) == {"judge": "/a/judge", "writer": "/a/w=1"} and s.engine.max_loras == 2
+    assert load_settings(["--lora", "judge=/a", "--max-loras", "4"]).engine.max_loras == 4
+    monkeypatch.setenv("TOKENBUS_LORA", '["judge=/a/judge"]')
+    assert load_settings([]).lora == ["judge=/a/judge"]
+    for bad, why in (("judge", "NAME=PATH"), ("a:b=/x", "no ':'"), ("=/x", "non-empty")):
+        with pytest.raises(ValidationError, match=why):
+            load_settings(["--lora", bad])
+    with pytest.raises(ValidationError, match="given twice"):
+        load_settings(["--lora", "j=/a", "--lora", "j=/b"])
 
 
 def test_intake_never_restarts_a_job_it_is_running(r):

@@ -74,7 +74,10 @@ class Stack(Deployment):
                           every=0.2)
 
 
-def start_stack(tmp: Path) -> Stack:
+EMBED_MODEL = "all-minilm-l6-v2"  # the embedding stack's worker (the built-in default embedding model)
+
+
+def start_stack(tmp: Path, model: str = MODEL) -> Stack:
     srv = RedisServer().start()
     port = free_port()
     stack = Stack(redis=srv, base_url=f"http://127.0.0.1:{port}", files_dir=tmp / "files")
@@ -90,7 +93,7 @@ def start_stack(tmp: Path) -> Stack:
                TOKENBUS_GATEWAY_MAX_REQUESTS_PER_KEY="24", TOKENBUS_GATEWAY_MAX_QUEUED_TOKENS_PER_KEY="100000")
     try:
         stack.procs["worker"] = Proc("worker", [
-            "-m", "worker", "--model", MODEL, "--worker-name", "gw-worker", "--max-num-seqs", "8",
+            "-m", "worker", "--model", model, "--worker-name", "gw-worker", "--max-num-seqs", "8",
             "--max-num-batched-tokens", "512", "--kv-cache-gb", "0.25", "--heartbeat-s", "0.5"], env, tmp)
         stack.procs["gateway"] = Proc("gateway", ["-m", "gateway", "serve"], env, tmp)
         stack.procs["tasks"] = Proc("tasks", ["-m", "gateway", "tasks"], env, tmp)
@@ -113,6 +116,7 @@ def stop_stack(stack: Stack) -> None:
 
 
 _STACK = Shared(start_stack, stop_stack, "gateway")
+_EMBED_STACK = Shared(lambda tmp: start_stack(tmp, EMBED_MODEL), stop_stack, "gateway-embed")
 
 
 @pytest.fixture
@@ -121,11 +125,18 @@ def gateway_stack(tmp_path_factory) -> Stack:
     return _STACK.get(tmp_path_factory)
 
 
+@pytest.fixture
+def embed_gateway_stack(tmp_path_factory) -> Stack:
+    """The same deployment with its worker on all-MiniLM-L6-v2 (embeddings), shared the same way."""
+    return _EMBED_STACK.get(tmp_path_factory)
+
+
 def release_gateway_stack(nextitem: pytest.Item | None) -> None:
     """conftest's pytest_runtest_teardown: stop the deployment once the next test does not use it, so its
     worker (a model in memory) does not idle through the rest of the suite. A later user restarts it."""
-    if nextitem is None or "gateway_stack" not in getattr(nextitem, "fixturenames", ()):
-        _STACK.release()
+    for stack, fixture in ((_STACK, "gateway_stack"), (_EMBED_STACK, "embed_gateway_stack")):
+        if nextitem is None or fixture not in getattr(nextitem, "fixturenames", ()):
+            stack.release()
 
 
 class WebhookReceiver(LoopbackReceiver):

@@ -34,7 +34,8 @@ def start_ui_stack(tmp: Path) -> UiStack:
     stack = UiStack(redis=srv, base_url=f"http://127.0.0.1:{port}", model=model)
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENBUS_REDIS_URL=srv.url, TOKENBUS_LOG_JSON="1",
                TOKENBUS_DEVICE="cpu", HF_HUB_OFFLINE="1", TOKENBUS_GATEWAY_API_KEYS=",".join(KEYS.values()),
-               TOKENBUS_GATEWAY_UI_READONLY_KEYS=KEYS["bob"], TOKENBUS_GATEWAY_PORT=str(port),
+               TOKENBUS_GATEWAY_UI_READONLY_KEYS=KEYS["bob"], TOKENBUS_GATEWAY_UI_OPERATOR_KEYS=KEYS["alice"],
+               TOKENBUS_GATEWAY_PORT=str(port),
                TOKENBUS_GATEWAY_FILES_DIR=str(tmp / "files"), TOKENBUS_GATEWAY_WATCH_INTERVAL_S="0.3")
     try:
         # the gateway needs no model: it starts while the model is written

@@ -16,9 +16,8 @@ from __future__ import annotations
 from protocol.errors import ErrorCode
 
 # a request of a kind the model cannot serve: generation on an encoder (or a checkpoint without an LM head),
-# embeddings on a model whose pooling tokenbus does not implement. A worker's own code until the protocol's
-# ErrorCode names the job kinds (protocol.errors: clients accept any string)
-UNSUPPORTED_KIND = "unsupported_kind"
+# embeddings on a model whose pooling tokenbus does not implement
+UNSUPPORTED_KIND = ErrorCode.unsupported_kind.value
 
 
 class EngineError(Exception):

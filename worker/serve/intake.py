@@ -243,8 +243,8 @@ class Intake(threading.Thread):
                          stream=request.stream and self.stream_tokens, queue=entry.queue,
                          priority=request.priority,
                          model=self._model_of(entry.queue) or (self.served.id if self.served else ""))
-        self.budget.sent(request.n)  # each of its n choices takes a seat
-        self._recent_n = max(request.n, (self._recent_n + 1) // 2)
+        self.budget.sent(request.seats)  # each of its n choices (or embedding inputs) takes a seat
+        self._recent_n = max(request.seats, (self._recent_n + 1) // 2)
         self.engine_inbox.put(job)
         log.info("job_started", job_id=job_id, entry_id=entry.entry_id, attempt=attempts)
 

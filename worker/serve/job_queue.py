@@ -53,6 +53,7 @@ class Ending:
     error_code: str | None = None
     finished_at: float | None = None
     queue: str = ""  # the stream of entry_id
+    vectors: bytes = b""  # an embedding job's vectors (protocol/embeddings.py), written beside the record
 
 
 def tokens_key(keys: Keys, job_id: str) -> str:
@@ -193,7 +194,7 @@ class JobQueue:
     def finish(self, pipe: redis.client.Pipeline, e: Ending) -> None:
         shared.finish_job(
             pipe, self.keys, e.job_id, e.status, entry_id=e.entry_id, queue=e.queue, result=e.result, error=e.error,
-            error_code=e.error_code, now=e.finished_at, result_ttl=self.result_ttl_s,
+            error_code=e.error_code, now=e.finished_at, result_ttl=self.result_ttl_s, vectors=e.vectors,
         )
 
     def first_token(self, pipe: redis.client.Pipeline, job_id: str, at: float) -> None:

@@ -96,8 +96,10 @@ class Housekeeper(threading.Thread):
         status: Callable[[], dict[str, Any]],
         metrics: Any | None = None,
         served: Any | None = None,
+        adapters: Any | None = None,
     ) -> None:
         super().__init__(name="tokenbus-housekeeper", daemon=True)
+        self.adapters = adapters  # ServedAdapters: the operator's adapter changes polled, loaded ones declared
         self.served = served  # ServedModels: whether it serves the default model is re-read every beat
         self.jobs = jobs
         self.leases = leases
@@ -171,15 +173,19 @@ class Housekeeper(threading.Thread):
             self.engine_inbox.put(Revoke(job_id, "cancel"))
 
     def beat(self) -> None:
+        if self.adapters is not None:  # before the heartbeat, which then confirms what it declared
+            self.adapters.beat(self.jobs.r, self.engine_inbox)
+        if self.served is not None:
+            self.served.refresh_default(self.jobs.r)
+            reads = self.served.read_ids()
+            if reads != self.jobs.read_models:
+                self.jobs.read_models = reads  # one list swapped whole: intake reads it unlocked
+                self.jobs.ensure_group()
+                log.info("served_queues_changed", serves_default=self.served.serves_default, reads=reads)
         status = self.status()
         beat = Heartbeat(name=self.jobs.consumer, pid=os.getpid(), started_at=self.started_at,
                          last_seen=time.time(), **status)
         self.jobs.heartbeat(beat, ttl_s=max(3 * int(self.heartbeat_s + 0.999), 10))
-        if self.served is not None and self.served.refresh_default(self.jobs.r):
-            self.jobs.read_models = self.served.read_ids()  # one list swapped whole: intake reads it unlocked
-            self.jobs.ensure_group()
-            log.info("default_queues_changed", serves_default=self.served.serves_default,
-                     reads=self.jobs.read_models)
         infos = self.jobs.model_infos()
         self._flag_unserved(infos)
         if self.metrics is not None:

@@ -5,7 +5,8 @@ checkpoint's short name), its names (the id, the `--model` value, the short name
 context length. The registry answers which model ids it serves (its own, and any model holding one of its
 names with the same checkpoint), or refuses a name another checkpoint holds. Intake then reads those models'
 queues, and the default queues while this worker serves the namespace's default model (re-read with every
-heartbeat, so an operator's `tokenbus models default` moves the default queues' readers within a beat).
+heartbeat, so an operator's `tokenbus models default` moves the default queues' readers within a beat), and the
+queues of the LoRA adapters it serves (worker/serve/adapters.py), each a model whose parent is its base.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ log = structlog.get_logger("tokenbus.worker")
 
 class ServedModels:
     def __init__(self, keys: Keys, worker: str, model_arg: str, short_name: str, checkpoint: str,
-                 aliases: list[str], context_length: int | None, kind: ModelKind = ModelKind.generate) -> None:
+                 aliases: list[str], context_length: int | None, kinds: list[str] | None = None,
+                 root: str | None = None) -> None:
         self.keys = keys
         candidates = [*aliases, short_name, model_arg]
         names = []
@@ -36,11 +38,15 @@ class ServedModels:
                 raise ValueError(f"--served-model-name / model name {name!r} cannot name a model: {problem}")
             else:  # a path with ':' or a long one: jobs name the model by its other names
                 log.info("model_name_skipped", name=name[:210], reason=problem)
-        self.record = ModelRecord(id=names[0], names=names, kind=kind, checkpoint=checkpoint,
-                                  context_length=context_length, declared_at=time.time(), declared_by=worker)
+        kinds = [ModelKind(k) for k in kinds or [ModelKind.generate]]
+        # `kind`: what it does first (a model that only embeds is "embed"); `kinds`: every kind it serves
+        self.record = ModelRecord(id=names[0], names=names, kind=kinds[0], kinds=kinds, checkpoint=checkpoint,
+                                  context_length=context_length, root=root, declared_at=time.time(),
+                                  declared_by=worker)
         self.ids: list[str] = [self.record.id]  # the models whose queues it reads (after declare: the registry's)
         self.serves_default = False
         self.names = set(names)
+        self.adapter_ids: list[str] = []  # the LoRA adapters it serves (worker/serve/adapters.py), swapped whole
 
     @property
     def id(self) -> str:
@@ -64,14 +70,19 @@ class ServedModels:
 
     def read_ids(self) -> list[str]:
         """The READ script's model ids: its models, then '' (the default queues) while it serves the default."""
-        return [*self.ids, *([""] if self.serves_default else [])]
+        return [*self.ids, *self.adapter_ids, *([""] if self.serves_default else [])]
 
     def model_of_queue(self, queue: str) -> str | None:
-        """The id of the served model whose queue this is; None for the default queues."""
-        for mid in self.ids:
-            if queue.startswith(self.keys.for_model(mid).queue_prefix + ":"):
-                return mid
-        return None
+        """The id of the model whose queue this is (`{ns}:m:{id}:...`: ids hold no ':'); None for the default
+        queues. Read from the key, not the served list, so an adapter's job read just before its removal keeps
+        its adapter (and fails model_not_found) instead of running on the base."""
+        prefix = self.keys.prefix + ":m:"
+        return queue[len(prefix):].split(":", 1)[0] if queue.startswith(prefix) else None
+
+    def lora_of(self, model: str) -> str | None:
+        """The engine's adapter name for a job of `model`: None for the base (or the default queues)."""
+        return None if not model or model in self.ids else model
 
     def heartbeat_fields(self) -> dict[str, Any]:
-        return {"model": self.id, "models": list(self.ids), "serves_default": self.serves_default}
+        return {"model": self.id, "models": [*self.ids, *self.adapter_ids], "serves_default": self.serves_default,
+                "kinds": [str(k) for k in self.record.kinds]}

@@ -20,13 +20,15 @@ import structlog
 
 from protocol.errors import TokenbusError
 from protocol.models import ErrorCode, JobResult
-from protocol.registry import ModelKind, short_name
+from protocol.registry import short_name
 from protocol.scripts import RetryBackoff
 from worker.engine.config import bulk_min_seats
 from worker.engine.errors import EngineError, InvalidRequest
 from worker.engine.sampling_params import SamplingParams
+from worker.serve.adapters import AdapterChange, ServedAdapters
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter, FirstToken
+from worker.serve.embed_jobs import EmbedJobs, job_of
 from worker.serve.intake import BLOCK_MS, Intake, IntakeBudget
 from worker.serve.job_queue import Ending, JobQueue
 from worker.serve.leases import Housekeeper, Leases
@@ -34,7 +36,7 @@ from worker.serve.messages import HandBack, Partial, Revoke, StartedJob, Wake
 from worker.serve.results import job_result
 from worker.serve.served import ServedModels
 from worker.serve.status import EngineStatus
-from worker.settings import WorkerSettings
+from worker.settings import WorkerSettings, lora_flags
 
 log = structlog.get_logger("tokenbus.worker")
 
@@ -66,8 +68,8 @@ class Server:
         self.served = ServedModels(
             self.jobs.keys, settings.worker_name, settings.engine.model, short_name(engine.model_name),
             getattr(engine, "checkpoint", ""), settings.served_model_name, engine.max_model_len,
-            # an encoder serves embeddings only (its jobs' kind, for the registry)
-            ModelKind.generate if "generate" in getattr(engine, "kinds", ["generate"]) else ModelKind.embed)
+            kinds=list(getattr(engine, "kinds", ["generate"])), root=settings.engine.model)
+        self.adapters = ServedAdapters(self.jobs.keys, self.served, lora_flags(settings.lora))
         self.intake = Intake(
             self.jobs, self.leases, self.budget, self.inbox, self.writer,
             model_names=self.served.names, lease_ms=settings.lease_ms,
@@ -78,9 +80,10 @@ class Server:
         )
         self.housekeeper = Housekeeper(
             self.jobs, self.leases, self.inbox, settings.lease_ms, settings.heartbeat_s, self._status, metrics,
-            served=self.served,
+            served=self.served, adapters=self.adapters,
         )
         self.running: dict[str, StartedJob] = {}  # jobs inside the engine
+        self.embeds = EmbedJobs()  # the embedding jobs among them: one engine request per input
         # After a failed step with several jobs: they re-run one at a time (suspects), so the one that
         # breaks the engine fails alone; jobs arriving meanwhile wait in `held`.
         self.suspects: deque[StartedJob] = deque()
@@ -127,6 +130,8 @@ class Server:
             self._seat_set_aside()
             if self.engine.has_unfinished_requests():
                 self._step()
+            if self.adapters.unloading:  # removed while requests used them: unloaded once those have ended
+                self.adapters.apply(self.engine, None)
             stats = self.engine.stats()
             set_aside = len(self.suspects) + len(self.held)
             self.budget.set_room(self._room(stats.running, stats.waiting + stats.forking + set_aside))
@@ -156,6 +161,7 @@ class Server:
         while not self.stop_requested.is_set():
             try:
                 self.served.declare(self.jobs.r)
+                self.adapters.start(self.engine, self.jobs.r)  # the threads are not running yet
                 self.jobs.read_models = self.served.read_ids()
                 self.jobs.ensure_group()
                 self.jobs.publish_config(self.settings.queue_config())
@@ -196,7 +202,7 @@ class Server:
 
     def _status(self) -> dict[str, Any]:
         return self.status.heartbeat(self.writer.jobs_done, draining=self.drain_deadline is not None) \
-            | self.served.heartbeat_fields()
+            | self.served.heartbeat_fields() | self.adapters.heartbeat_fields()
 
     # ---- messages -----------------------------------------------------------------------------------
 
@@ -216,10 +222,12 @@ class Server:
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, StartedJob):
-            self.budget.taken(msg.request.n)
+            self.budget.taken(msg.request.seats)
             self._add(msg)
         elif isinstance(msg, Revoke):
             self._revoke(msg)
+        elif isinstance(msg, AdapterChange):
+            self.adapters.apply(self.engine, msg)
 
     def _add(self, job: StartedJob) -> None:
         if self.drain_deadline is not None:
@@ -236,7 +244,11 @@ class Server:
 
     def _seat(self, job: StartedJob) -> None:
         try:
-            self.engine.add_request(job.job_id, job.request.engine_prompt(), job.params, priority=job.priority)
+            if job.request.kind == "embed":
+                self.embeds.seat(self.engine, job)
+            else:
+                self.engine.add_request(job.job_id, job.request.engine_prompt(), job.params, priority=job.priority,
+                                        lora=self.served.lora_of(job.model))
         except InvalidRequest as err:  # the client's to fix: prompt too long, can never fit the cache, ...
             self._end(job, "failed", error=f"invalid job: {err}", error_code=err.code)
             return
@@ -267,6 +279,11 @@ class Server:
             now = time.monotonic()
             self.revoked = {k: v for k, v in self.revoked.items() if now - v[1] < REVOKE_MEMORY_S}
             self.revoked[msg.job_id] = (msg.reason, now)
+            return
+        if msg.job_id in self.embeds.groups:
+            self._abort_quietly(msg.job_id)
+            if msg.reason == "cancel":
+                self._end(job, "cancelled", error="cancelled while running", error_code=ErrorCode.cancelled)
             return
         out = self.engine.abort(msg.job_id)  # frees its KV blocks now; it leaves the next step's batch
         if msg.reason == "cancel" and out is not None:
@@ -307,16 +324,23 @@ class Server:
                 job.published += len(delta.token_ids)
                 job.published_chars += len(delta.text)
         for out in finished:
+            if out.embedding is not None:
+                done = self.embeds.take(out)
+                job = self.running.pop(done, None) if done is not None else None
+                if job is not None:
+                    self._end_embedding(job)
+                continue
             job = self.running.pop(out.request_id, None)
             if job is not None:
                 self._end_with_output(job, out)
-        for job_id, err in self.engine.rejected.items():  # e.g. a grammar the engine could not compile
-            job = self.running.pop(job_id, None)
+        for request_id, err in self.engine.rejected.items():  # e.g. a grammar the engine could not compile
+            job = self.running.pop(job_of(request_id), None)
             if job is not None:
+                self._abort_quietly(job.job_id)
                 self._fail(job, err)
 
     def _step_failed(self, err: Exception) -> None:
-        culprit = self.running.get(err.request_id or "") if isinstance(err, EngineError) else None
+        culprit = self.running.get(job_of(err.request_id or "")) if isinstance(err, EngineError) else None
         if culprit is not None:
             # The engine named the request whose own row broke the step, before any sequence changed: that
             # job fails (with its constraint's code, or worker_error), the rest of the batch steps on, and the
@@ -361,7 +385,12 @@ class Server:
     def _engine_works(self) -> bool:
         """Run a one-token request in the (empty) engine: False if the engine itself fails."""
         try:
-            self.engine.add_request(CANARY_ID, [0], SamplingParams(max_tokens=1, ignore_eos=True))
+            if "generate" in getattr(self.engine, "kinds", ["generate"]):
+                self.engine.add_request(CANARY_ID, [0], SamplingParams(max_tokens=1, ignore_eos=True))
+            else:  # an encoder: the probe is an embedding of one token
+                from worker.engine.pooling import EmbedParams  # torch: the engine's side
+
+                self.engine.add_request(CANARY_ID, [0], EmbedParams())
             for _ in range(8):  # a one-token prompt ends on its first step; a few more cover a busy engine
                 if any(out.request_id == CANARY_ID for out in self.engine.step()):
                     return True
@@ -398,10 +427,12 @@ class Server:
         self.isolating = None
 
     def _abort_quietly(self, job_id: str) -> None:
-        try:
-            self.engine.abort(job_id)
-        except Exception:
-            log.exception("abort_error", job_id=job_id)
+        for request_id in self.embeds.engine_ids(job_id):
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                log.exception("abort_error", job_id=job_id)
+        self.embeds.forget(job_id)
 
     # ---- endings ------------------------------------------------------------------------------------
 
@@ -420,6 +451,10 @@ class Server:
                   finished_at=out.finish_time, finish_reason=out.finish_reason,
                   first_token_at=out.first_token_time, completion_tokens=completion_tokens)
 
+    def _end_embedding(self, job: StartedJob) -> None:
+        result, vectors = self.embeds.result(job.job_id, job.model or self.engine.model_name)
+        self._end(job, "finished", result=result, vectors=vectors, finish_reason="stop")
+
     def _fail(self, job: StartedJob, err: EngineError) -> None:
         """A job the engine gave up on: the client's to fix (InvalidRequest, with its code) or the worker's."""
         if isinstance(err, InvalidRequest):
@@ -430,9 +465,9 @@ class Server:
 
     def _end(self, job: StartedJob, status: str, result: JobResult | None = None,
              error: str | None = None, error_code: str | None = None, finished_at: float | None = None,
-             **stats: Any) -> None:
+             vectors: bytes = b"", **stats: Any) -> None:
         ending = Ending(job.job_id, job.entry_id, status, result=result, error=error, error_code=error_code,
-                        finished_at=finished_at or time.time(), queue=job.queue)
+                        finished_at=finished_at or time.time(), queue=job.queue, vectors=vectors)
         self.writer.end(ending, started_at=job.started_at, **stats)
 
 
