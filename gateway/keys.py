@@ -67,6 +67,15 @@ class GatewayKeys:
         """hash: limits changed at run time (batches/capacity.py), over the settings."""
         return f"{self.prefix}:gw:config"
 
+    def idempotency(self, route: str, owner: str, key_digest: str) -> str:
+        """string with a 24 h TTL: `{body digest}:{object id}` of an Idempotency-Key (gateway/idempotency.py)."""
+        return f"{self.prefix}:gw:idem:{route}:{owner}:{key_digest}"
+
+    @property
+    def expiring_files(self) -> str:
+        """sorted set: output files by expires_at (output_expires_after); the watcher deletes those due."""
+        return f"{self.prefix}:gw:expiring-files"
+
     @property
     def ui_samples(self) -> str:
         """list: the UI overview's history samples (gateway/ui/samples.py); `:lock` after it rate-limits them."""

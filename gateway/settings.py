@@ -94,6 +94,8 @@ class GatewaySettings(BaseSettings):
     body_grace_s: float = Field(10.0, gt=0, description="a body gets this long before min_body_rate applies")
     min_body_rate: int = Field(16 * 1024, gt=0, description="bytes/s a request body must keep up on average")
     watch_interval_s: float = Field(2.0, gt=0, description="tasks: seconds between scans of open batches")
+    min_output_expires_s: int = Field(3600, ge=1, description="shortest output_expires_after.seconds a batch may "
+                                                               "ask for (OpenAI's: 1 hour)")
     # the dashboard at /ui (gateway/ui/, docs/gateway.md "Dashboard")
     ui_enabled: bool = Field(True, description="serve the dashboard at /ui")
     ui_keys: str = Field("", description="comma-separated API keys that may log in to the dashboard; "

@@ -16,7 +16,7 @@ from typing import Any
 import redis
 import structlog
 
-from producer import adapters, batches, exporter, models, vectors
+from producer import adapters, batch_retry, batches, exporter, models, vectors
 from producer.client import Client
 from protocol.errors import TokenbusError
 from protocol.keys import DEFAULT_NAMESPACE
@@ -155,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("batch_id")
         if name == "wait":
             c.add_argument("--timeout", type=float)
+    br = b.add_parser("retry", help="a new batch of the failed, cancelled and expired lines of an ended batch")
+    br.add_argument("batch_id")
+    br.add_argument("--file", help="the batch's input file, when it is no longer where it was submitted from")
+    br.add_argument("--out", help="where the retried lines are written (default: <input>.retry-<id>.jsonl)")
+    br.add_argument("--wait", action="store_true", help="then wait with a progress bar")
     be = b.add_parser("export", help="write OpenAI Batch output lines")
     be.add_argument("batch_id")
     be.add_argument("out")
@@ -339,6 +344,10 @@ def _batch_command(c: Client, a: argparse.Namespace, cmd: str, bars: _Bars) -> i
         return _batch_wait(c, a.batch_id, a.timeout)
     elif cmd == "cancel":
         _print_json(batches.cancel_batch(c, a.batch_id))
+    elif cmd == "retry":
+        record = batch_retry.retry_batch(c, a.batch_id, a.file, a.out)
+        print(record.id)
+        return _batch_wait(c, record.id, None) if a.wait else 0
     elif cmd == "export":
         n = batches.export_batch(c, a.batch_id, a.out, allow_partial=a.partial, on_progress=bars,
                                  drop_vectors=a.drop_vectors)

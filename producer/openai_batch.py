@@ -1,6 +1,10 @@
-"""OpenAI Batch API lines <-> tokenbus jobs: input line -> JobRequest dict, job -> output line. An /v1/embeddings
-body is an embedding job (protocol/embeddings.py); its output line's body is OpenAI's embeddings response, made
-from the job's vectors (producer/vectors.py)."""
+"""OpenAI Batch API lines <-> tokenbus jobs: input line -> JobRequest dict, job -> output line.
+
+Served endpoints: SERVED (chat, completions, responses: producer/openai_responses.py maps them; embeddings: an
+embedding job, protocol/embeddings.py, its output line's body OpenAI's embeddings response made from the job's
+vectors, producer/vectors.py). OpenAI's other batch endpoints are named in KNOWN, so a batch of them is refused
+as not served rather than unknown.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from producer.openai_responses import RESPONSES, response_object, responses_fields
 from producer.vectors import embeddings_response
 from protocol.errors import InvalidJob
 from protocol.models import (
@@ -26,6 +31,13 @@ from protocol.priority import Priority
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
+# The endpoints a batch line (and the gateway) serves: each has its body mapping in _MAPPINGS and its answer in
+# response_body.
+SERVED = (CHAT, COMPLETIONS, RESPONSES, EMBEDDINGS)
+# OpenAI's batch endpoints (batches.create's list, 2026): accepted by name, refused as unsupported_endpoint
+# unless served, so a client learns what is served instead of a bare validation error.
+KNOWN = SERVED + ("/v1/moderations", "/v1/images/generations", "/v1/images/edits", "/v1/videos",
+                  "/v1/audio/speech", "/v1/audio/transcriptions")
 
 # Body fields passed through under the same name: every generation field (OpenAI's and the engine's extras,
 # as vLLM accepts them) but logprobs, whose OpenAI meaning differs per endpoint (mapped below).
@@ -45,12 +57,12 @@ class InputLine(BaseModel):
 
     custom_id: str
     method: Literal["POST"]
-    url: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+    url: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"]
     body: dict[str, Any]
 
 
 _UNPARSED = object()
-_URLS = (CHAT, COMPLETIONS, EMBEDDINGS)
+_URLS = SERVED
 
 
 def parse_line(text: str, raw: Any = _UNPARSED, overrides: dict[str, Any] | None = None
@@ -103,8 +115,7 @@ def body_request(url: str, body: dict[str, Any]) -> JobRequest:
 def _body_request(url: str, body: dict[str, Any], overrides: dict[str, Any] | None) -> tuple[JobRequest, str]:
     if not isinstance(body, dict):
         raise InvalidJob(f"body: a request body must be a JSON object, got {type(body).__name__}")
-    fields = _chat_fields(body) if url == CHAT else _embedding_fields(body) if url == EMBEDDINGS else \
-        _completion_fields(body)
+    fields = _MAPPINGS[url](body)
     if overrides:
         fields.update(overrides)
     try:
@@ -213,6 +224,10 @@ def _completion_fields(body: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
+_MAPPINGS = {CHAT: _chat_fields, COMPLETIONS: _completion_fields, RESPONSES: responses_fields,
+             EMBEDDINGS: _embedding_fields}
+
+
 def output_line(job: Job | None, job_id: str, endpoint: str, vectors: bytes | None = None) -> dict[str, Any]:
     """The OpenAI Batch output line for one ended job (or one whose record expired); vectors: an embedding
     job's (producer/vectors.read_blobs)."""
@@ -232,12 +247,15 @@ def output_line(job: Job | None, job_id: str, endpoint: str, vectors: bytes | No
 
 
 def response_body(job: Job, endpoint: str, vectors: bytes | None = None) -> dict[str, Any]:
+    """A finished job's answer as `endpoint` gives it (the HTTP body, a batch output line's response.body)."""
+    if endpoint == RESPONSES:
+        return response_object(job)
     if endpoint == EMBEDDINGS:
         return embeddings_response(job, vectors)
     result = job.result
     model = result.model or (job.request or {}).get("model") or "unknown"
     created = int(job.finished_at or job.created_at or 0)
-    usage = result.usage.model_dump()
+    usage = result.usage.openai()
     top_n = (job.request or {}).get("logprobs")  # None: logprobs were not asked for
     if not isinstance(top_n, int) or isinstance(top_n, bool) or result.logprobs is None:
         top_n = None

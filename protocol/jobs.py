@@ -29,6 +29,12 @@ class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those the worker's prefix cache held (not computed again)
+
+    def openai(self) -> dict[str, Any]:
+        """OpenAI's chat/completions `usage` shape (cached tokens under prompt_tokens_details)."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens, "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 class TokenText(BaseModel):

@@ -169,6 +169,12 @@ class BatchRecord(BaseModel):
     input_file: str | None = None
     priority: str = Priority.default.value  # of every job of the batch (batches.submit_batch: bulk)
     queue: str | None = None  # its jobs' stream, {ns}:q:{priority}:{id}; leaves the registry when it ends
+    # token counts of its finished jobs, summed by FINISH_JOB as each ends (exact once the batch has ended)
+    input_tokens: int = 0
+    cached_tokens: int = 0  # of input_tokens, prefix-cache hits
+    output_tokens: int = 0
+    retry_of: str | None = None  # the ended batch whose unfinished lines this one re-runs (producer/batch_retry.py)
+    retried_by: str | None = None  # the batch that re-runs this one's unfinished lines
 
     @property
     def done(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import re
 import time
 from dataclasses import dataclass
@@ -124,12 +125,33 @@ def _run(r: redis.Redis, text: str, keys: list[str], args: list[Any]) -> Any:
 
 
 def start_job(r: redis.Redis, keys: Keys, job_id: str, entry_id: str, worker: str, queue: str = "",
-              now: float | None = None, group: str = GROUP) -> tuple[str, int]:
+              now: float | None = None, group: str = GROUP, backoff: RetryBackoff | None = None,
+              lease_ms: int = 0) -> tuple[str, int]:
     """Worker: mark a job delivered from `queue` ('' = the default loose queue) running. Returns (status,
-    attempts): run it only if 'running'."""
+    attempts): run it only if 'running'; ('deferred', ms): a retry after a transient fault, due in ms (with
+    `backoff`, its delay is set here when the fault is first seen; the entry is claimable again when due)."""
+    spec = "" if backoff is None else f"{backoff.base_ms},{backoff.max_ms},{random.random():.6f}"
     status, attempts = _run(r, START_JOB, [keys.job(job_id), queue or keys.queue()],
-                            [group, entry_id, worker, now or time.time(), keys.layout])
+                            [group, entry_id, worker, now or time.time(), keys.layout, spec, lease_ms,
+                             BACKOFF_CONSUMER])
     return _s(status), int(attempts)
+
+
+BACKOFF_CONSUMER = "backoff"  # the group consumer a retry waiting for its backoff is pending under (START_JOB)
+
+
+@dataclass(frozen=True)
+class RetryBackoff:
+    """Exponential backoff with jitter between the attempts of a job that had a transient fault: attempt k+1
+    waits min(max_ms, base_ms x 2^(k-1)) x a random factor in [0.5, 1) ("equal jitter")."""
+
+    base_ms: int = 1000
+    max_ms: int = 60_000
+
+    def bounds_s(self, attempt: int) -> tuple[float, float]:
+        """The shortest and longest wait (seconds) after attempt `attempt` failed."""
+        full = min(self.max_ms, self.base_ms * 2 ** (attempt - 1)) / 1000
+        return full / 2, full
 
 
 def mark_first_token(r: redis.Redis, keys: Keys, job_id: str, now: float | None = None) -> bool:
@@ -161,15 +183,18 @@ def finish_job(
     acked and deleted in every case. `r` may be a pipeline (then the return value
     comes from pipe.execute()). result_ttl is only the fallback for records written without one.
     """
+    if isinstance(result, dict):
+        result = JobResult.model_validate(result)
+    usage = ""  # summed into the job's batch (batch usage)
     if isinstance(result, JobResult):
+        u = result.usage
+        usage = f"[{u.prompt_tokens},{u.cached_tokens},{u.completion_tokens}]"
         result = result.model_dump_json()
-    elif isinstance(result, dict):
-        result = JobResult.model_validate(result).model_dump_json()
     status = JobStatus(status)
     out = _run(r, FINISH_JOB, [keys.job(job_id), queue or keys.queue(), keys.events, keys.cancel, keys.tokens(job_id),
                                keys.vectors(job_id)],
                [group, entry_id, job_id, status.value, result or "", error or "", error_code or "",
-                now or time.time(), result_ttl, keys.layout, EVENTS_MAXLEN, vectors])
+                now or time.time(), result_ttl, keys.layout, EVENTS_MAXLEN, vectors, usage])
     return out if not isinstance(out, int | bytes | str) else int(out)
 
 

@@ -38,7 +38,7 @@ ENV = {  # short deadlines: each attack resolves in a few seconds
     "TOKENBUS_GATEWAY_SUBMIT_LEASE_S": "2", "TOKENBUS_GATEWAY_HEADER_TIMEOUT_S": "1",
     "TOKENBUS_GATEWAY_BODY_GRACE_S": "1", "TOKENBUS_GATEWAY_MIN_BODY_RATE": "1024",
     "TOKENBUS_GATEWAY_MAX_UPLOAD_BYTES": str(4 * 1024 * 1024), "TOKENBUS_GATEWAY_MAX_TOKENS_LIMIT": "4096",
-    "TOKENBUS_GATEWAY_TASKS_RESTART_BACKOFF_S": "0.3,0.3,0.3,0.3",
+    "TOKENBUS_GATEWAY_TASKS_RESTART_BACKOFF_S": "0.3,0.3,0.3,0.3", "TOKENBUS_GATEWAY_MIN_OUTPUT_EXPIRES_S": "1",
 }
 
 
@@ -98,9 +98,10 @@ class LightStack(Deployment):
         os.kill(self.procs[name].proc.pid, signal.SIGCONT)
 
     def end_job(self, job_id: str, *, error_code: str | None = None, text: str = "ok", error: str = "",
-                result: dict[str, Any] | None = None) -> None:
+                result: dict[str, Any] | None = None, usage: dict[str, int] | None = None) -> None:
         """End a queued job as a worker would (start_job then finish_job: the worker's own Lua), with `result`
-        (a JobResult's fields) or a short one saying `text`."""
+        (a JobResult's fields) or a short one saying `text`, with `usage` (prompt_tokens, completion_tokens,
+        total_tokens, cached_tokens)."""
         from protocol import scripts
         from protocol.keys import Keys
 
@@ -113,7 +114,8 @@ class LightStack(Deployment):
                                error=error or f"the test worker says {error_code}")
         else:
             scripts.finish_job(r, keys, job_id, "finished", entry_id=entry, queue=queue,
-                               result=result or {"text": text, "finish_reason": "stop", "model": "smollm2-135m"})
+                               result=result or {"text": text, "finish_reason": "stop", "model": "smollm2-135m",
+                                                 "usage": usage or {}})
 
 
 def start_light_stack(tmp: Path, settings: dict[str, str] | None = None) -> LightStack:

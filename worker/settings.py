@@ -102,6 +102,9 @@ class WorkerSettings(BaseSettings):
         30_000, ge=100, description="an in-flight job whose lease is not renewed for this long is reclaimed"
     )
     max_attempts: int = Field(3, ge=1, description="deliveries of one job before it goes to the dead letters")
+    retry_backoff_ms: int = Field(1000, ge=0, description="a job whose worker stopped (or whose step failed) is "
+                                  "retried after min(retry_backoff_max_ms, this x 2^(attempt-1)) x [0.5, 1)")
+    retry_backoff_max_ms: int = Field(60_000, ge=0, description="the longest wait between two attempts of a job")
     result_ttl_s: int = Field(
         DEFAULT_RESULT_TTL, gt=0,
         description="seconds an ended job's record is kept (when set, also published to {ns}:config for clients)",

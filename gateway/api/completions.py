@@ -1,9 +1,10 @@
-"""POST /v1/chat/completions and /v1/completions: enqueue one job, wait for it, answer as OpenAI does.
+"""POST /v1/chat/completions and /v1/completions (and, through api/responses.py, /v1/responses): enqueue one job,
+wait for it, answer as OpenAI does.
 
 The body is mapped to a job exactly as a batch line's body is (producer.openai_batch.body_request), so the
 same request gives the same job either way. `stream: true` answers with server-sent events made from the
-job's token stream ({ns}:job:{id}:tokens; live/sse.py). Every answer carries the job id in the
-`x-tokenbus-job-id` header. A call that times out (504) or whose client goes has its job cancelled, and the
+job's token stream ({ns}:job:{id}:tokens; live/sse.py, live/responses_sse.py). Every answer carries the job id in
+the `x-tokenbus-job-id` header. A call that times out (504) or whose client goes has its job cancelled, and the
 key's slot (live/quotas.py) comes back only once that job has really ended (live/cancels.py). The bytes a call
 keeps in Redis are reserved against its key before it is queued, and settled once it ends (kept_bytes.py).
 """
@@ -25,10 +26,12 @@ from gateway.errors import APIError, invalid
 from gateway.http import get_ctx, json_body
 from gateway.jobs import job_error
 from gateway.kept_bytes import KeptCall, admit, measure, settle
-from gateway.live.sse import abandon, job_events
+from gateway.live.responses_sse import ResponsesShape
+from gateway.live.sse import ChunkShape, StreamShape, abandon, job_events
 from gateway.live.waiter import ClientGone
 from producer.batch_file import max_tokens_problem, request_tokens
 from producer.openai_batch import CHAT, COMPLETIONS, body_request, response_body
+from producer.openai_responses import RESPONSES, UnsupportedParameter
 from protocol.errors import InvalidJob
 from protocol.models import Job, JobRequest, JobStatus
 from protocol.priority import Priority
@@ -39,12 +42,12 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, who: str = Depends(owner)) -> Any:
-    return await _complete(request, who, CHAT)
+    return await complete(request, who, CHAT)
 
 
 @router.post("/v1/completions")
 async def completions(request: Request, who: str = Depends(owner)) -> Any:
-    return await _complete(request, who, COMPLETIONS)
+    return await complete(request, who, COMPLETIONS)
 
 
 def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -73,17 +76,21 @@ def submit(ctx: GatewayContext, who: str, endpoint: str, request: JobRequest) ->
     return kept
 
 
-async def _complete(request: Request, who: str, endpoint: str) -> Any:
+async def complete(request: Request, who: str, endpoint: str) -> Any:
     ctx = get_ctx(request)
     body = await json_body(request)
     stream, include_usage = _stream_options(body)
     try:
         # off the event loop: a big constraint takes a while to check (a 60,000-entry choice took seconds)
         job_request = await run_in_threadpool(body_request, endpoint, body)
+    except UnsupportedParameter as err:
+        raise invalid(str(err).removeprefix("body."), param=err.param.removeprefix("body."),
+                      code="unsupported_parameter") from None
     except InvalidJob as err:
         raise invalid_body(err) from None
     if problem := max_tokens_problem(job_request, ctx.settings.max_tokens_limit):
-        raise invalid(problem, param="max_tokens", code="max_tokens_too_large")
+        raise invalid(problem, param="max_output_tokens" if endpoint == RESPONSES else "max_tokens",
+                      code="max_tokens_too_large")
     job_request = job_request.model_copy(update={"stream": stream})
     timeout = ctx.settings.completion_timeout_s
     kept, lease = await leased_submit(ctx, who, endpoint, job_request, timeout)
@@ -91,7 +98,9 @@ async def _complete(request: Request, who: str, endpoint: str) -> Any:
     headers = {"x-tokenbus-job-id": job_id}
     if stream:
         handled: list[bool] = []  # the generator's finally ran
-        events = job_events(ctx, job_id, endpoint, job_request.model, include_usage, lease, handled, kept)
+        shape: StreamShape = ResponsesShape(job_id, job_request.model, body) if endpoint == RESPONSES else \
+            ChunkShape(job_id, endpoint, job_request.model, include_usage)
+        events = job_events(ctx, job_id, shape, lease, handled, kept)
         # A client gone before the first chunk: the generator may never start, so its finally never runs;
         # when it is dropped unstarted, the same clean-up runs from here.
         weakref.finalize(events, abandon, ctx, job_id, lease, handled)

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse
 from starlette.concurrency import run_in_threadpool
 
+from gateway import idempotency
 from gateway.auth import owner
 from gateway.errors import APIError, invalid
 from gateway.files.upload import receive_upload
@@ -18,8 +19,25 @@ router = APIRouter()
 
 @router.post("/v1/files")
 async def create_file(request: Request, who: str = Depends(owner)) -> dict[str, Any]:
-    meta = await receive_upload(request, get_ctx(request).files, who)
-    return meta.to_openai()
+    ctx = get_ctx(request)
+    client_key = idempotency.header_key(request)
+    meta = await receive_upload(request, ctx.files, who)
+    if client_key is None:
+        return meta.to_openai()
+
+    def replay() -> dict[str, Any]:
+        # The file is stored before its key is claimed (the digest needs every byte): a replay drops the copy.
+        try:
+            earlier = idempotency.claim(ctx.redis, ctx.gkeys, "files", who, client_key, meta._digest, meta.id).earlier
+        except BaseException:
+            ctx.files.remove(meta.id, who)
+            raise
+        if earlier is None:
+            return meta.to_openai()
+        ctx.files.remove(meta.id, who)
+        return ctx.files.get(who, earlier).to_openai()
+
+    return await run_in_threadpool(replay)
 
 
 @router.get("/v1/files")

@@ -66,8 +66,10 @@ def finalize(ctx: GatewayContext, batch_id: str) -> str:
     export.unlink(missing_ok=True)
     for kind, fid in ids.items():
         if lines[kind]:
+            expires_at = None if gw.output_expires_s is None else now + gw.output_expires_s
             ctx.files.register(FileMeta(id=fid, owner=gw.owner, filename=f"{batch_id}_{kind}.jsonl",
-                                        purpose="batch_output", bytes=paths[kind].stat().st_size, created_at=now))
+                                        purpose="batch_output", bytes=paths[kind].stat().st_size, created_at=now,
+                                        expires_at=expires_at))
         else:
             paths[kind].unlink(missing_ok=True)
     ended_by_expiry = gw.expire_requested_at is not None
@@ -78,11 +80,12 @@ def finalize(ctx: GatewayContext, batch_id: str) -> str:
     gw.error_file_id = ids["error"] if lines["error"] else None
     gw.total, gw.completed, gw.failed = core.total, core.finished, core.failed + core.cancelled
     gw.in_progress_at = core.in_progress_at
+    gw.input_tokens, gw.cached_tokens, gw.output_tokens = core.input_tokens, core.cached_tokens, core.output_tokens
     gw.finalizing_at = gw.finalizing_at or now
     pipe = ctx.redis.pipeline(transaction=True)
     pipe.hset(ctx.gkeys.batch(batch_id), mapping=gw.fields(
         "final_status", "ended_at", "output_file_id", "error_file_id", "total", "completed", "failed",
-        "in_progress_at"))
+        "in_progress_at", "input_tokens", "cached_tokens", "output_tokens"))
     pipe.srem(ctx.gkeys.open_batches, batch_id)
     pipe.execute()
     capacity.release(ctx, batch_id, gw.owner, _records_bytes(ctx, batch_id))

@@ -56,6 +56,14 @@ class GatewayBatch(BaseModel):
     failed: int | None = None
     in_progress_at: float | None = None
     reserved_bytes: int | None = None  # estimated Redis bytes reserved at create (capacity.py)
+    model: str | None = None  # the model the input file's requests name
+    output_expires_s: int | None = None  # output_expires_after.seconds: its files go this long after they are made
+    retry_of: str | None = None  # the ended batch whose failed lines this one re-runs (retry.py)
+    retried_by: str | None = None  # the batch that re-runs this one's failed lines
+    # Copied from the producer's record at finalisation, as the counts are: its finished jobs' tokens.
+    input_tokens: int | None = None
+    cached_tokens: int | None = None
+    output_tokens: int | None = None
 
     @field_validator("errors")
     @classmethod
@@ -119,7 +127,8 @@ def openai_status(gw: GatewayBatch, core: BatchRecord | None) -> str:
 
 
 def batch_object(gw: GatewayBatch, core: BatchRecord | None) -> dict[str, Any]:
-    """OpenAI's batch object, plus the tokenbus extension field webhook_url."""
+    """OpenAI's batch object (usage: the finished requests' tokens, summed as they end), plus the tokenbus
+    extension fields webhook_url, retry_of and retried_by."""
     status = openai_status(gw, core)
     if gw.final_status:
         counts = {"total": gw.total or 0, "completed": gw.completed or 0, "failed": gw.failed or 0}
@@ -135,6 +144,12 @@ def batch_object(gw: GatewayBatch, core: BatchRecord | None) -> dict[str, Any]:
              for name, final in (("completed_at", "completed"), ("failed_at", "failed"),
                                  ("expired_at", "expired"), ("cancelled_at", "cancelled"))}
     errors = {"object": "list", "data": gw.errors} if gw.errors else None
+    tokens = (gw.input_tokens or 0, gw.cached_tokens or 0, gw.output_tokens or 0) if gw.final_status else \
+        (core.input_tokens, core.cached_tokens, core.output_tokens) if core is not None else (0, 0, 0)
+    usage = {"input_tokens": tokens[0], "input_tokens_details": {"cached_tokens": tokens[1]},
+             "output_tokens": tokens[2], "output_tokens_details": {"reasoning_tokens": 0},
+             "total_tokens": tokens[0] + tokens[2]}
+    expires_after = None if gw.output_expires_s is None else {"anchor": "created_at", "seconds": gw.output_expires_s}
     obj = {
         "id": gw.id, "object": "batch", "endpoint": gw.endpoint, "errors": errors,
         "input_file_id": gw.input_file_id, "completion_window": gw.completion_window, "status": status,
@@ -142,7 +157,9 @@ def batch_object(gw: GatewayBatch, core: BatchRecord | None) -> dict[str, Any]:
         "created_at": gw.created_at, "in_progress_at": in_progress_at, "expires_at": gw.expires_at,
         "finalizing_at": finalizing_at, "completed_at": ended["completed_at"], "failed_at": ended["failed_at"],
         "expired_at": ended["expired_at"], "cancelling_at": cancelling_at, "cancelled_at": ended["cancelled_at"],
-        "request_counts": counts, "metadata": gw.metadata, "webhook_url": gw.webhook_url,
+        "request_counts": counts, "metadata": gw.metadata, "model": gw.model, "usage": usage,
+        "output_expires_after": expires_after, "webhook_url": gw.webhook_url,
+        "retry_of": gw.retry_of, "retried_by": gw.retried_by,
     }
     for name, value in obj.items():  # OpenAI's timestamps are whole unix seconds
         if name.endswith("_at") and value is not None:

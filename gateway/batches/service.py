@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
@@ -19,11 +19,21 @@ from gateway.enqueue import enqueue_submit
 from gateway.errors import APIError, invalid, not_found
 from gateway.webhooks.delivery import check_url, literal_address_problem
 from producer import batches, models
-from producer.openai_batch import CHAT, COMPLETIONS, EMBEDDINGS
+from producer.openai_batch import KNOWN, SERVED
 from protocol.models import describe_validation_error
 
 MAX_METADATA = 16  # OpenAI's limits on metadata
 MAX_PAGE = 100
+MAX_OUTPUT_EXPIRES_S = 30 * 24 * 3600  # OpenAI's longest output_expires_after
+
+
+class ExpiresAfter(BaseModel):
+    """output_expires_after: the output and error files are deleted this long after they are made."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    anchor: Literal["created_at"]
+    seconds: int
 
 
 class CreateBatch(BaseModel):
@@ -35,6 +45,7 @@ class CreateBatch(BaseModel):
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
+    output_expires_after: ExpiresAfter | None = None
     webhook_url: str | None = None
 
     @field_validator("metadata")
@@ -57,10 +68,15 @@ def parse_create(body: Any) -> CreateBatch:
         raise invalid(describe_validation_error(err), param=".".join(str(p) for p in first["loc"])) from None
 
 
-def create(ctx: GatewayContext, owner: str, req: CreateBatch) -> dict[str, Any]:
-    if req.endpoint not in (CHAT, COMPLETIONS, EMBEDDINGS):
-        raise invalid(f"endpoint {req.endpoint!r} is not served here; use {CHAT}, {COMPLETIONS} or {EMBEDDINGS}",
+def create(ctx: GatewayContext, owner: str, req: CreateBatch, retry_of: str | None = None) -> dict[str, Any]:
+    if req.endpoint not in SERVED:
+        known = "an endpoint of OpenAI's that" if req.endpoint in KNOWN else "not an endpoint that"
+        raise invalid(f"endpoint {req.endpoint!r} is {known} this gateway serves; served: {', '.join(SERVED)}",
                       param="endpoint", code="unsupported_endpoint")
+    expires_s = req.output_expires_after.seconds if req.output_expires_after else None
+    if expires_s is not None and not ctx.settings.min_output_expires_s <= expires_s <= MAX_OUTPUT_EXPIRES_S:
+        raise invalid(f"output_expires_after.seconds must be between {ctx.settings.min_output_expires_s} and "
+                      f"{MAX_OUTPUT_EXPIRES_S} (30 days); got {expires_s}", param="output_expires_after.seconds")
     if req.completion_window not in WINDOWS:
         raise invalid(f"completion_window must be one of {', '.join(WINDOWS)} (got {req.completion_window!r})",
                       param="completion_window")
@@ -87,16 +103,19 @@ def create(ctx: GatewayContext, owner: str, req: CreateBatch) -> dict[str, Any]:
                       completion_window=req.completion_window, created_at=now,
                       expires_at=now + WINDOWS[req.completion_window], metadata=req.metadata,
                       webhook_url=req.webhook_url, total=meta.requests, errors=meta.line_errors,
-                      tokens=meta.tokens)
+                      tokens=meta.tokens, model=next((m for m in meta.models or [] if m), None),
+                      output_expires_s=expires_s, retry_of=retry_of)
     # A file with invalid lines queues nothing (it fails in validating, OpenAI's way): only its record counts.
     queued = 0 if gw.errors else capacity.estimate(meta.requests or 0, meta.bytes, meta.result_bytes or 0)
     # 429 naming the limit (the key's queued requests, tokens, bytes; everyone's bytes): nothing was written
     capacity.admit(ctx, gw, 0 if gw.errors else meta.requests or 0, 0 if gw.errors else meta.tokens or 0, queued)
+    if retry_of:  # the link back: the ended batch names the batch that re-runs its unfinished lines
+        ctx.redis.hset(ctx.gkeys.batch(retry_of), "retried_by", gw.id)
     enqueue_submit(ctx, gw.id)
     return batch_object(gw, None)
 
 
-def _owned(ctx: GatewayContext, owner: str, batch_id: str) -> GatewayBatch:
+def owned(ctx: GatewayContext, owner: str, batch_id: str) -> GatewayBatch:
     gw = GatewayBatch.load(ctx.redis, ctx.gkeys, batch_id) if batch_id.startswith("batch_") else None
     if gw is None or gw.owner != owner:
         raise not_found("batch", batch_id)
@@ -104,12 +123,12 @@ def _owned(ctx: GatewayContext, owner: str, batch_id: str) -> GatewayBatch:
 
 
 def retrieve(ctx: GatewayContext, owner: str, batch_id: str) -> dict[str, Any]:
-    gw = _owned(ctx, owner, batch_id)
+    gw = owned(ctx, owner, batch_id)
     return batch_object(gw, None if gw.final_status else load_core(ctx.redis, ctx.keys, batch_id))
 
 
 def cancel(ctx: GatewayContext, owner: str, batch_id: str) -> dict[str, Any]:
-    gw = _owned(ctx, owner, batch_id)
+    gw = owned(ctx, owner, batch_id)
     core = None if gw.final_status else load_core(ctx.redis, ctx.keys, batch_id)
     if gw.final_status or (core is not None and core.is_terminal and not gw.cancel_requested_at):
         status = gw.final_status or "finalizing"

@@ -58,6 +58,7 @@ class BatchWatcher:
                 if time.monotonic() >= next_full:
                     self.check(None)
                     ingest.sweep_validating(ctx)  # cancelled, expired, or whose submit died: end them
+                    ctx.files.sweep_expired()  # output files past their batch's output_expires_after
                     next_full = time.monotonic() + self.interval_s
                 elif ended_jobs:
                     self.check({jid.rsplit("-", 1)[0] for jid in ended_jobs if "-" in jid})

@@ -12,6 +12,7 @@ line; the submit task streams that to Redis and never reads or validates the fil
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -21,7 +22,7 @@ from typing import IO, Any, BinaryIO
 
 import redis
 import structlog
-from pydantic import BaseModel
+from pydantic import BaseModel, PrivateAttr
 
 from gateway.errors import invalid, not_found
 from gateway.keys import GatewayKeys
@@ -49,11 +50,14 @@ class FileMeta(BaseModel):
     tokens: int | None = None  # batch input files: prompt + max_tokens x n, summed (per-key quotas)
     models: list[str] | None = None  # batch input files: the models their lines name ('' = none)
     result_bytes: int | None = None  # batch input files: their results' most Redis bytes (batches/capacity.py)
+    expires_at: float | None = None  # output files of a batch with output_expires_after: gone after this
+    # an upload's sha256 of purpose, filename and content (Idempotency-Key); never stored
+    _digest: str = PrivateAttr("")
 
     def to_openai(self) -> dict[str, Any]:
         return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": int(self.created_at),
                 "filename": self.filename, "purpose": self.purpose, "status": "processed",
-                "expires_at": None, "status_details": None}
+                "expires_at": None if self.expires_at is None else int(self.expires_at), "status_details": None}
 
 
 class FileStore:
@@ -75,6 +79,9 @@ class FileStore:
         """The file's metadata, or None unless it exists and belongs to owner."""
         raw = self.r.hgetall(self.keys.file(file_id)) if file_id.startswith("file-") else {}
         if not raw or raw.get("owner") != owner:
+            return None
+        if raw.get("expires_at") and float(raw["expires_at"]) <= time.time():
+            self.remove(file_id, owner)  # its output_expires_after passed: gone, as if deleted
             return None
         data: dict[str, Any] = {k: v for k, v in raw.items() if v != ""}
         for listed in ("line_errors", "models"):
@@ -98,18 +105,35 @@ class FileStore:
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(self.keys.file(meta.id), mapping=fields)
         pipe.zadd(self.keys.files(meta.owner), {meta.id: meta.created_at})
+        if meta.expires_at is not None:
+            pipe.zadd(self.keys.expiring_files, {f"{meta.owner}:{meta.id}": meta.expires_at})
         pipe.execute()
         return meta
 
     def delete(self, owner: str, file_id: str) -> None:
         self.get(owner, file_id)
+        self.remove(file_id, owner)
+        log.info("file_deleted", file_id=file_id, owner=owner)
+
+    def remove(self, file_id: str, owner: str) -> None:
+        """The file's metadata and content gone (DELETE, or its expiry)."""
         pipe = self.r.pipeline(transaction=True)
         pipe.delete(self.keys.file(file_id))
         pipe.zrem(self.keys.files(owner), file_id)
+        pipe.zrem(self.keys.expiring_files, f"{owner}:{file_id}")
         pipe.execute()
         self.path(file_id).unlink(missing_ok=True)
         self.requests_path(file_id).unlink(missing_ok=True)
-        log.info("file_deleted", file_id=file_id, owner=owner)
+
+    def sweep_expired(self, now: float | None = None) -> int:
+        """Delete the files whose expires_at passed (the watcher calls this); returns how many."""
+        due = self.r.zrangebyscore(self.keys.expiring_files, "-inf", now or time.time(), start=0, num=1000)
+        for member in due:
+            owner, _, file_id = member.partition(":")
+            self.remove(file_id, owner)
+        if due:
+            log.info("files_expired", count=len(due))
+        return len(due)
 
 
 class Upload:
@@ -125,6 +149,7 @@ class Upload:
         self._f: BinaryIO | None = self.part.open("wb")
         self._requests: IO[str] | None = self.requests_part.open("w", encoding="utf-8")
         self.bytes = 0
+        self.sha = hashlib.sha256()
         self.validator = BatchFileReader(store.max_line_bytes, max_tokens=store.max_tokens,
                                          max_requests=store.max_requests, on_request=spool_writer(self._requests),
                                          overrides=submit_fields(None, BATCH_PRIORITY))
@@ -133,6 +158,7 @@ class Upload:
         """Blocking (file I/O, validation): the caller runs it in a thread."""
         assert self._f is not None
         self._f.write(data)
+        self.sha.update(data)
         self.bytes += len(data)
         self.validator.feed(data)
 
@@ -154,6 +180,8 @@ class Upload:
                         requests=self.validator.requests, line_errors=self.validator.line_errors(),
                         tokens=self.validator.tokens, result_bytes=self.validator.result_bytes,
                         models=sorted(self.validator.models))
+        self.sha.update(f"\0{purpose}\0{filename}".encode())
+        meta._digest = self.sha.hexdigest()[:32]
         self.store.register(meta)
         log.info("file_uploaded", file_id=self.id, owner=self.owner, bytes=self.bytes,
                  requests=meta.requests, endpoint=meta.endpoint, invalid_lines=self.validator.error_count)

@@ -7,7 +7,9 @@
 --       4 status (finished|failed|cancelled), 5 result JSON ('' = none), 6 error message ('' = none),
 --       7 error_code ('' = none), 8 now,
 --       9 default result_ttl (used when the record has none), 10 the namespace's layout (JSON, _layout.lua),
---       11 events maxlen, 12 an embedding job's vectors (raw bytes; '' or absent = none)
+--       11 events maxlen, 12 an embedding job's vectors (raw bytes; '' or absent = none),
+--       13 (optional) the result's usage '[input, cached, output]' (JSON; '' = none): added to the batch's
+--       input_tokens, cached_tokens, output_tokens
 -- returns 1 ended now | 0 was already terminal (not overwritten) | -1 no record; the entry is always
 --         acked + deleted (the depth counter counts both) and the id removed from the cancel set
 -- A job whose request asked for a stream gets its final done chunk now if its worker wrote none.
@@ -46,5 +48,14 @@ redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[11], '*', 'job_id', ARGV[3], 'st
 keep_request(KEYS[1], stream, entry)  -- before the entry goes
 end_stream(KEYS[5], redis.call('HGET', KEYS[1], 'request'), ttl)
 ack()  -- before bump_batch: the batch's last entry gone, its ended queue can be deleted
+if cur[4] and cur[4] ~= '' and ARGV[13] and ARGV[13] ~= '' then
+  local bkey = key(L.batch, cur[4])
+  if redis.call('EXISTS', bkey) == 1 then  -- before bump_batch: the sums are exact when the batch ends
+    local u = cjson.decode(ARGV[13])
+    redis.call('HINCRBY', bkey, 'input_tokens', u[1])
+    redis.call('HINCRBY', bkey, 'cached_tokens', u[2])
+    redis.call('HINCRBY', bkey, 'output_tokens', u[3])
+  end
+end
 bump_batch(L, cur[4], st, ARGV[8], ttl)
 return 1

@@ -130,7 +130,8 @@ def test_batch_round_trip_counts_and_export(client, tmp_path):
     assert body["object"] == "chat.completion" and body["model"] == "smollm2-135m"
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "answer to req-a"},
                                 "logprobs": None, "finish_reason": "stop"}]
-    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert isinstance(body["created"], int)
     assert lines[1]["response"] is None
     assert lines[1]["error"] == {"code": "invalid_request", "message": "prompt too long"}

@@ -21,11 +21,16 @@ def cli(stack, *args: str) -> subprocess.CompletedProcess:
 
 
 def answers(lines: list[str]) -> dict[str, object]:
-    """custom_id -> what was generated (or "failed"): the part of a line that ids and times leave alone."""
+    """custom_id -> what was generated (or "failed"): the part of a line that ids and times leave alone (and the
+    prefix cache: a second run of the same prompts finds more of them cached)."""
     out = {}
     for line in map(json.loads, lines):
         body = (line["response"] or {}).get("body")
-        out[line["custom_id"]] = (body["choices"], body["usage"]) if body and "choices" in body else "failed"
+        if not body or "choices" not in body:
+            out[line["custom_id"]] = "failed"
+            continue
+        out[line["custom_id"]] = (body["choices"], {k: v for k, v in body["usage"].items()
+                                                    if k != "prompt_tokens_details"})
     return out
 
 

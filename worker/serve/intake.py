@@ -16,6 +16,7 @@ from protocol.errors import InvalidJob
 from protocol.models import ErrorCode, JobRequest, is_valid_id, parse_request
 from protocol.priority import Priority
 from protocol.records import DeadLetter
+from protocol.scripts import RetryBackoff
 from worker.engine.sampling_params import SamplingParams
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter
@@ -96,6 +97,7 @@ class Intake(threading.Thread):
         stream_tokens: bool,
         bulk_min_seats: int = 0,
         served: ServedModels | None = None,
+        retry_backoff: RetryBackoff | None = None,
     ) -> None:
         super().__init__(name="tokenbus-intake", daemon=True)
         self.jobs = jobs
@@ -109,6 +111,7 @@ class Intake(threading.Thread):
         self.max_attempts = max_attempts
         self.stream_tokens = stream_tokens
         self.bulk_min_seats = bulk_min_seats  # seats kept for bulk jobs: read them first while short of these
+        self.retry_backoff = retry_backoff  # between the attempts of a job whose worker stopped (start_job.lua)
         # Look for lapsed leases a few times per lease: a dead worker's jobs wait at most ~1.25 leases.
         self.claim_every_s = min(max(lease_ms / 4000, 0.2), 10.0)
         self.stop_event = threading.Event()
@@ -213,7 +216,11 @@ class Intake(threading.Thread):
             code = ErrorCode.model_mismatch if isinstance(err, ModelMismatch) else ErrorCode.invalid_request
             self._fail(entry, job_id, str(err), code, raw)
             return
-        status, attempts = self._retry(backoff, lambda: self.jobs.start(job_id, entry.entry_id, entry.queue))
+        status, attempts = self._retry(backoff, lambda: self.jobs.start(
+            job_id, entry.entry_id, entry.queue, self.retry_backoff, self.lease_ms))
+        if status == "deferred":  # a retry after a transient fault, not due yet: claimed again when it is
+            log.info("job_retry_deferred", job_id=job_id, entry_id=entry.entry_id, due_in_ms=attempts)
+            return
         if status != "running":
             # Ended while queued (cancelled) or no record (expired, never submitted): the script acked it.
             log.info("job_skipped", job_id=job_id, entry_id=entry.entry_id, status=status)

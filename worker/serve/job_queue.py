@@ -142,9 +142,12 @@ class JobQueue:
             entries += [_entry(eid, fields, queue) for eid, fields in reply[1] if fields]
         return complete, entries
 
-    def start(self, job_id: str, entry_id: str, queue: str) -> tuple[str, int]:
-        """('running', attempts) to run it; else its terminal status or 'missing' (entry acked already)."""
-        return shared.start_job(self.r, self.keys, job_id, entry_id, self.consumer, queue)
+    def start(self, job_id: str, entry_id: str, queue: str, backoff: shared.RetryBackoff | None = None,
+              lease_ms: int = 0) -> tuple[str, int]:
+        """('running', attempts) to run it; ('deferred', ms) a retry not due yet; else its terminal status or
+        'missing' (entry acked already)."""
+        return shared.start_job(self.r, self.keys, job_id, entry_id, self.consumer, queue, backoff=backoff,
+                                lease_ms=lease_ms)
 
     def has_record(self, job_id: str) -> bool:
         """Whether `{ns}:job:{job_id}` is a job record (a hash): an entry naming it must end it."""

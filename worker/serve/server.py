@@ -21,6 +21,7 @@ import structlog
 from protocol.errors import TokenbusError
 from protocol.models import ErrorCode, JobResult
 from protocol.registry import short_name
+from protocol.scripts import RetryBackoff
 from worker.engine.config import bulk_min_seats
 from worker.engine.errors import EngineError, InvalidRequest
 from worker.engine.sampling_params import SamplingParams
@@ -74,6 +75,8 @@ class Server:
             model_names=self.served.names, lease_ms=settings.lease_ms,
             max_attempts=settings.max_attempts, stream_tokens=settings.stream_tokens,
             bulk_min_seats=bulk_min_seats(settings.engine.bulk_min_fraction, seats), served=self.served,
+            retry_backoff=RetryBackoff(settings.retry_backoff_ms, settings.retry_backoff_max_ms)
+            if settings.retry_backoff_ms else None,
         )
         self.housekeeper = Housekeeper(
             self.jobs, self.leases, self.inbox, settings.lease_ms, settings.heartbeat_s, self._status, metrics,
@@ -353,7 +356,14 @@ class Server:
         for job in jobs:
             self._abort_quietly(job.job_id)
         self.running.clear()
-        if len(jobs) == 1:
+        if len(jobs) == 1 and out_of_memory(err):
+            # Not the job's fault but the moment's (or this device's): a transient failure, handed back with the
+            # attempt counted, so it runs again after the retry backoff, here or on another worker.
+            log.warning("job_out_of_memory", job_id=jobs[0].job_id, error=str(err))
+            self.writer.put(HandBack(jobs[0].job_id, jobs[0].entry_id, count_attempt=True, why="out of memory",
+                                     queue=jobs[0].queue))
+            self.step_failures = 0 if self._engine_works() else MAX_STEP_FAILURES
+        elif len(jobs) == 1:
             # Alone in the batch, so it is the one that broke the step: it fails, every other job goes on.
             self._end(jobs[0], "failed", error_code=ErrorCode.worker_error,
                       error=f"worker error: the engine failed while running this job ({type(err).__name__}: "
@@ -460,3 +470,12 @@ class Server:
                         finished_at=finished_at or time.time(), queue=job.queue, vectors=vectors)
         self.writer.end(ending, started_at=job.started_at, **stats)
 
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """An out-of-memory error (torch's, or one it caused), however the engine wrapped it."""
+    while err is not None:
+        if type(err).__name__ == "OutOfMemoryError" or "out of memory" in str(err).lower():
+            return True
+        err = err.__cause__ or err.__context__
+    return False
