@@ -3,7 +3,9 @@ covers them, and in a Redis Cluster they live on the namespace's shard next to i
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from protocol.keys import key_prefix
 
@@ -88,3 +90,13 @@ class GatewayKeys:
     def ui_sessions(self, owner: str) -> str:
         """sorted set: one owner's UI session token hashes by created_at (the per-key cap, ui/session.py)."""
         return f"{self.prefix}:gw:ui:sessions:{owner}"
+
+
+def hash_fields(raw: dict[str, str], json_fields: tuple[str, ...]) -> dict[str, Any]:
+    """A record hash of these keys as its model's fields: empty fields left unset, the JSON-valued ones decoded
+    (the batch and file records read back)."""
+    data: dict[str, Any] = {k: v for k, v in raw.items() if v != ""}
+    for name in json_fields:
+        if name in data:
+            data[name] = json.loads(data[name])
+    return data

@@ -17,7 +17,7 @@ from typing import Any
 import redis
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from gateway.keys import GatewayKeys
+from gateway.keys import GatewayKeys, hash_fields
 from protocol.errors import MAX_ERRORS_SHOWN
 from protocol.keys import Keys
 from protocol.models import BatchStatus
@@ -89,11 +89,7 @@ class GatewayBatch(BaseModel):
         """The record from its Redis hash (as HGETALL gives it, also from a pipeline); None when it is empty."""
         if not raw:
             return None
-        data: dict[str, Any] = {k: v for k, v in raw.items() if v != ""}
-        for name in ("metadata", "errors"):
-            if name in data:
-                data[name] = json.loads(data[name])
-        return cls.model_validate(data)
+        return cls.model_validate(hash_fields(raw, ("metadata", "errors")))
 
     def fields(self, *names: str) -> dict[str, str | float | int]:
         """Hash fields for HSET: the named ones, None written as ''; with no names, every field that is set

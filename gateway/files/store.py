@@ -25,7 +25,7 @@ import structlog
 from pydantic import BaseModel, PrivateAttr
 
 from gateway.errors import invalid, not_found
-from gateway.keys import GatewayKeys
+from gateway.keys import GatewayKeys, hash_fields
 from producer.batch_file import BatchFileReader
 from producer.batch_spool import spool_writer
 from producer.openai_batch import submit_fields
@@ -83,11 +83,7 @@ class FileStore:
         if raw.get("expires_at") and float(raw["expires_at"]) <= time.time():
             self.remove(file_id, owner)  # its output_expires_after passed: gone, as if deleted
             return None
-        data: dict[str, Any] = {k: v for k, v in raw.items() if v != ""}
-        for listed in ("line_errors", "models"):
-            if listed in data:
-                data[listed] = json.loads(data[listed])
-        return FileMeta.model_validate(data)
+        return FileMeta.model_validate(hash_fields(raw, ("line_errors", "models")))
 
     def get(self, owner: str, file_id: str) -> FileMeta:
         """The file's metadata; 404 unless it exists and belongs to owner."""

@@ -237,7 +237,9 @@ def test_intake_never_leases_more_than_its_capacity(serve_engine, serve, redis_s
     assert sum(j.attempts == 2 for j in jobs) == 40, "the ghost's jobs were reclaimed"
     print(f"peak leases {leases}, pending entries {pending}, running records {running}")
     assert 8 <= leases <= 12, f"{leases} jobs leased at once; the limit is max_num_seqs 8 + lookahead 4"
-    assert pending <= 12 and running <= 12, (pending, running)
+    # records still `running` in Redis also count the jobs that ended in the last step but whose FINISH_JOB the
+    # completion writer has not flushed yet: at most one step's endings (max_num_seqs 8) beyond the 12 held
+    assert pending <= 12 and running <= 12 + 8, (pending, running)
     assert handle.stop() == 0
 
 

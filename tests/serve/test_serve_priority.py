@@ -59,8 +59,10 @@ def test_interactive_jobs_start_before_the_rest_of_a_500_job_bulk_batch(engine, 
     serve(engine, max_num_seqs=MAX_NUM_SEQS, intake_lookahead=lookahead)
     wait_finished(c, bulk.id, 20)
     submitted_at = time.time()
-    chat = [c.submit(prompt=f"question {i}", max_tokens=3, temperature=0.0, ignore_eos=True,
-                     priority="interactive") for i in range(5)]
+    # in one call: five separate submits let the intake read bulk jobs between them, legitimately, and those
+    # would count as overtaking
+    chat = c.submit_many([{"prompt": f"question {i}", "max_tokens": 3, "temperature": 0.0, "ignore_eos": True,
+                           "priority": "interactive"} for i in range(5)])
     chats = list(c.as_completed(chat, timeout=120))
     done = c.get_batch(bulk.id).finished
     wait_finished(c, bulk.id, done + 10)  # bulk work goes on after them
