@@ -53,6 +53,9 @@ def test_simultaneous_creates_cannot_pass_the_queued_requests_quota_together(lig
             return c.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/chat/completions",
                                                "completion_window": "24h"})
 
+    # The submit task paused: a batch it ended meanwhile (queue_full behind earlier tests' jobs on this shared
+    # stack) would rightly free its room and let a third through, as one full CI run saw.
+    light_stack.pause("tasks")
     # Redis frozen while the 24 arrive: once it thaws, their reads are all answered before any of their writes
     # (what a loaded Redis does to a check made apart from its write)
     os.kill(light_stack.redis.proc.pid, signal.SIGSTOP)
@@ -64,6 +67,7 @@ def test_simultaneous_creates_cannot_pass_the_queued_requests_quota_together(lig
             answers = [p.result() for p in pending]
     finally:
         os.kill(light_stack.redis.proc.pid, signal.SIGCONT)
+        light_stack.resume("tasks")
     admitted = [a.json()["id"] for a in answers if a.status_code == 200]
     refused = [a for a in answers if a.status_code == 429]
     assert len(admitted) == 2 and len(refused) == 22, [a.status_code for a in answers]  # 2 x 5 = the limit 10
