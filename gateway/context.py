@@ -39,7 +39,8 @@ class GatewayContext:
             self.redis = redis.Redis(connection_pool=pool)
         self.client = Client(redis_client=self.redis, namespace=settings.namespace)
         self.files = FileStore(self.redis, self.gkeys, settings.files_dir, settings.max_line_bytes,
-                               settings.max_tokens_limit, settings.max_requests_per_file)
+                               settings.max_tokens_limit, settings.max_requests_per_file,
+                               lambda: (settings.max_queued_bytes_per_key, settings.max_queued_bytes))
         self.api_keys = settings.keys_by_owner
         self.waiter = JobWaiter(self.client)  # its thread starts with the HTTP app, never in tasks
         # Streams, cancels and /healthz each have their own connection: none depends on the shared pool.

@@ -31,7 +31,6 @@ log = structlog.get_logger("tokenbus.gateway")
 
 STREAM_TOKEN_BYTES = 64  # one entry of a job's token stream (offset, token ids, text, done): 48 measured
 OWNERSHIP_BYTES = 200  # the call's {ns}:gw:job:{id} hash (owner, endpoint, created_at, its ledger entry)
-CODES = ("stored_bytes_per_key_exceeded", "stored_bytes_exceeded")
 
 _ADMIT = lua("admit_job")  # protocol/lua/admit_job.lua
 _SETTLE = lua("settle_job")  # protocol/lua/settle_job.lua
@@ -61,7 +60,7 @@ def admit(ctx: GatewayContext, job_id: str, who: str, endpoint: str, request: Jo
               capacity.until(ctx, now, OWNERSHIP_SLACK_S), ctx.client.result_ttl + OWNERSHIP_SLACK_S,
               *[x for kv in fields.items() for x in kv]],
         client=ctx.redis)
-    capacity.raise_for(int(code), int(value), kept.most, int(per_key), int(total), "call", CODES)
+    capacity.raise_for(int(code), int(value), kept.most, int(per_key), int(total), "call", capacity.STORED_CODES)
     return kept
 
 

@@ -35,6 +35,11 @@ JOB_OVERHEAD_BYTES = 500  # measured: 401 per job (fit over lines of 235-3,195 b
 BODY_FACTOR = 1.25  # measured: 1.14 x the input line's bytes (the request JSON once, as stored), rounded up
 RECORD_OVERHEAD_BYTES = 200  # allowance for a gateway batch record's hash beyond its fields' bytes
 LEDGER_HOUR_S = 3600  # a ledger of results kept counts them by the hour they expire in: at most 24 x 8 fields
+# a member of a sorted set of ids (a key's batches, files, sessions) as Redis keeps it past 128 members (a
+# skiplist): 123 bytes measured for a 30-character id, 171 for a 64-character hash; rounded up
+INDEX_ENTRY_BYTES = 192
+KEY_SHARE = 4  # a derived per-key byte limit is this fraction of everyone's (derive_limits): 4 keys at it fill Redis
+STORED_CODES = ("stored_bytes_per_key_exceeded", "stored_bytes_exceeded")  # what a call, upload or login keeps
 
 _RESERVE = lua("reserve_bytes")  # protocol/lua/reserve_bytes.lua
 _ADMIT = lua("admit_batch")  # protocol/lua/admit_batch.lua: the quotas, the bytes and the record in one step
@@ -62,15 +67,18 @@ def reserve_problem(maxmemory: int, reserve_free: int) -> str | None:
 
 
 def check_at_start(ctx: GatewayContext) -> None:
-    """ValueError when Redis's maxmemory leaves no room for any batch (reserve_problem); a warning when the byte
-    limits would let Redis fill up before them. A Redis that does not answer yet is left to /healthz."""
+    """ValueError when Redis's maxmemory leaves no room for any batch (reserve_problem); the byte limits left at
+    their defaults sized to Redis (derive_limits); a warning when the limits would let Redis fill up before
+    them. A Redis that does not answer yet is left to /healthz."""
     try:
         maxmemory = _memory(ctx)[0]
+        reserve_free = limits(ctx)[2]
+        if problem := reserve_problem(maxmemory, reserve_free):
+            raise ValueError(problem)
+        derive_limits(ctx, maxmemory, reserve_free)
         per_key, total, reserve_free = limits(ctx)
     except redis.RedisError:
         return
-    if problem := reserve_problem(maxmemory, reserve_free):
-        raise ValueError(problem)
     room = maxmemory - reserve_free
     if maxmemory and (not total or total > room or not per_key or per_key > room):
         # Completions are held to the byte limits alone (the reserve is kept for them): limits above what
@@ -79,6 +87,28 @@ def check_at_start(ctx: GatewayContext) -> None:
                     max_queued_bytes=total, max_queued_bytes_per_key=per_key,
                     fix=f"set TOKENBUS_GATEWAY_MAX_QUEUED_BYTES to at most {room} (maxmemory less the reserve) "
                         "and MAX_QUEUED_BYTES_PER_KEY to one key's share of it")
+
+
+def derive_limits(ctx: GatewayContext, maxmemory: int, reserve_free: int) -> None:
+    """With a Redis maxmemory, the byte limits left at their defaults (no TOKENBUS_GATEWAY_MAX_QUEUED_BYTES[_PER_KEY])
+    become Redis's size: everyone's = maxmemory less redis_reserve_bytes, one key's = 1/KEY_SHARE of everyone's
+    (the fixed defaults, 4 GiB and 512 MiB, let a Redis smaller than them fill before any limit). Set ones win,
+    and so do {ns}:gw:config's at run time. Logged, with what they became."""
+    s, room = ctx.settings, maxmemory - reserve_free
+    if not maxmemory or room <= 0:
+        return
+    derived: dict[str, int] = {}
+    if "max_queued_bytes" not in s.model_fields_set:
+        derived["max_queued_bytes"] = room
+    if "max_queued_bytes_per_key" not in s.model_fields_set:
+        total = derived.get("max_queued_bytes", s.max_queued_bytes)
+        derived["max_queued_bytes_per_key"] = min(total or room, room) // KEY_SHARE
+    for name, value in derived.items():
+        setattr(s, name, value)
+    if derived:
+        log.info("gateway_byte_limits_from_maxmemory", maxmemory=maxmemory, redis_reserve_bytes=reserve_free,
+                 key_share=KEY_SHARE, **derived,
+                 fix="set TOKENBUS_GATEWAY_MAX_QUEUED_BYTES / _PER_KEY to choose them yourself")
 
 
 def _memory(ctx: GatewayContext) -> tuple[int, int]:
@@ -136,7 +166,12 @@ def until(ctx: GatewayContext, now: float, slack_s: float = 0) -> int:
     ledger counts them until then (an hour late at most, never early). A result_ttl of 0 (kept for good) is
     counted for the default 7 days."""
     keep = ctx.client.result_ttl if ctx.client.result_ttl > 0 else DEFAULT_RESULT_TTL
-    return math.ceil((now + keep + slack_s) / LEDGER_HOUR_S) * LEDGER_HOUR_S
+    return until_s(now, keep + slack_s)
+
+
+def until_s(now: float, keep_s: float) -> int:
+    """The end of the hour by which a record written now and kept `keep_s` has expired (a ledger's field)."""
+    return math.ceil((now + keep_s) / LEDGER_HOUR_S) * LEDGER_HOUR_S
 
 
 def ledgers(ctx: GatewayContext, owner: str) -> list[str]:
@@ -145,13 +180,15 @@ def ledgers(ctx: GatewayContext, owner: str) -> list[str]:
 
 
 def raise_for(code: int, value: int, need: int, per_key: int, total: int, what: str = "batch",
-               codes: tuple[str, str] = ("queued_bytes_per_key_exceeded", "queued_bytes_exceeded")) -> None:
-    """429 for a byte limit's refusal (code -1: the key's, -2: everyone's); `what` is refused, answered `codes`."""
-    held = "open batches and results kept"
+               codes: tuple[str, str] = ("queued_bytes_per_key_exceeded", "queued_bytes_exceeded"),
+               less: str = "ask for less (max_tokens, n, top_logprobs)") -> None:
+    """429 for a byte limit's refusal (code -1: the key's, -2: everyone's); `what` is refused, answered `codes`;
+    `less` says how to need less."""
+    held = "open batches, files, sessions and results kept"
     if code == -1:
         raise _refuse(f"this API key's {held} already hold about {value} bytes in Redis; with this {what} "
                       f"(about {need}) they would pass max_queued_bytes_per_key {per_key}. Wait for a batch to "
-                      f"end or results to expire (result_ttl), or ask for less (max_tokens, n, top_logprobs)",
+                      f"end or results to expire (result_ttl), delete files you no longer need, or {less}",
                       codes[0])
     if code == -2:
         raise _refuse(f"the gateway's {held} already hold about {value} bytes in Redis; with this {what} "
@@ -167,11 +204,12 @@ def limits(ctx: GatewayContext) -> tuple[int, int, int]:
 
 
 def release(ctx: GatewayContext, batch_id: str, owner: str, kept: int = 0) -> int:
-    """Give back a batch's reservation (once; later calls return 0), and count the `kept` bytes its records hold
-    after it in the owner's ledger until they expire (until)."""
+    """Give back a batch's reservation (once; later calls return 0), count the `kept` bytes its job records hold
+    after it in the owner's ledger until they expire (until), and its own record as held for as long as it is
+    kept (no API deletes a batch: for good)."""
     now = time.time()
     return int(script(_RELEASE)(keys=[ctx.gkeys.batch(batch_id), ctx.gkeys.queued_bytes, *ledgers(ctx, owner)],
-                                args=[owner, now, kept, until(ctx, now)], client=ctx.redis))
+                                args=[owner, now, kept, until(ctx, now), INDEX_ENTRY_BYTES], client=ctx.redis))
 
 
 def held(ctx: GatewayContext, owner: str | None = None) -> int:

@@ -8,6 +8,9 @@ same files_dir (one box: a named volume; several boxes: a shared filesystem).
 A batch input file has its validated requests beside it (`{file_id}.requests`, producer/batch_spool.py's
 spool: one line each, the request JSON as the submit sends it), written by the upload as it validates each
 line; the submit task streams that to Redis and never reads or validates the file again.
+
+A file's metadata counts against its key's byte limits (batches/capacity.py) for as long as it is kept: an
+upload past them is refused 429 and nothing of it kept; DELETE (or the expiry of an output file) gives it back.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
@@ -30,11 +34,14 @@ from producer.batch_file import BatchFileReader
 from producer.batch_spool import spool_writer
 from producer.openai_batch import submit_fields
 from protocol.priority import Priority
+from protocol.scripts import lua, script
 
 log = structlog.get_logger("tokenbus.gateway")
 
 PURPOSES_UPLOADED = ("batch",)  # what a client may upload; "batch_output" files are made by finalisation
 BATCH_PRIORITY = Priority.bulk  # every gateway batch's queue: set in each request as the upload validates it
+_KEEP = lua("keep_file")  # protocol/lua/keep_file.lua: the metadata and its bytes counted, in one step
+_DROP = lua("drop_file")  # protocol/lua/drop_file.lua
 
 
 class FileMeta(BaseModel):
@@ -62,10 +69,13 @@ class FileMeta(BaseModel):
 
 class FileStore:
     def __init__(self, r: redis.Redis, keys: GatewayKeys, root: Path, max_line_bytes: int,
-                 max_tokens: int = 2**31 - 1, max_requests: int = 2**31 - 1) -> None:
+                 max_tokens: int = 2**31 - 1, max_requests: int = 2**31 - 1,
+                 byte_limits: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
         # No mkdir here: the serving processes make the directory (a mere import must not create one).
         self.r, self.keys, self.root, self.max_line_bytes = r, keys, Path(root), max_line_bytes
         self.max_tokens, self.max_requests = max_tokens, max_requests
+        # (max_queued_bytes_per_key, max_queued_bytes) as the settings have them now ({ns}:gw:config wins)
+        self.byte_limits = byte_limits
 
     def path(self, file_id: str) -> Path:
         # Two hex characters of fan-out keep any one directory small.
@@ -95,15 +105,27 @@ class FileStore:
     def open_upload(self, owner: str) -> Upload:
         return Upload(self, owner, "file-" + uuid.uuid4().hex[:24])
 
-    def register(self, meta: FileMeta) -> FileMeta:
+    def register(self, meta: FileMeta, check: bool = False) -> FileMeta:
+        """Write the file's metadata, counted against its owner's bytes until the file is deleted (KEEP_FILE).
+        check=True (an upload): past the key's or everyone's byte limit, 429 and nothing written; else (a file
+        the gateway makes: a batch's output) counted without a check."""
+        from gateway.batches import capacity  # here: capacity imports the context, which imports this module
+
         fields = {k: ("" if v is None else json.dumps(v) if isinstance(v, list) else v)
                   for k, v in meta.model_dump().items()}
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hset(self.keys.file(meta.id), mapping=fields)
-        pipe.zadd(self.keys.files(meta.owner), {meta.id: meta.created_at})
-        if meta.expires_at is not None:
-            pipe.zadd(self.keys.expiring_files, {f"{meta.owner}:{meta.id}": meta.expires_at})
-        pipe.execute()
+        per_key, total = self.byte_limits()
+        out = script(_KEEP)(
+            keys=[self.keys.file(meta.id), self.keys.files(meta.owner), self.keys.expiring_files,
+                  self.keys.queued_bytes, self.keys.kept_bytes(meta.owner), self.keys.kept_bytes("*"),
+                  self.keys.config],
+            args=[meta.owner, meta.id, meta.created_at, "" if meta.expires_at is None else meta.expires_at,
+                  per_key, total, time.time(), int(check), capacity.INDEX_ENTRY_BYTES,
+                  *[x for kv in fields.items() for x in kv]],
+            client=self.r)
+        if int(out[0]) < 0:
+            code, value, per_key, total, need = map(int, out)
+            capacity.raise_for(code, value, need, per_key, total, "file's metadata", capacity.STORED_CODES,
+                               "upload a file with fewer invalid lines")
         return meta
 
     def delete(self, owner: str, file_id: str) -> None:
@@ -112,12 +134,10 @@ class FileStore:
         log.info("file_deleted", file_id=file_id, owner=owner)
 
     def remove(self, file_id: str, owner: str) -> None:
-        """The file's metadata and content gone (DELETE, or its expiry)."""
-        pipe = self.r.pipeline(transaction=True)
-        pipe.delete(self.keys.file(file_id))
-        pipe.zrem(self.keys.files(owner), file_id)
-        pipe.zrem(self.keys.expiring_files, f"{owner}:{file_id}")
-        pipe.execute()
+        """The file's metadata and content gone (DELETE, or its expiry), its bytes given back (DROP_FILE)."""
+        script(_DROP)(keys=[self.keys.file(file_id), self.keys.files(owner), self.keys.expiring_files,
+                            self.keys.kept_bytes(owner), self.keys.kept_bytes("*")],
+                      args=[file_id, f"{owner}:{file_id}"], client=self.r)
         self.path(file_id).unlink(missing_ok=True)
         self.requests_path(file_id).unlink(missing_ok=True)
 
@@ -178,7 +198,12 @@ class Upload:
                         models=sorted(self.validator.models))
         self.sha.update(f"\0{purpose}\0{filename}".encode())
         meta._digest = self.sha.hexdigest()[:32]
-        self.store.register(meta)
+        try:
+            self.store.register(meta, check=True)
+        except BaseException:  # past the key's byte limits (429): nothing of the file is kept
+            self.final.unlink(missing_ok=True)
+            self.final_requests.unlink(missing_ok=True)
+            raise
         log.info("file_uploaded", file_id=self.id, owner=self.owner, bytes=self.bytes,
                  requests=meta.requests, endpoint=meta.endpoint, invalid_lines=self.validator.error_count)
         return meta

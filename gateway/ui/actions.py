@@ -67,7 +67,13 @@ async def login(request: Request, api_key: str = Form("", max_length=512),
         resp = await page("login.html", request, None, 429, login_token=login_token, error="throttled", wait_s=wait_s)
         resp.headers["retry-after"] = str(wait_s)
         return resp
-    made = await run_in_threadpool(session.create, ctx, api_key.strip())
+    try:
+        made = await run_in_threadpool(session.create, ctx, api_key.strip())
+    except APIError as err:  # the key's stored bytes are at its limit (session.create): said, nothing kept
+        resp = await page("login.html", request, None, err.status, login_token=login_token, error="full",
+                          detail=err.message)
+        resp.headers.update(err.headers or {})
+        return resp
     if made is None:  # the same answer for unknown keys and keys not allowed here: no oracle
         ctx.auth_throttle.failed(*names)
         return RedirectResponse("/ui/login?error=refused", status_code=303, headers=HEADERS)

@@ -8,7 +8,8 @@ browser sends one, an Origin that is this host: SameSite=Strict alone does not c
 A session's role is worked out again from the settings at every request (a key made read-only, or taken off the
 dashboard's keys, loses its rights in the sessions it has open at their next request), and each key keeps at
 most `ui_max_sessions_per_key` sessions: a login past that ends the key's oldest one (the key's holder can always
-log in; a script logging in in a loop holds no more than the cap).
+log in; a script logging in in a loop holds no more than the cap). What a session holds in Redis counts against
+the key's byte limits (batches/capacity.py) until it expires, or until its logout or eviction gives it back.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from urllib.parse import urlsplit
 
 from fastapi import Request
 
+from gateway.batches import capacity
 from gateway.settings import owner_id
+from protocol.scripts import lua, script
 
 COOKIE = "tb_session"
 LOGIN_COOKIE = "tb_login"  # the login form's own CSRF token (double submit: there is no session yet)
@@ -30,6 +33,9 @@ CSRF_HEADER = "x-csrf-token"
 # operator: acts on its own objects and sees every key's dead letters (opt-in: UI_OPERATOR_KEYS); tenant: acts on
 # its own objects only; viewer: sees its own objects and acts on nothing (UI_READONLY_KEYS).
 OPERATOR, TENANT, VIEWER = "operator", "tenant", "viewer"
+
+_LOGIN = lua("ui_login")  # protocol/lua/ui_login.lua: the session, its bytes and the key's cap in one step
+_LOGOUT = lua("ui_logout")  # protocol/lua/ui_logout.lua
 
 
 class NotLoggedIn(Exception):
@@ -83,27 +89,27 @@ def role_of(ctx, api_key: str) -> str | None:
 
 
 def create(ctx, api_key: str) -> tuple[str, Session] | None:
-    """A new session for a valid key: (cookie token, session), or None. Past the key's cap, its oldest go."""
+    """A new session for a valid key: (cookie token, session), or None. Past the key's cap, its oldest go. What
+    it holds in Redis counts against the key's byte limits until it expires (UI_LOGIN): past them, 429."""
     role = role_of(ctx, api_key)
     if role is None:
         return None
     token = secrets.token_urlsafe(32)
     sess = Session(_hash(token), owner_id(api_key), role, secrets.token_urlsafe(32), time.time())
-    ttl, cap = ctx.settings.ui_session_ttl_s, ctx.settings.ui_max_sessions_per_key
-    key, index = ctx.gkeys.ui_session(sess.token_hash), ctx.gkeys.ui_sessions(sess.owner)
-    pipe = ctx.redis.pipeline(transaction=True)
-    pipe.hset(key, mapping={"owner": sess.owner, "role": sess.role, "csrf": sess.csrf,
-                            "created_at": sess.created_at})
-    pipe.expire(key, ttl)
-    pipe.zadd(index, {sess.token_hash: sess.created_at})
-    pipe.zremrangebyscore(index, "-inf", sess.created_at - ttl)  # expired by their own TTL already
-    pipe.expire(index, ttl)
-    pipe.zrange(index, 0, -cap - 1)  # the oldest beyond the cap
-    evicted = pipe.execute()[-1]
-    if evicted:
-        # Two logins at once may both evict the same ones: the deletes are idempotent.
-        ctx.redis.pipeline(transaction=False).delete(*map(ctx.gkeys.ui_session, evicted)) \
-            .zrem(index, *evicted).execute()
+    s = ctx.settings
+    fields = {"owner": sess.owner, "role": sess.role, "csrf": sess.csrf, "created_at": sess.created_at}
+    code, value, *limits = script(_LOGIN)(
+        keys=[ctx.gkeys.ui_session(sess.token_hash), ctx.gkeys.ui_sessions(sess.owner), ctx.gkeys.queued_bytes,
+              *capacity.ledgers(ctx, sess.owner), ctx.gkeys.config],
+        args=[sess.owner, sess.token_hash, sess.created_at, s.ui_session_ttl_s, s.ui_max_sessions_per_key,
+              capacity.until_s(sess.created_at, s.ui_session_ttl_s), s.max_queued_bytes_per_key,
+              s.max_queued_bytes, ctx.gkeys.ui_session(""), capacity.INDEX_ENTRY_BYTES,
+              *[x for kv in fields.items() for x in kv]],
+        client=ctx.redis)
+    if int(code) < 0:
+        per_key, total, need = map(int, limits)
+        capacity.raise_for(int(code), int(value), need, per_key, total, "login", capacity.STORED_CODES,
+                           "log out of a session you no longer use")
     return token, sess
 
 
@@ -124,8 +130,9 @@ def load(ctx, request: Request) -> Session:
 
 
 def destroy(ctx, sess: Session) -> None:
-    ctx.redis.pipeline(transaction=False).delete(ctx.gkeys.ui_session(sess.token_hash)) \
-        .zrem(ctx.gkeys.ui_sessions(sess.owner), sess.token_hash).execute()
+    """End the session now and give back the bytes it was counted for (UI_LOGOUT)."""
+    script(_LOGOUT)(keys=[ctx.gkeys.ui_session(sess.token_hash), ctx.gkeys.ui_sessions(sess.owner),
+                          *capacity.ledgers(ctx, sess.owner)], args=[sess.token_hash], client=ctx.redis)
 
 
 def check_origin(request: Request) -> None:

@@ -83,7 +83,8 @@ def _usage(r, *keys: str) -> int:
 
 
 def _ledger(r, who: str) -> dict[int, int]:
-    return {int(h): int(b) for h, b in r.hgetall(f"{GW}:kept-bytes:{owner_id(KEYS[who])}").items()}
+    """The key's ledger by hour (without its `held` field: records kept until deleted, test_gw_held_bytes.py)."""
+    return {int(h): int(b) for h, b in r.hgetall(f"{GW}:kept-bytes:{owner_id(KEYS[who])}").items() if h != "held"}
 
 
 def test_completions_with_logprobs_count_against_their_key_until_their_results_expire(light_stack):
