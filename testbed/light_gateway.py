@@ -57,12 +57,18 @@ class LightStack(Deployment):
     def r(self):
         return self.redis.client(decode_responses=True)
 
-    def batch(self, who: str, lines: list[str], tmp: Path, **extra: Any):
-        client = self.openai(who)
+    def upload(self, who: str, lines: list[str], tmp: Path) -> str:
+        """A batch input file of these lines uploaded as `who`: its id."""
         src = write_jsonl(tmp / f"in-{time.monotonic_ns()}.jsonl", lines)
-        fid = client.files.create(file=src.open("rb"), purpose="batch").id
-        return client.batches.create(input_file_id=fid, endpoint="/v1/chat/completions", completion_window="24h",
-                                     **({"extra_body": extra} if extra else {}))
+        return self.openai(who).files.create(file=src.open("rb"), purpose="batch").id
+
+    def create(self, who: str, file_id: str, **extra: Any):
+        """A batch of an uploaded file, as `who` (extra: more fields of the create's body)."""
+        return self.openai(who).batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                               completion_window="24h", **({"extra_body": extra} if extra else {}))
+
+    def batch(self, who: str, lines: list[str], tmp: Path, **extra: Any):
+        return self.create(who, self.upload(who, lines, tmp), **extra)
 
     def wait_status(self, who: str, batch_id: str, statuses: tuple[str, ...], timeout: float = 20):
         client = self.openai(who)

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from gateway.batches.capacity import estimate
-from testbed.light_gateway import chat_line, wait_until, write_jsonl
+from testbed.light_gateway import chat_line, wait_until
 
 
 def _set(r, **limits):
@@ -19,16 +19,6 @@ def _set(r, **limits):
             r.hdel("{tokenbus}:gw:config", k)
         else:
             r.hset("{tokenbus}:gw:config", k, v)
-
-
-def _upload(stack, who: str, lines: list[str], tmp_path) -> str:
-    src = write_jsonl(tmp_path / f"in-{time.monotonic_ns()}.jsonl", lines)
-    return stack.openai(who).files.create(file=src.open("rb"), purpose="batch").id
-
-
-def _create(stack, who: str, fid: str):
-    return stack.openai(who).batches.create(input_file_id=fid, endpoint="/v1/chat/completions",
-                                            completion_window="24h")
 
 
 def _held(r, owner: str = "*") -> int:
@@ -65,7 +55,7 @@ def test_byte_limits_refuse_before_anything_is_queued(light_stack, tmp_path):
     jobs_before = len(r.keys("{tokenbus}:job:*"))
     light_stack.forget_kept()  # what earlier tests' results keep would count against these limits too
     # The files first: their metadata counts too (test_gw_held_bytes.py), so the limits are set above them.
-    files = {name: _upload(light_stack, who, [chat_line(f"{name}{i}", "Hello there") for i in range(n)], tmp_path)
+    files = {name: light_stack.upload(who, [chat_line(f"{name}{i}", "Hello there") for i in range(n)], tmp_path)
              for name, who, n in (("a", "alice", 2), ("b", "alice", 2), ("c", "bob", 2), ("d", "carol", 2),
                                   ("e", "alice", 1), ("f", "carol", 1))}
     alice = r.hget("{tokenbus}:gw:file:" + files["a"], "owner")
@@ -75,27 +65,27 @@ def test_byte_limits_refuse_before_anything_is_queued(light_stack, tmp_path):
         # everyone: what all hold and 3 batches' worth less as much
         _set(r, max_queued_bytes_per_key=_held(r, alice) + 2 * two - two // 20,
              max_queued_bytes=_held(r) + 3 * two - two // 20)
-        a1 = _create(light_stack, "alice", files["a"])
+        a1 = light_stack.create("alice", files["a"])
         light_stack.wait_status("alice", a1.id, ("in_progress",))
         with pytest.raises(openai.RateLimitError) as err:  # alice's 2 lines + 2 more > her 2 batches' worth
-            _create(light_stack, "alice", files["b"])
+            light_stack.create("alice", files["b"])
         assert err.value.code == "queued_bytes_per_key_exceeded" and err.value.response.headers["retry-after"]
-        b1 = _create(light_stack, "bob", files["c"])
+        b1 = light_stack.create("bob", files["c"])
         with pytest.raises(openai.RateLimitError) as err:  # 3 batches > 3 less a little for everyone
-            _create(light_stack, "carol", files["d"])
+            light_stack.create("carol", files["d"])
         assert err.value.code == "queued_bytes_exceeded"
         assert len(r.keys("{tokenbus}:job:*")) == jobs_before + 4, "a refused batch wrote no job"
         # An ended batch gives its reservation back; what it keeps stays counted as Redis holds it (its job
         # records, its record, its error file's metadata: ~1.2 x the reservation here): a 1-line batch fits again.
         light_stack.openai("alice").batches.cancel(a1.id)
         light_stack.wait_status("alice", a1.id, ("cancelled",))
-        a2 = _create(light_stack, "alice", files["e"])
+        a2 = light_stack.create("alice", files["e"])
         # Redis itself: refused unless redis_reserve_bytes stay free under maxmemory.
         used = int(r.info("memory")["used_memory"])
         _set(r, max_queued_bytes_per_key=None, max_queued_bytes=None, redis_reserve_bytes=16 << 20)
         r.config_set("maxmemory", used + (16 << 20) - (256 << 10))  # above the reserve, but not by this batch
         with pytest.raises(openai.RateLimitError) as err:  # 16 MiB reserve > the 16 MiB - 256 KiB headroom
-            _create(light_stack, "carol", files["f"])
+            light_stack.create("carol", files["f"])
         assert err.value.code == "redis_capacity"
     finally:
         r.config_set("maxmemory", 0)

@@ -18,7 +18,7 @@ import pytest
 from gateway.batches.capacity import INDEX_ENTRY_BYTES, KEY_SHARE
 from gateway.settings import owner_id
 from testbed.gateway_procs import KEYS, Proc, healthy
-from testbed.light_gateway import chat_line, wait_until, write_jsonl
+from testbed.light_gateway import chat_line, wait_until
 from testbed.redis_server import free_port
 from tests.support.dashboard import Dashboard
 
@@ -33,11 +33,6 @@ def _holds(r, who: str) -> int:
     """All a key holds against its byte limit: its open batches' reservations and its ledger (an earlier test's
     batch may still be open on this shared stack)."""
     return int(r.hget(f"{GW}:queued-bytes", owner_id(KEYS[who])) or 0) + sum(_ledger(r, who).values())
-
-
-def _upload(stack, who: str, lines: list[str], tmp_path) -> str:
-    src = write_jsonl(tmp_path / f"in-{time.monotonic_ns()}.jsonl", lines)
-    return stack.openai(who).files.create(file=src.open("rb"), purpose="batch").id
 
 
 def _limit(r, per_key: int | None) -> None:
@@ -55,7 +50,7 @@ def test_a_files_metadata_counts_against_its_key_until_the_file_is_deleted(light
     lines = [json.dumps({"custom_id": f"bad{i}", "method": "POST", "url": "/v1/chat/completions",
                          "body": {"model": "m", "messages": "x" * 2000}}) for i in range(30)]
     try:
-        fid = _upload(light_stack, "alice", lines, tmp_path)
+        fid = light_stack.upload("alice", lines, tmp_path)
         held = int(r.hget(f"{GW}:file:{fid}", "held_bytes"))
         assert held == r.memory_usage(f"{GW}:file:{fid}", samples=0) + INDEX_ENTRY_BYTES, "Redis's own count"
         assert held > 2_000, f"the file's metadata holds {held} bytes"
@@ -63,16 +58,16 @@ def test_a_files_metadata_counts_against_its_key_until_the_file_is_deleted(light
         files_before, on_disk = r.zcard(f"{GW}:files:{owner_id(KEYS['alice'])}"), len(list(volume.rglob("file-*")))
         _limit(r, _holds(r, "alice") + 1_000)  # room for a small file's metadata (~600 bytes), not another such
         with pytest.raises(openai.RateLimitError) as err:
-            _upload(light_stack, "alice", lines, tmp_path)
+            light_stack.upload("alice", lines, tmp_path)
         assert err.value.code == "stored_bytes_per_key_exceeded" and "delete files" in err.value.body["message"]
         assert err.value.response.headers["retry-after"]
         assert r.zcard(f"{GW}:files:{owner_id(KEYS['alice'])}") == files_before, "nothing of it kept"
         assert len(list(volume.rglob("file-*"))) == on_disk, "nor on the volume"
-        small = _upload(light_stack, "alice", [chat_line("ok", "Hi")], tmp_path)  # a small file still fits
-        _upload(light_stack, "bob", lines, tmp_path)  # another key's counts against its own
+        small = light_stack.upload("alice", [chat_line("ok", "Hi")], tmp_path)  # a small file still fits
+        light_stack.upload("bob", lines, tmp_path)  # another key's counts against its own
         light_stack.openai("alice").files.delete(fid)
         assert _ledger(r, "alice")["held"] == int(r.hget(f"{GW}:file:{small}", "held_bytes")), "given back"
-        again = _upload(light_stack, "alice", lines, tmp_path)  # fits again
+        again = light_stack.upload("alice", lines, tmp_path)  # fits again
         for f in (again, small):
             light_stack.openai("alice").files.delete(f)
         assert "held" not in _ledger(r, "alice"), "every file deleted: nothing held"
@@ -121,9 +116,8 @@ def test_a_failed_batchs_record_and_errors_stay_counted_after_its_results_expire
     r = light_stack.r()
     light_stack.forget_kept()  # dave: no earlier test's batch of his can end (and count) meanwhile
     long_id = "x" * 50_000
-    fid = _upload(light_stack, "dave", [chat_line(long_id, "Hi") for _ in range(25)], tmp_path)
-    b = light_stack.openai("dave").batches.create(input_file_id=fid, endpoint="/v1/chat/completions",
-                                                  completion_window="24h")
+    fid = light_stack.upload("dave", [chat_line(long_id, "Hi") for _ in range(25)], tmp_path)
+    b = light_stack.create("dave", fid)
     light_stack.wait_status("dave", b.id, ("failed",))
     key = f"{GW}:batch:{b.id}"
     wait_until(lambda: r.hget(key, "bytes_released_at"), 10, "the batch's reservation to be given back")
@@ -142,7 +136,7 @@ def test_a_failed_batchs_record_and_errors_stay_counted_after_its_results_expire
         assert _holds(r, "dave") >= held, "the record alone counts after its hours passed"
         _limit(r, _holds(r, "dave") + 500)  # no small file's metadata (~600 bytes) fits beside it
         with pytest.raises(openai.RateLimitError) as err:
-            _upload(light_stack, "dave", [chat_line("ok", "Hi")], tmp_path)
+            light_stack.upload("dave", [chat_line("ok", "Hi")], tmp_path)
         assert err.value.code == "stored_bytes_per_key_exceeded"
         with light_stack.http("dave") as c:
             call = c.post("/v1/chat/completions", json={"model": "m", "max_tokens": 4,

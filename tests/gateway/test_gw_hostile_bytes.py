@@ -6,7 +6,6 @@ Against the light stack's real processes (testbed/light_gateway.py)."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
@@ -19,21 +18,11 @@ from testbed.redis_server import free_port
 GW_CONFIG = "{tokenbus}:gw:config"
 
 
-def _upload(stack, who: str, lines: list[str], tmp_path) -> str:
-    src = write_jsonl(tmp_path / f"in-{time.monotonic_ns()}.jsonl", lines)
-    return stack.openai(who).files.create(file=src.open("rb"), purpose="batch").id
-
-
-def _create(stack, who: str, fid: str):
-    return stack.openai(who).batches.create(input_file_id=fid, endpoint="/v1/chat/completions",
-                                            completion_window="24h")
-
-
 def test_a_repeated_long_custom_id_is_not_copied_into_the_batch_record(light_stack, tmp_path):
     r = light_stack.r()
     long_id = "x" * 400_000
-    fid = _upload(light_stack, "alice", [chat_line(long_id, "Hi") for _ in range(9)], tmp_path)  # 3.6 MB file
-    b = _create(light_stack, "alice", fid)
+    fid = light_stack.upload("alice", [chat_line(long_id, "Hi") for _ in range(9)], tmp_path)  # 3.6 MB file
+    b = light_stack.create("alice", fid)
     done = light_stack.wait_status("alice", b.id, ("failed",))
     assert [e.code for e in done.errors.data] == ["duplicate_custom_id"] * 8
     assert "(400000 characters)" in done.errors.data[0].message and len(done.errors.data[0].message) < 300
@@ -76,7 +65,7 @@ def _raw_post(stack, path: str, body: bytes) -> httpx.Response:
 
 
 def test_a_lone_surrogate_in_batch_metadata_is_refused_naming_the_field(light_stack, tmp_path):
-    fid = _upload(light_stack, "alice", [chat_line("a", "Hi")], tmp_path)
+    fid = light_stack.upload("alice", [chat_line("a", "Hi")], tmp_path)
     with light_stack.http("alice") as c:
         before = c.get("/v1/batches", params={"limit": 100}).json()["data"]
     head = b'{"input_file_id": "' + fid.encode() + b'", "endpoint": "/v1/chat/completions", '
@@ -137,7 +126,7 @@ def test_a_full_redis_is_reported_as_full_not_unreachable(light_stack):
 
 def test_a_maxmemory_below_the_reserve_is_said_at_start_and_at_create(light_stack, tmp_path):
     r = light_stack.r()
-    fid = _upload(light_stack, "alice", [chat_line("a", "Hi")], tmp_path)
+    fid = light_stack.upload("alice", [chat_line("a", "Hi")], tmp_path)
     port = free_port()
     env = dict(light_stack.env, TOKENBUS_GATEWAY_PORT=str(port), TOKENBUS_GATEWAY_REDIS_RESERVE_BYTES=str(64 << 20))
     try:
@@ -151,7 +140,7 @@ def test_a_maxmemory_below_the_reserve_is_said_at_start_and_at_create(light_stac
         assert "maxmemory" in proc.tail() and "redis_reserve_bytes" in proc.tail(), proc.tail()
         # Lowered at run time on a running gateway: the batch is refused saying why, not "retry".
         with pytest.raises(openai.InternalServerError) as err:
-            _create(light_stack, "alice", fid)
+            light_stack.create("alice", fid)
         assert err.value.status_code == 503 and err.value.code == "redis_reserve_too_large"
         assert "redis_reserve_bytes" in err.value.body["message"] and "retry" not in err.value.body["message"]
     finally:
