@@ -78,10 +78,13 @@ class GatewaySettings(BaseSettings):
                                               "redis_url is a Redis Cluster, which RQ cannot use: a plain or "
                                               "Sentinel Redis (docs/deployment.md, Redis Cluster)")
     # Redis capacity: what one tenant, and all of them, may hold queued or kept (estimated bytes, docs/gateway.md).
-    max_queued_bytes_per_key: int = Field(512 * MiB, ge=0, description="one key's open batches and results "
-                                          "kept (gateway/kept_bytes.py), in estimated Redis bytes (0 = no limit)")
-    max_queued_bytes: int = Field(4096 * MiB, ge=0, description="all keys' open batches and results kept, in "
-                                                                "estimated Redis bytes (0 = no limit)")
+    # Left unset with a Redis maxmemory, these two are sized to it at start (batches/capacity.py derive_limits).
+    max_queued_bytes_per_key: int = Field(512 * MiB, ge=0, description="one key's open batches, results, files' "
+                                          "metadata, batch records and sessions kept, in Redis bytes (0 = no "
+                                          "limit); unset with a Redis maxmemory: a quarter of max_queued_bytes")
+    max_queued_bytes: int = Field(4096 * MiB, ge=0, description="all keys' of the same, in Redis bytes (0 = no "
+                                                                "limit); unset with a Redis maxmemory: maxmemory "
+                                                                "less redis_reserve_bytes")
     redis_reserve_bytes: int = Field(64 * MiB, ge=0, description="a batch is refused unless Redis keeps this "
                                                                   "much of its maxmemory free after it")
     max_requests_per_file: int = Field(50_000, gt=0, description="lines of one batch input file (OpenAI: 50,000)")

@@ -80,8 +80,9 @@ class LightStack(Deployment):
         return wait_until(done, timeout, f"batch {batch_id} to reach {statuses}", self.all(), every=0.1)
 
     def forget_kept(self) -> None:
-        """Empty every key's ledger of results kept, as if they had all expired: a test of the byte limits then
-        starts from what its own calls hold, not from what earlier tests on this stack left for result_ttl."""
+        """Empty every key's ledger (results and sessions kept, files and ended batches' records held), as if
+        they had all gone: a test of the byte limits then starts from what its own calls hold, not from what
+        earlier tests on this stack left (open batches' reservations stay: they end with their batches)."""
         r = self.r()
         for ledger in list(r.scan_iter("{tokenbus}:gw:kept-bytes:*")):
             r.delete(ledger)

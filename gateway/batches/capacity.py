@@ -8,7 +8,9 @@ Checked at POST /v1/batches, in order: Redis keeps redis_reserve_bytes of its ma
 (INFO memory); the key's open batches and results kept (gateway/kept_bytes.py) stay under
 max_queued_bytes_per_key; all keys' under max_queued_bytes. The reservation ({ns}:gw:queued-bytes: owner ->
 bytes, "*" -> all) is returned once when the batch ends, and what its results keep moves to the key's ledger
-until they expire.
+until they expire, its own record (its errors) for as long as it is kept. The same limits count a key's files'
+metadata (files/store.py) and dashboard sessions (ui/session.py). Left unset, the limits are sized to Redis's
+maxmemory at start (derive_limits).
 The three limits can be changed without a restart: HSET {ns}:gw:config max_queued_bytes_per_key N (also
 max_queued_bytes, redis_reserve_bytes); HDEL goes back to the setting.
 """
