@@ -74,6 +74,12 @@ class GatewayKeys:
         return f"{self.prefix}:gw:idem:{route}:{owner}:{key_digest}"
 
     @property
+    def ended_batches(self) -> str:
+        """sorted set: `{owner}:{batch id}` of ended batches by when their record goes (batch_retention_s); the
+        watcher deletes those due (batches/retention.py)."""
+        return f"{self.prefix}:gw:ended-batches"
+
+    @property
     def expiring_files(self) -> str:
         """sorted set: output files by expires_at (output_expires_after); the watcher deletes those due."""
         return f"{self.prefix}:gw:expiring-files"

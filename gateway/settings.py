@@ -97,6 +97,9 @@ class GatewaySettings(BaseSettings):
     body_grace_s: float = Field(10.0, gt=0, description="a body gets this long before min_body_rate applies")
     min_body_rate: int = Field(16 * 1024, gt=0, description="bytes/s a request body must keep up on average")
     watch_interval_s: float = Field(2.0, gt=0, description="tasks: seconds between scans of open batches")
+    batch_retention_s: int = Field(30 * 24 * 3600, ge=0, description="an ended batch's record (and its output and "
+                                   "error files, unless output_expires_after says otherwise) is kept this long, "
+                                   "then deleted with its entries in the key's list; 0 = kept for good")
     min_output_expires_s: int = Field(3600, ge=1, description="shortest output_expires_after.seconds a batch may "
                                                                "ask for (OpenAI's: 1 hour)")
     # the dashboard at /ui (gateway/ui/, docs/gateway.md "Dashboard")

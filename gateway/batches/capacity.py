@@ -8,9 +8,9 @@ Checked at POST /v1/batches, in order: Redis keeps redis_reserve_bytes of its ma
 (INFO memory); the key's open batches and results kept (gateway/kept_bytes.py) stay under
 max_queued_bytes_per_key; all keys' under max_queued_bytes. The reservation ({ns}:gw:queued-bytes: owner ->
 bytes, "*" -> all) is returned once when the batch ends, and what its results keep moves to the key's ledger
-until they expire, its own record (its errors) for as long as it is kept. The same limits count a key's files'
-metadata (files/store.py) and dashboard sessions (ui/session.py). Left unset, the limits are sized to Redis's
-maxmemory at start (derive_limits).
+until they expire, its own record (its errors) until it goes (batch_retention_s, retention.py). The same
+limits count a key's files' metadata (files/store.py) and dashboard sessions (ui/session.py). Left unset, the
+limits are sized to Redis's maxmemory at start (derive_limits).
 The three limits can be changed without a restart: HSET {ns}:gw:config max_queued_bytes_per_key N (also
 max_queued_bytes, redis_reserve_bytes); HDEL goes back to the setting.
 """
@@ -142,7 +142,8 @@ def reserve(ctx: GatewayContext, owner: str, need: int) -> None:
 def admit(ctx: GatewayContext, gw: GatewayBatch, requests: int, tokens: int, queued_bytes: int) -> None:
     """Admit and write a new batch in one step: the key's quotas on queued requests and tokens (quota.py),
     its bytes (`queued_bytes` for its jobs, plus its own record) against the byte limits, then its record, its
-    place in the key's list and in `validating`. Raises 429 (503) naming the limit; nothing is written then."""
+    place in the key's list and in `validating`, and the link from the batch it retries (gw.retry_of) unless
+    that one has gone. Raises 429 (503) naming the limit; nothing is written then."""
     per_key, total, reserve_free = limits(ctx)
     gw.reserved_bytes = 0  # a field of the record it measures
     record_bytes = sum(len(k) + len(str(v).encode()) for k, v in gw.fields().items()) + RECORD_OVERHEAD_BYTES
@@ -152,10 +153,10 @@ def admit(ctx: GatewayContext, gw: GatewayBatch, requests: int, tokens: int, que
     pairs = [x for kv in gw.fields().items() for x in kv]
     code, value = script(_ADMIT)(
         keys=[ctx.gkeys.queued_bytes, ctx.gkeys.batch(gw.id), ctx.gkeys.batches(gw.owner), ctx.gkeys.validating,
-              *ledgers(ctx, gw.owner)],
+              *ledgers(ctx, gw.owner), ctx.gkeys.batch(gw.retry_of or gw.id)],
         args=[gw.owner, need, per_key, total, requests, tokens, s.max_queued_requests_per_key,
               s.max_queued_tokens_per_key, ctx.gkeys.batch(""), ctx.keys.batch(""), RECENT_BATCHES, gw.created_at,
-              gw.id, ",".join(str(x.value) for x in TERMINAL_BATCH_STATUSES), *pairs],
+              gw.id, ",".join(str(x.value) for x in TERMINAL_BATCH_STATUSES), gw.retry_of or "", *pairs],
         client=ctx.redis)
     code, value = int(code), int(value)
     if code in (-3, -4):
@@ -207,11 +208,13 @@ def limits(ctx: GatewayContext) -> tuple[int, int, int]:
 
 def release(ctx: GatewayContext, batch_id: str, owner: str, kept: int = 0) -> int:
     """Give back a batch's reservation (once; later calls return 0), count the `kept` bytes its job records hold
-    after it in the owner's ledger until they expire (until), and its own record as held for as long as it is
-    kept (no API deletes a batch: for good)."""
-    now = time.time()
-    return int(script(_RELEASE)(keys=[ctx.gkeys.batch(batch_id), ctx.gkeys.queued_bytes, *ledgers(ctx, owner)],
-                                args=[owner, now, kept, until(ctx, now), INDEX_ENTRY_BYTES], client=ctx.redis))
+    after it in the owner's ledger until they expire (until), and its own record until it goes: the hour its
+    batch_retention_s ends in (the record expires then at the latest, retention.py), or held for good (0)."""
+    now, keep_s = time.time(), ctx.settings.batch_retention_s
+    return int(script(_RELEASE)(
+        keys=[ctx.gkeys.batch(batch_id), ctx.gkeys.queued_bytes, *ledgers(ctx, owner), ctx.gkeys.ended_batches],
+        args=[owner, now, kept, until(ctx, now), INDEX_ENTRY_BYTES, batch_id, keep_s, until_s(now, keep_s)],
+        client=ctx.redis))
 
 
 def held(ctx: GatewayContext, owner: str | None = None) -> int:

@@ -1,6 +1,7 @@
 """The finalise task's work: an ended batch's output file (its 200 lines) and error file (the rest), made from
 `tokenbus batch export` lines in OpenAI's shapes (error_lines.py); then its reservation back, what its job
-records keep counted in the key's ledger until they expire (capacity.release), and its webhook."""
+records keep counted in the key's ledger until they expire (capacity.release), and its webhook. The files go
+after output_expires_after, else with the batch's record (batch_retention_s, retention.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 
 import structlog
 
-from gateway.batches import capacity, error_lines
+from gateway.batches import capacity, error_lines, retention
 from gateway.batches.records import GatewayBatch, load_core
 from gateway.context import GatewayContext
 from gateway.enqueue import enqueue_webhook
@@ -66,7 +67,7 @@ def finalize(ctx: GatewayContext, batch_id: str) -> str:
     export.unlink(missing_ok=True)
     for kind, fid in ids.items():
         if lines[kind]:
-            expires_at = None if gw.output_expires_s is None else now + gw.output_expires_s
+            expires_at = retention.files_expire_at(ctx, now, gw.output_expires_s)  # else with the record
             ctx.files.register(FileMeta(id=fid, owner=gw.owner, filename=f"{batch_id}_{kind}.jsonl",
                                         purpose="batch_output", bytes=paths[kind].stat().st_size, created_at=now,
                                         expires_at=expires_at))

@@ -86,8 +86,9 @@ class GatewayBatch(BaseModel):
 
     @classmethod
     def from_hash(cls, raw: dict[str, str]) -> GatewayBatch | None:
-        """The record from its Redis hash (as HGETALL gives it, also from a pipeline); None when it is empty."""
-        if not raw:
+        """The record from its Redis hash (as HGETALL gives it, also from a pipeline); None when it is empty, or
+        holds no id: a late write (a webhook attempt's count) to a record deleted after its retention."""
+        if not raw or "id" not in raw:
             return None
         return cls.model_validate(hash_fields(raw, ("metadata", "errors")))
 

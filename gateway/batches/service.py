@@ -107,10 +107,9 @@ def create(ctx: GatewayContext, owner: str, req: CreateBatch, retry_of: str | No
                       output_expires_s=expires_s, retry_of=retry_of)
     # A file with invalid lines queues nothing (it fails in validating, OpenAI's way): only its record counts.
     queued = 0 if gw.errors else capacity.estimate(meta.requests or 0, meta.bytes, meta.result_bytes or 0)
-    # 429 naming the limit (the key's queued requests, tokens, bytes; everyone's bytes): nothing was written
+    # 429 naming the limit (the key's queued requests, tokens, bytes; everyone's bytes): nothing was written.
+    # A retry's link back (the ended batch names the batch that re-runs its unfinished lines) is written with it.
     capacity.admit(ctx, gw, 0 if gw.errors else meta.requests or 0, 0 if gw.errors else meta.tokens or 0, queued)
-    if retry_of:  # the link back: the ended batch names the batch that re-runs its unfinished lines
-        ctx.redis.hset(ctx.gkeys.batch(retry_of), "retried_by", gw.id)
     enqueue_submit(ctx, gw.id)
     return batch_object(gw, None)
 
@@ -146,7 +145,8 @@ def cancel(ctx: GatewayContext, owner: str, batch_id: str) -> dict[str, Any]:
 
 
 def list_page(ctx: GatewayContext, owner: str, after: str | None, limit: int) -> dict[str, Any]:
-    """Newest first, as OpenAI lists them; `after` is the last id of the previous page."""
+    """Newest first, as OpenAI lists them; `after` is the last id of the previous page. An entry whose record
+    has gone (past batch_retention_s, before the watcher removed the entry) is skipped, the page filled on."""
     if not 1 <= limit <= MAX_PAGE:
         raise invalid(f"limit must be between 1 and {MAX_PAGE} (got {limit})", param="limit")
     key = ctx.gkeys.batches(owner)
@@ -154,15 +154,22 @@ def list_page(ctx: GatewayContext, owner: str, after: str | None, limit: int) ->
     if after:
         rank = ctx.redis.zrevrank(key, after)
         if rank is None:
-            raise invalid(f"after: no batch {after!r} in your list; pass the last_id of the previous page",
-                          param="after")
+            raise invalid(f"after: no batch {after!r} in your list (or it ended more than batch_retention_s ago "
+                          "and was deleted); pass the last_id of the previous page", param="after")
         start = rank + 1
-    ids = ctx.redis.zrevrange(key, start, start + limit)  # one more than asked: is there another page?
-    has_more, ids = len(ids) > limit, ids[:limit]
-    data = []
-    for bid in ids:
-        if gw := GatewayBatch.load(ctx.redis, ctx.gkeys, bid):
-            data.append(batch_object(gw, None if gw.final_status else load_core(ctx.redis, ctx.keys, bid)))
+    data: list[dict[str, Any]] = []
+    has_more = False
+    while not has_more:
+        need = limit - len(data)
+        ids = ctx.redis.zrevrange(key, start, start + need)  # one more than needed: is there another page?
+        start += len(ids)
+        for bid in ids:
+            if gw := GatewayBatch.load(ctx.redis, ctx.gkeys, bid):
+                if len(data) == limit:
+                    has_more = True
+                    break
+                data.append(batch_object(gw, None if gw.final_status else load_core(ctx.redis, ctx.keys, bid)))
+        if len(ids) <= need:  # the list has no more
+            break
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": has_more}
-

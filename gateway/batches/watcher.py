@@ -5,7 +5,8 @@ watcher blocks on that stream; when entries arrive it checks the open batches th
 job's id is `{batch_id}-{i}`), and every watch_interval_s it checks all open batches anyway, since events
 are trimmed and this process may have been down. A batch whose producer record has ended gets its
 finalisation queued (once: enqueue_finalize); one past its completion window is cancelled and ends as
-`expired` with what finished. The full check also sweeps batches stuck in `validating` (ingest.py).
+`expired` with what finished. The full check also sweeps batches stuck in `validating` (ingest.py), and
+forgets ended batches past their retention (retention.py).
 Several tasks processes may watch at once: the HSETNX guards and leases make each action happen once.
 """
 
@@ -17,7 +18,7 @@ import time
 import redis
 import structlog
 
-from gateway.batches import ingest
+from gateway.batches import ingest, retention
 from gateway.context import GatewayContext
 from gateway.enqueue import enqueue_finalize
 from producer import batches
@@ -59,6 +60,7 @@ class BatchWatcher:
                     self.check(None)
                     ingest.sweep_validating(ctx)  # cancelled, expired, or whose submit died: end them
                     ctx.files.sweep_expired()  # output files past their batch's output_expires_after
+                    retention.sweep(ctx)  # ended batches past batch_retention_s: their records and entries
                     next_full = time.monotonic() + self.interval_s
                 elif ended_jobs:
                     self.check({jid.rsplit("-", 1)[0] for jid in ended_jobs if "-" in jid})

@@ -57,7 +57,7 @@ class FileMeta(BaseModel):
     tokens: int | None = None  # batch input files: prompt + max_tokens x n, summed (per-key quotas)
     models: list[str] | None = None  # batch input files: the models their lines name ('' = none)
     result_bytes: int | None = None  # batch input files: their results' most Redis bytes (batches/capacity.py)
-    expires_at: float | None = None  # output files of a batch with output_expires_after: gone after this
+    expires_at: float | None = None  # a batch's output files (output_expires_after, else its retention): gone after
     # an upload's sha256 of purpose, filename and content (Idempotency-Key); never stored
     _digest: str = PrivateAttr("")
 

@@ -1,8 +1,8 @@
 """Issue #34's residuals, what a key makes Redis hold beside its batches and results: a file's metadata counted
 until the file is deleted, a dashboard session until it ends or expires, an ended batch's record (its errors
-included) for as long as it is kept, each against the key's byte limits (keep_file.lua, ui_login.lua,
+included) until its retention ends, each against the key's byte limits (keep_file.lua, ui_login.lua,
 release_bytes.lua); and the default byte limits sized to Redis's maxmemory (capacity.derive_limits). Against the
-light stack's real processes (testbed/light_gateway.py)."""
+light stack's real processes (testbed/light_gateway.py); the retention's end in test_gw_batch_retention.py."""
 
 from __future__ import annotations
 
@@ -121,19 +121,24 @@ def test_a_failed_batchs_record_and_errors_stay_counted_after_its_results_expire
     light_stack.wait_status("dave", b.id, ("failed",))
     key = f"{GW}:batch:{b.id}"
     wait_until(lambda: r.hget(key, "bytes_released_at"), 10, "the batch's reservation to be given back")
-    held = int(r.hget(key, "held_bytes"))
-    assert held == r.memory_usage(key, samples=0) + INDEX_ENTRY_BYTES, "Redis's own count of the record"
+    held, hour = int(r.hget(key, "held_bytes")), r.hget(key, "held_until")
+    # its entries in the key's list and in the list of ended batches by when they go
+    assert held == r.memory_usage(key, samples=0) + 2 * INDEX_ENTRY_BYTES, "Redis's own count of the record"
     assert held > 5_000, f"its 21 bounded errors: {held} bytes"
+    retention = 30 * 24 * 3600  # the default batch_retention_s
+    assert time.time() + retention - 60 <= int(hour) <= time.time() + retention + 3600, "counted until it goes"
+    assert time.time() + retention - 60 <= r.ttl(key) + time.time() <= int(hour), "it expires by then"
     file_held = int(r.hget(f"{GW}:file:{fid}", "held_bytes"))
-    assert _ledger(r, "dave")["held"] == held + file_held
-    # As if result_ttl (and far more) had passed: the ledger's hours are trimmed, the record is still kept.
+    assert _ledger(r, "dave") == {"held": file_held, hour: held}, "the file for good, the record until it goes"
+    # As if result_ttl (and more) had passed: the ledger's earlier hours trimmed, the record's is still counted.
     ledger = f"{GW}:kept-bytes:{owner_id(KEYS['dave'])}"
-    for h in [h for h in _ledger(r, "dave") if h != "held"]:
+    for h in [h for h in _ledger(r, "dave") if h not in ("held", hour)]:
         r.hdel(ledger, h)
-    assert r.ttl(ledger) == -1, "a ledger counting held records does not expire"
     light_stack.openai("dave").files.delete(fid)
+    assert _ledger(r, "dave") == {hour: held} and 0 < r.ttl(ledger) <= int(hour) - time.time() + 1, \
+        "a ledger without held records expires with its last hour: the record's"
     try:
-        assert _holds(r, "dave") >= held, "the record alone counts after its hours passed"
+        assert _holds(r, "dave") >= held, "the record alone counts after its results' hours passed"
         _limit(r, _holds(r, "dave") + 500)  # no small file's metadata (~600 bytes) fits beside it
         with pytest.raises(openai.RateLimitError) as err:
             light_stack.upload("dave", [chat_line("ok", "Hi")], tmp_path)
