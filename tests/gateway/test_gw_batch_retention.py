@@ -63,7 +63,8 @@ def test_an_ended_batch_goes_after_its_retention_and_what_its_key_was_counted_wi
     assert float(r.hget(out, "expires_at")) == pytest.approx(float(records[done.id]["ended_at"]) + RETENTION_S,
                                                              abs=2)
     kept = int(records[done.id]["kept_bytes"])  # its results, kept for result_ttl
-    assert _holds(r, alice) == before + kept + sum(held.values()) + int(r.hget(out, "held_bytes"))
+    out_held = int(r.hget(out, "held_bytes"))
+    assert _holds(r, alice) == before + kept + sum(held.values()) + out_held
     assert client.batches.retrieve(failed.id).status == "failed" and client.files.retrieve(done.output_file_id)
     # An entry whose record went already (as Redis expires it, should no watcher run): skipped, the page filled.
     r.zadd(f"{GW}:batches:{alice}", {"batch_gone": time.time() + 1_000})
@@ -76,6 +77,9 @@ def test_an_ended_batch_goes_after_its_retention_and_what_its_key_was_counted_wi
     wait_until(lambda: not any(r.exists(k) for k in (*keys.values(), out)), RETENTION_S + 30,
                "the records past their retention to be deleted", stack.all(), every=0.1)
     assert _holds(r, alice) == before + kept, "the records' and the output file's counts went with them"
+    print(f"\nretention {RETENTION_S} s: records {held} bytes counted, output file {out_held}; after "
+          f"{time.time() - float(records[done.id]['bytes_released_at']):.1f} s the key holds {before} + {kept} "
+          "(its results) again")
     assert r.zcard(f"{GW}:ended-batches") == 0
     assert r.zrange(f"{GW}:batches:{alice}", 0, -1) == ["batch_gone"], "their entries went too"
     for bid in keys:
