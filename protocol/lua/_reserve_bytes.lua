@@ -39,6 +39,18 @@ local function unkeep_bytes(ledger, b, till)
     if last > 0 then redis.call('EXPIREAT', ledger, last) end
   end
 end
+-- drop_counted(record, bytes field, until field, owner's ledger, all's ledger): delete a record and give back
+-- what its fields say it was counted (unkeep_bytes); returns the bytes (0: gone already, or never counted).
+local function drop_counted(record, bytes_field, until_field, mine_ledger, all_ledger)
+  local f = redis.call('HMGET', record, bytes_field, until_field)
+  local b = tonumber(f[1] or '') or 0
+  redis.call('DEL', record)
+  if f[2] then
+    unkeep_bytes(mine_ledger, b, f[2])
+    unkeep_bytes(all_ledger, b, f[2])
+  end
+  return b
+end
 -- reserve_bytes(queued-bytes hash, owner, bytes, per-key limit, global limit (0 = none), owner's ledger, all's
 -- ledger, now, until, credit): until 0 = an open reservation (the queued-bytes hash; RELEASE_BYTES gives it
 -- back), else kept in both ledgers until then (HELD: until given back). `credit` (default 0) is what the

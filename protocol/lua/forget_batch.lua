@@ -7,13 +7,7 @@
 -- ARGV: 1 the batch id, 2 its member in {ns}:gw:ended-batches (owner:id)
 -- returns the bytes given back
 -- #include _reserve_bytes.lua
-local held = redis.call('HMGET', KEYS[1], 'held_bytes', 'held_until')
-local b = tonumber(held[1] or '') or 0
-redis.call('DEL', KEYS[1])
+local b = drop_counted(KEYS[1], 'held_bytes', 'held_until', KEYS[4], KEYS[5])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[2])
-if held[2] then
-  unkeep_bytes(KEYS[4], b, held[2])
-  unkeep_bytes(KEYS[5], b, held[2])
-end
 return b

@@ -5,12 +5,6 @@
 -- ARGV: 1 the token's hash
 -- returns the bytes given back
 -- #include _reserve_bytes.lua
-local f = redis.call('HMGET', KEYS[1], 'kept_bytes', 'kept_until')
-local b = tonumber(f[1] or '') or 0
-redis.call('DEL', KEYS[1])
+local b = drop_counted(KEYS[1], 'kept_bytes', 'kept_until', KEYS[3], KEYS[4])
 redis.call('ZREM', KEYS[2], ARGV[1])
-if f[2] then
-  unkeep_bytes(KEYS[3], b, f[2])
-  unkeep_bytes(KEYS[4], b, f[2])
-end
 return b
