@@ -30,34 +30,54 @@ class CascadeLayout:
     group_rows[group_starts[g]:group_starts[g + 1]]; their first prefix_lens[g] tokens have the same K/V (in
     the engine: the same physical blocks, so prefix_lens[g] is a whole number of blocks), which the kernels
     read through the first member's table row; prefix_lens[g] <= every member's seq_len. A row is in at most
-    one group; suffix_starts[row] is its group's prefix_len (0 for a row in none), where its own part starts."""
+    one group; suffix_starts[row] is its group's prefix_len (0 for a row in none), where its own part starts.
+
+    Padded (build's capacity; a CUDA graph's static layout, worker/engine/cuda_graphs.py): group_rows has an
+    entry per row, the real members first, and empty groups (no member, prefix 0) follow the real ones up to a
+    fixed count. The kernels' grids depend only on those two shapes and max_prefix_len, then an upper bound
+    (the table width), so one captured launch serves every grouping of its rows."""
 
     group_rows: torch.Tensor  # int32 [num_grouped_rows]
     group_starts: torch.Tensor  # int32 [num_groups + 1]
     prefix_lens: torch.Tensor  # int32 [num_groups]
     suffix_starts: torch.Tensor  # int32 [num_seqs]
-    max_prefix_len: int  # host copy of prefix_lens.max(): the Triton prefix stage's partition count
+    max_prefix_len: int  # host copy of prefix_lens.max() (or a bound on it): the Triton prefix stage's partitions
+    packed: torch.Tensor | None = None  # the four arrays back to back (views of it), as build makes them
 
     @property
     def num_groups(self) -> int:
         return self.prefix_lens.shape[0]
 
     @classmethod
-    def build(cls, groups: list[tuple[list[int], int]], num_seqs: int,
-              device: torch.device | str = "cpu") -> CascadeLayout:
-        """From (member rows, prefix tokens) pairs; the four int32 arrays in one host-to-device copy."""
+    def views(cls, packed: torch.Tensor, num_grouped: int, num_groups: int, max_prefix_len: int) -> CascadeLayout:
+        """The layout whose arrays lie in `packed` as build packs them: rows, starts, lens, then suffix starts."""
+        a, b = num_grouped, num_grouped + num_groups + 1
+        c = b + num_groups
+        return cls(packed[:a], packed[a:b], packed[b:c], packed[c:], max_prefix_len, packed)
+
+    @classmethod
+    def build(cls, groups: list[tuple[list[int], int]], num_seqs: int, device: torch.device | str = "cpu",
+              capacity: int | None = None) -> CascadeLayout:
+        """From (member rows, prefix tokens) pairs; the four int32 arrays in one host-to-device copy. capacity:
+        padded to num_seqs grouped-row entries and `capacity` groups (the class docstring)."""
         rows = [r for members, _ in groups for r in members]
         if len(rows) != len(set(rows)) or any(not 0 <= r < num_seqs for r in rows):
             raise ValueError(f"cascade groups must name distinct rows below {num_seqs}, got {groups}")
+        if capacity is not None and len(groups) > capacity:
+            raise ValueError(f"{len(groups)} cascade groups do not fit a layout padded to {capacity}")
         starts, suffix = [0], [0] * num_seqs
         for members, prefix_len in groups:
             starts.append(starts[-1] + len(members))
             for r in members:
                 suffix[r] = prefix_len
         lens = [prefix_len for _, prefix_len in groups]
+        longest = max(lens, default=0)
+        if capacity is not None:
+            rows += [0] * (num_seqs - len(rows))
+            starts += [starts[-1]] * (capacity - len(groups))
+            lens += [0] * (capacity - len(groups))
         packed = torch.tensor(rows + starts + lens + suffix, dtype=torch.int32).to(device)
-        a, b, c = len(rows), len(rows) + len(starts), len(rows) + len(starts) + len(lens)
-        return cls(packed[:a], packed[a:b], packed[b:c], packed[c:], max(lens, default=0))
+        return cls.views(packed, len(rows), len(lens), longest)
 
 
 def _partial(scores: torch.Tensor, invalid: torch.Tensor, values: torch.Tensor,

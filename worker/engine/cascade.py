@@ -15,10 +15,11 @@ Modes (EngineConfig.cascade_attention): "auto" the rule; "off" never; "on" every
 names, and every other decode row with a full block before its newest token as a group of one: each row's
 attention then goes through the cascade path (the parity tests force it so).
 
-CUDA graphs: a replayed graph runs the decode it was captured with (plain), so a padded step that replays
-one carries no layout (StaticDecode). The kernels read the layout on the device and their grids depend only
-on counts, so a capture per bucket with a layout of fixed capacity is the way to cascade under graphs
-(not done yet).
+CUDA graphs (worker/engine/cuda_graphs.py): with the mode not "off", each (rows, table width) shape gets a
+second graph, captured over a static layout padded to group_capacity(mode, rows) groups (CascadeLayout's
+padded form: the kernels read the layout on the device and their grids depend only on its shapes). A padded
+step whose planner chose groups builds its layout at that capacity, copies it into the static one and
+replays the cascade graph; one with no group replays the plain graph.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def pays(members: int, prefix_tokens: int) -> bool:
     return members >= 2 and (members - 1) * prefix_tokens > members * MERGE_COST_TOKENS
 
 
+def group_capacity(mode: str, rows: int) -> int:
+    """The most groups the planner can choose among `rows` rows (a cascade graph's static layout holds that
+    many): "auto" cascades groups of two or more, "on" groups of one too, "off" none."""
+    return {"auto": rows // 2, "on": rows, "off": 0}[mode]
+
+
 @dataclass
 class CascadeStats:
     """Counters over every decode step since the engine started (EngineStats carries them)."""
@@ -60,10 +67,14 @@ class CascadePlanner:
         self.mode = mode
         self.stats = CascadeStats()
 
-    def layout(self, decode: list[Sequence], lens: Seq[int], num_rows: int,
-               device: torch.device) -> CascadeLayout | None:
+    def group_capacity(self, rows: int) -> int:
+        return group_capacity(self.mode, rows)
+
+    def layout(self, decode: list[Sequence], lens: Seq[int], num_rows: int, device: torch.device,
+               capacity: int | None = None) -> CascadeLayout | None:
         """The layout of a step whose decode rows are `decode` (lens: each one's tokens in the cache, its
-        new one included; num_rows: with padding rows after them), or None to run plain decode."""
+        new one included; num_rows: with padding rows after them), or None to run plain decode. capacity: padded
+        to that many groups (a cascade graph's static layout)."""
         lens = [int(n) for n in lens[: len(decode)]]
         plain = sum(lens)
         self.stats.kv_tokens_plain += plain
@@ -85,4 +96,4 @@ class CascadePlanner:
         self.stats.steps += 1
         self.stats.groups += len(chosen)
         self.stats.grouped_rows += sum(len(members) for members, _ in chosen)
-        return CascadeLayout.build(chosen, num_rows, device)
+        return CascadeLayout.build(chosen, num_rows, device, capacity)

@@ -17,15 +17,22 @@ and mixed steps stay eager.
 With LoRA the adapter rows (LoraBatch: sorted rows, per-slot starts and counts) are static buffers too, and the
 kernels' grid is sized for the bucket: one graph per (b, width) serves every mix of adapters, base-only steps
 included (their counts are 0: each LoRA program exits at once).
+
+With cascade attention on (worker/engine/cascade.py, mode not "off") each (b, width) with room for a group
+has a second graph, captured over a static CascadeLayout padded to the planner's group capacity for b, its
+prefix bound the table width: a step whose planner chose groups copies its padded layout (one packed tensor)
+into it and replays that graph; a step with none replays the plain one. `replays` counts both.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import structlog
 import torch
 
+from kernels.cascade import CascadeLayout
 from kernels.partitions import num_partitions, table_widths
 from worker.engine.attention_metadata import AttentionMetadata
 from worker.engine.lora.layer import LoraBatch, LoraState
@@ -86,10 +93,13 @@ class StaticDecode:
         self.buckets = decode_buckets(max_num_seqs)
         self.widths = DecodeWidths(inputs.max_blocks_per_seq, inputs.block_size, model.arch.num_kv_heads,
                                    _num_sms(inputs.device))
-        # (bucket, width) -> (graph, its output)
+        # (bucket, width) -> (graph, its output): plain decode, and cascade decode over a static layout
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.cascade_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.static: dict[str, torch.Tensor] = {}
+        self.static_cascade: dict[int, torch.Tensor] = {}  # bucket -> its packed static layout
         self.lora: LoraState | None = None  # set by ModelRunner.use_lora
+        self.replays = {"plain": 0, "cascade": 0}  # graph replays since capture (gpu_check's cascade row)
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (rows, table width) a padded decode step runs at: one graph each."""
@@ -101,32 +111,43 @@ class StaticDecode:
     def bucket(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
 
+    def cascade_capacity(self, b: int) -> int:
+        """Groups the cascade graphs of bucket b hold (0: none is captured for it)."""
+        planner = self.inputs.cascade
+        return planner.group_capacity(b) if planner is not None else 0
+
     def prepare(self, batch: ScheduledBatch, ahead: Ahead | None = None) -> PreparedStep:
         b = self.bucket(len(batch.seqs))
         w = self.widths.pick(b, max(len(s.block_table) for s in batch.seqs))
-        step = self.inputs.prepare(batch, pad_to=b, width=w, ahead=ahead)
+        groups = self.cascade_capacity(b) if (b, w) in self.cascade_graphs else None
+        step = self.inputs.prepare(batch, pad_to=b, width=w, ahead=ahead, cascade_groups=groups)
         step.width = w
-        if (b, w) in self.graphs:  # the graph replays the plain decode it captured (worker/engine/cascade.py)
+        if groups is None and (b, w) in self.graphs:  # the plain graph replays the decode it captured
             step.meta.cascade = None
         return step
 
     def execute(self, step: PreparedStep) -> torch.Tensor:
         b, w = step.bucket, step.width
         assert b is not None and w is not None
-        graph = self.graphs.get((b, w))
+        s, meta = self.static, step.meta
+        layout = meta.cascade
+        graph = (self.graphs if layout is None else self.cascade_graphs).get((b, w))
         if graph is None:
             if self.lora is not None:
                 self.lora.batch = step.lora
-            return self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
-        s, meta = self.static, step.meta
+            return self.model(step.input_ids, step.positions, self.kv_caches, meta)
         if self.lora is not None:
             self._fill_lora(step.lora)
+        if layout is not None:  # the step's layout, padded to the graph's capacity, into the static one
+            assert layout.packed is not None, "a cascade graph replays a layout that CascadeLayout.build packed"
+            self.static_cascade[b].copy_(layout.packed)
         s["ids"][:b].copy_(step.input_ids)
         s["positions"][:b].copy_(step.positions)
         s["slots"][:b].copy_(meta.slot_mapping)
         s["seq_lens"][:b].copy_(meta.decode_seq_lens)
         s["tables"][:b, :w].copy_(meta.decode_block_tables)
         graph[0].replay()
+        self.replays["plain" if layout is None else "cascade"] += 1
         return graph[1]
 
     # ---- CUDA graphs ----------------------------------------------------------------------------------------
@@ -140,13 +161,41 @@ class StaticDecode:
         s["lora_starts"].copy_(lora.starts)
         s["lora_counts"].copy_(lora.counts)
 
-    def _static_meta(self, b: int, w: int) -> AttentionMetadata:
+    def _static_meta(self, b: int, w: int, cascade: bool) -> AttentionMetadata:
         s = self.static
+        layout = None
+        if cascade:  # every prefix fits the table: its width bounds the prefix stage's partitions
+            layout = CascadeLayout.views(self.static_cascade[b], b, self.cascade_capacity(b),
+                                         w * self.inputs.block_size)
         return AttentionMetadata(
             slot_mapping=s["slots"][:b], num_prefill_tokens=0, prefill_block_tables=None,
             prefill_cu_seqlens_q=None, prefill_seq_lens=None, decode_block_tables=s["tables"][:b, :w],
-            decode_seq_lens=s["seq_lens"][:b],
+            decode_seq_lens=s["seq_lens"][:b], cascade=layout,
         )
+
+    def _static_forward(self, b: int, w: int, cascade: bool) -> Callable[[], torch.Tensor]:
+        """The forward a graph of shape (b, w) captures, over the static buffers."""
+        args = (self.static["ids"][:b], self.static["positions"][:b], self.kv_caches,
+                self._static_meta(b, w, cascade))
+        lora = None
+        if self.lora is not None:
+            s = self.static
+            lora = LoraBatch(s["lora_rows"][:b], s["lora_starts"], s["lora_counts"], b, [])
+
+        def forward() -> torch.Tensor:
+            if self.lora is not None:
+                self.lora.batch = lora
+            return self.model(*args)
+
+        return forward
+
+    def _record(self, forward: Callable[[], torch.Tensor], pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, object]:
+        """(graph, its output, the memory pool) of one capture of forward into the shared pool (tests on the
+        CPU put an eager stand-in here: tests/support/eager_graphs.py)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward()
+        return graph, out, graph.pool()
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -167,25 +216,29 @@ class StaticDecode:
             self.static["lora_rows"] = torch.zeros(n, dtype=torch.int64, device=device)
             self.static["lora_starts"] = torch.zeros(slots, dtype=torch.int32, device=device)
             self.static["lora_counts"] = torch.zeros(slots, dtype=torch.int32, device=device)
+        # zeros: every group empty (prefix 0), every row's own part from token 0, until a step fills them
+        self.static_cascade = {b: torch.zeros(2 * b + 2 * g + 1, dtype=torch.int32, device=device)
+                               for b in self.buckets if (g := self.cascade_capacity(b))}
         pool = None
         for b, w in reversed(self.shapes()):
-            if self.lora is not None:
-                s = self.static
-                self.lora.batch = LoraBatch(s["lora_rows"][:b], s["lora_starts"], s["lora_counts"], b, [])
-            args = (self.static["ids"][:b], self.static["positions"][:b], self.kv_caches, self._static_meta(b, w))
-            self.model(*args)  # compiles the kernels' variants for this shape outside the capture
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.model(*args)
-            pool = graph.pool()
-            self.graphs[(b, w)] = (graph, out)
+            for cascade in (False, True) if b in self.static_cascade else (False,):
+                forward = self._static_forward(b, w, cascade)
+                forward()  # compiles the kernels' variants for this shape outside the capture
+                _sync(device)
+                graph, out, pool = self._record(forward, pool)
+                (self.cascade_graphs if cascade else self.graphs)[(b, w)] = (graph, out)
         if self.lora is not None:
             self.lora.batch = None
-        torch.cuda.synchronize(device)
+        _sync(device)
         seconds = time.perf_counter() - started
-        log.info("cuda_graphs_captured", buckets=self.buckets, graphs=len(self.graphs), seconds=round(seconds, 2))
+        log.info("cuda_graphs_captured", buckets=self.buckets, graphs=len(self.graphs),
+                 cascade_graphs=len(self.cascade_graphs), seconds=round(seconds, 2))
         return seconds
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _num_sms(device: torch.device) -> int:

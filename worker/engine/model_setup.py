@@ -17,6 +17,7 @@ import torch
 
 from worker.engine import kv_cache, loader, warmup
 from worker.engine.backends import ReferenceBackend, select_backend
+from worker.engine.cascade import group_capacity
 from worker.engine.config import EngineConfig
 from worker.engine.lora.manager import LoraManager
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -141,6 +142,9 @@ def _cuda_kv_budget(setup: ModelSetup, cfg: EngineConfig, max_model_len: int, de
     args = (cfg.block_size, setup.kv_dtype, device)
     peak = warmup.profile_peak(setup.model, cfg.max_num_batched_tokens, setup.max_num_seqs, max_model_len, *args)
     graphs = warmup.decode_peak(setup.model, setup.max_num_seqs, width, *args) if setup.cuda_graphs else 0
+    groups = group_capacity(cfg.cascade_attention, setup.max_num_seqs) if cfg.tensor_parallel_size == 1 else 0
+    if setup.cuda_graphs and groups:  # the cascade graphs share the pool (cuda_graphs.py)
+        graphs = max(graphs, warmup.decode_peak(setup.model, setup.max_num_seqs, width, *args, cascade_groups=groups))
     free, total = torch.cuda.mem_get_info(device)
     budget = total * cfg.gpu_memory_utilization - peak - graphs
     # another process on the card shrinks what is really free

@@ -114,11 +114,12 @@ class StepInputs:
     # ---- one step -------------------------------------------------------------------------------------------
 
     def prepare(self, batch: ScheduledBatch, pad_to: int | None = None, width: int | None = None,
-                ahead: Ahead | None = None) -> PreparedStep:
+                ahead: Ahead | None = None, cascade_groups: int | None = None) -> PreparedStep:
         """The step's tensors. pad_to (pure decode steps only): pad to that many rows, tables `width` blocks
         wide (default max_blocks_per_seq; at least the longest sequence's table).
         ahead: the step still in flight (overlap); its sequences start past the tokens it feeds, and a row
-        whose input is the token it samples gets a placeholder that the device fills (carry_rows)."""
+        whose input is the token it samples gets a placeholder that the device fills (carry_rows).
+        cascade_groups: the cascade layout padded to that many groups (a cascade graph's, cuda_graphs.py)."""
         self._release_stopped()
         if max(batch.num_new_tokens, default=1) == 1:  # pure decode (most steps)
             prefill: list[tuple[Sequence, int]] = []
@@ -235,7 +236,7 @@ class StepInputs:
                                              (width or self.max_blocks_per_seq) if pad_to is not None else None)
             if has_decode else None,
             decode_seq_lens=ints[s_dlens] if has_decode else None,
-            cascade=self.cascade.layout(decode, decode_lens, len(decode_lens), self.device)
+            cascade=self.cascade.layout(decode, decode_lens, len(decode_lens), self.device, cascade_groups)
             if self.cascade is not None and has_decode else None,
         )
         sample_index = longs[s_sample] if len(all_sample) else None

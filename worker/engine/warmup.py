@@ -4,7 +4,8 @@
                    max_num_seqs rows) over a throwaway KV cache: its peak allocation, weights included, is
                    what a step may need on top of the KV cache
     decode_peak    the same for a padded decode step at the widest bucket: what the CUDA graphs' private
-                   memory pool holds (counted apart: the graphs keep it)
+                   memory pool holds (counted apart: the graphs keep it); with cascade graphs, the larger of
+                   the plain step and the cascade one (its prefix partials)
     warm_up        runs each kernel variant the serve loop hits, so no request waits for Triton to compile:
                    Triton compiles one variant per specialization (constexprs; an int argument == 1, or a
                    multiple of 16, or neither; a pointer 16-byte aligned or not), so warm-up feeds what serving
@@ -18,8 +19,11 @@ The engine sizes the KV cache as total x gpu_memory_utilization - profile_peak -
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from kernels.cascade import CascadeLayout
 from kernels.partitions import table_widths
 from worker.engine import kv_cache
 from worker.engine.attention_metadata import AttentionMetadata
@@ -105,13 +109,19 @@ def profile_peak(model, max_num_batched_tokens: int, max_num_seqs: int, max_mode
 
 
 @torch.inference_mode()
-def decode_peak(model, num_seqs: int, width: int, block_size: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Bytes a padded decode step of num_seqs rows allocates above what is held before it; CUDA only."""
+def decode_peak(model, num_seqs: int, width: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                cascade_groups: int = 0) -> int:
+    """Bytes a padded decode step of num_seqs rows allocates above what is held before it; CUDA only.
+    cascade_groups: as a cascade graph runs it, over a layout padded to that many groups (cuda_graphs.py)."""
     kv = _caches(model, 1, block_size, dtype, device)
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    _forward(model, num_seqs, kv, decode_meta(num_seqs, width, 0, block_size, device), 0)
+    meta = decode_meta(num_seqs, width, 0, block_size, device)
+    if cascade_groups:  # the prefix stage's partials, sized by the bound the graph captures: the table width
+        layout = CascadeLayout.build([], num_seqs, device, cascade_groups)
+        meta.cascade = dataclasses.replace(layout, max_prefix_len=width * block_size)
+    _forward(model, num_seqs, kv, meta, 0)
     torch.cuda.synchronize(device)
     grown = torch.cuda.max_memory_allocated(device) - before
     del kv
