@@ -143,8 +143,9 @@ def rehearsal_wheels(carry: Path, directory: Path) -> Path:
             raise SystemExit(f"{w.name} does not install on {here} and carry/rehearse has no twin of it: run "
                              "scripts/gpu_check_wheels")
         (directory / src.name).symlink_to(src)
-    if (carry / "tokenizer").is_dir():
-        (directory / "tokenizer").symlink_to(carry / "tokenizer")
+    for folder in ("tokenizer", "minilm"):  # the SmolLM2 tokenizer, all-MiniLM-L6-v2 (gpu_check/env.py)
+        if (carry / folder).is_dir():
+            (directory / folder).symlink_to(carry / folder)
     return directory
 
 

@@ -88,9 +88,10 @@ def make_workload(n: int, prompt_range: tuple[int, int], out_range: tuple[int, i
     return Workload(prompts, [rng.randint(*out_range) for _ in range(n)])
 
 
-def make_checkpoint(directory: str, shape: dict, device: str) -> str:
-    """A random-weight checkpoint (bf16 safetensors + the SmolLM2 tokenizer) the engine loads as a dir."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def make_checkpoint(directory: str, shape: dict, device: str, encoder: bool = False) -> str:
+    """A random-weight checkpoint (bf16 safetensors + the SmolLM2 tokenizer) the engine loads as a dir.
+    encoder: the bare encoder (a BERT without its pooler, as sentence-transformers checkpoints hold it)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     from gpu_check.env import tokenizer_dir
 
@@ -98,7 +99,8 @@ def make_checkpoint(directory: str, shape: dict, device: str) -> str:
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(0)
     with torch.device(device):  # initialising 0.5B parameters on the GPU takes a second, on the CPU a minute
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = AutoModel.from_config(config, dtype=torch.bfloat16, add_pooling_layer=False) if encoder else \
+            AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(directory)
     AutoTokenizer.from_pretrained(tokenizer_dir()).save_pretrained(directory)
     del model

@@ -1,10 +1,10 @@
 """Makes the tokenbus engine importable on a bare GPU image: torch, triton and transformers are there, but not
 structlog, pydantic, redis or llguidance (the engine imports all four) and nothing can be downloaded.
 
-`scripts/gpu_check_wheels` saves those packages as wheels (and the SmolLM2 tokenizer) under `.whl/`; the `run`
-tool carries that folder, and `ensure_engine_deps()` installs the wheels with `pip --no-index` into a folder
-beside the image's own packages the first time a script needs them. TOKENBUS_GPU_WHEELS names another folder
-(the rehearsal's, gpu_check/carry.py), TOKENBUS_GPU_SITE another target.
+`scripts/gpu_check_wheels` saves those packages as wheels (and the SmolLM2 tokenizer, and all-MiniLM-L6-v2 in
+fp16) under `.whl/`; the `run` tool carries that folder, and `ensure_engine_deps()` installs the wheels with `pip
+--no-index` into a folder beside the image's own packages the first time a script needs them. TOKENBUS_GPU_WHEELS
+names another folder (the rehearsal's, gpu_check/carry.py), TOKENBUS_GPU_SITE another target.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = Path(os.environ.get("TOKENBUS_GPU_WHEELS") or ROOT / ".whl")
 TOKENIZER = WHEELS / "tokenizer"
+MINILM = WHEELS / "minilm"  # all-MiniLM-L6-v2 in fp16 (scripts/gpu_check_wheels): stage v's real weights
 SITE = Path(os.environ.get("TOKENBUS_GPU_SITE", "/tmp/tokenbus-gpu-site"))
 NEEDED = ("structlog", "pydantic", "redis", "llguidance")
 
@@ -60,3 +61,16 @@ def tokenizer_dir() -> str:
     from worker.engine import loader
 
     return loader.resolve("smollm2-135m").directory
+
+
+def minilm_dir() -> str | None:
+    """A directory holding all-MiniLM-L6-v2: the carried fp16 copy, else the installed package's; None when
+    neither is here (the GPU image has no such package)."""
+    if (MINILM / "config.json").is_file():
+        return str(MINILM)
+    from worker.engine import loader
+
+    try:
+        return loader.resolve("all-minilm-l6-v2").directory
+    except ValueError:
+        return None

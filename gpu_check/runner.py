@@ -8,12 +8,14 @@ gpu_check_stages.log beside them.
 
     scripts/gpu_check                 # CUDA: stages a-e, caps summing to 460 s (one 570 s run call)
     scripts/gpu_check --stages k,m,q  # CUDA, a second call: the opt-in stages, caps summing to 230 s
+    scripts/gpu_check --stages l,s,v  # CUDA, a third call: LoRA and cascade under graphs, embeddings (240 s)
     scripts/gpu_check --cpu-smoke     # no GPU: the same stages on tiny shapes, kernels under TRITON_INTERPRET=1
     scripts/gpu_check --rehearse      # no GPU: the smoke run of every stage (opt-in ones too) inside a venv
                                       # holding only what the GPU image holds, after installing the carry
                                       # (.whl/) as the GPU run does
     scripts/gpu_check --stages a,e    # a subset
-    (k: fp8 KV cache, m: fused MoE, q: FP8 weights; opt-in so the default run's caps stay within 8 minutes)
+    (k: fp8 KV cache, m: fused MoE, q: FP8 weights; l: LoRA and s: cascade under CUDA graphs, v: embeddings;
+    opt-in so the default run's caps stay within 8 minutes)
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def run_stage_here(key: str, smoke: bool, rehearsal: bool, out_dir: str) -> int:
     ctx = stages.Ctx(smoke=smoke, rehearsal=rehearsal, emit=emit)
     if rehearsal:
         stages.check_imports(key, ctx)
-    if key in "cdekq":  # the stages that build models (transformers' import alone is seconds)
+    if key in "cdekqlsv":  # the stages that build models (transformers' import alone is seconds)
         stages.tokenizer_setup()
     (stages.STAGES | stages.HIDDEN_STAGES)[key][1](ctx)
     return 0
@@ -119,6 +121,7 @@ def environment(smoke: bool) -> dict:
 
 DEFAULT_STAGES = "a,b,c,d,e"  # caps 460 s: one run call of 570 s with a cold Triton cache
 OPT_IN_STAGES = "k,m,q"  # caps 230 s: a second call (fp8 KV cache, fused MoE, FP8 weights)
+SERVING_STAGES = "l,s,v"  # caps 240 s: a third call (LoRA and cascade under CUDA graphs, embeddings)
 
 
 def rehearse(args) -> int:
@@ -152,14 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (no GPU needed)")
     ap.add_argument("--rehearse", action="store_true", help="the smoke run in a venv of the GPU image's packages")
     ap.add_argument("--stages", default=None,
-                    help=f"comma-separated stages (default {DEFAULT_STAGES}; opt-in: {OPT_IN_STAGES}; "
+                    help=f"comma-separated stages (default {DEFAULT_STAGES}; opt-in: {OPT_IN_STAGES} and "
+                         f"{SERVING_STAGES}; "
                          "--rehearse: all of them)")
     ap.add_argument("--rehearsal", action="store_true", help=argparse.SUPPRESS)  # inside the rehearsal venv
     ap.add_argument("--run-stage", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.stages is None:  # the rehearsal proves every stage, opt-in ones too, imports and runs in the image
-        args.stages = f"{DEFAULT_STAGES},{OPT_IN_STAGES}" if args.rehearse else DEFAULT_STAGES
+        args.stages = f"{DEFAULT_STAGES},{OPT_IN_STAGES},{SERVING_STAGES}" if args.rehearse else DEFAULT_STAGES
     if args.run_stage:
         return run_stage_here(args.run_stage, args.cpu_smoke, args.rehearsal, args.out)
     if args.rehearse:

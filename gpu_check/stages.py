@@ -1,7 +1,8 @@
 """The stages of scripts/gpu_check, one function each: (a) kernels against their references, (b) kernel
 bandwidth, (c) decode step time against its floor, kernel launches and host syncs per step, (d) engine tok/s
 against transformers' continuous batching, (e) a tiny model's tokens against HF `generate` and with CUDA
-graphs on against off (gpu_check/graphs.py).
+graphs on against off (gpu_check/graphs.py). Opt-in: k, q (gpu_check/kv.py, fp8.py), m, t (tp.py), and l, s
+(LoRA and cascade under CUDA graphs: gpu_check/graph_rows.py), v (embeddings: gpu_check/embed.py).
 
 Each takes a Ctx and hands each row to ctx.emit as soon as it is measured: {check, value, reference, ok,
 note}; ok is True/False against the issue's target, or None where a number has no target. With ctx.smoke the
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from gpu_check import embed, fp8, graph_rows, kv, tp
 from gpu_check.measure import (
     SYNC_CALLS,
     Ctx,
@@ -293,6 +295,9 @@ STAGE_IMPORTS = {
     "q": ("gpu_check.fp8", "kernels.fp8_linear", "worker.engine.quant.fp8", "testbed.fp8_checkpoints", "worker",
           "triton.testing"),
     "t": ("gpu_check.tp", "torch.distributed", "worker.engine.parallel.follower", "testbed.tiny_models", "worker"),
+    "l": ("gpu_check.graph_rows", "testbed.lora_adapters", "worker.engine.cuda_graphs", "worker", "transformers"),
+    "s": ("gpu_check.graph_rows", "worker.engine.cascade", "kernels.cascade_attention", "worker"),
+    "v": ("gpu_check.embed", "testbed.tiny_embedders", "worker.engine.pooling", "worker", "transformers"),
 }
 
 
@@ -351,27 +356,7 @@ def stage_moe(ctx: Ctx) -> None:
                             f"relative error {err:.1e}"))
 
 
-def stage_fp8(ctx: Ctx) -> None:
-    """Stage q (issue 24, not in the default list): FP8 weights against bf16, in gpu_check/fp8.py."""
-    from gpu_check import fp8
-
-    fp8.stage_fp8_weights(ctx)
-
-
-def stage_kv_fp8(ctx: Ctx) -> None:
-    from gpu_check import kv  # the fp8 KV cache (issue 24)
-
-    kv.stage_kv_fp8(ctx)
-
-
-def stage_tensor_parallel(ctx: Ctx) -> None:
-    """Stage t (issue 37, run alone: --stages t): TP=2 against TP=1, in gpu_check/tp.py."""
-    from gpu_check import tp
-
-    tp.stage_tensor_parallel(ctx)
-
-
-# caps in seconds on the GPU with a cold Triton cache: 540 in all (t, run alone, apart)
+# caps in seconds on the GPU with a cold Triton cache (runner.py: the calls they are run in)
 STAGES = {
     "a": ("kernels vs reference", stage_kernels, 70),
     "b": ("kernel bandwidth", stage_bandwidth, 50),
@@ -379,12 +364,15 @@ STAGES = {
     "d": ("engine vs transformers CB", stage_throughput, 115),
     "e": ("tokens vs HF generate; graphs on vs off", stage_parity, 105),
     "m": ("fused MoE vs reference", stage_moe, 20),
-    "k": ("fp8 KV cache vs bf16: attention error, engine tok/s", stage_kv_fp8, 60),
-    "q": ("FP8 weights vs bf16", stage_fp8, 150),
-    "t": ("tensor parallel TP=2 vs TP=1 (skipped on 1 GPU)", stage_tensor_parallel, 120),
+    "k": ("fp8 KV cache vs bf16: attention error, engine tok/s", kv.stage_kv_fp8, 60),  # issue 24
+    "q": ("FP8 weights vs bf16", fp8.stage_fp8_weights, 150),  # issue 24
+    "t": ("tensor parallel TP=2 vs TP=1 (skipped on 1 GPU)", tp.stage_tensor_parallel, 120),  # issue 37, alone
+    "l": ("LoRA under CUDA graphs: graphs on vs off, tok/s vs base", graph_rows.stage_lora, 80),  # issue 36
+    "s": ("cascade under CUDA graphs: on vs off tokens, step time", graph_rows.stage_cascade, 80),  # issue 39
+    "v": ("embeddings vs the CPU path, tokens/s", embed.stage_embeddings, 80),  # issue 35
 }
 SMOKE_CAPS = {"a": 240, "b": 240, "c": 240, "d": 240, "e": 240, "m": 240, "k": 240, "q": 240, "t": 240,
-              "z": 8}  # a loaded 2-core CI box
+              "l": 240, "s": 240, "v": 240, "z": 8}  # a loaded 2-core CI box
 HIDDEN_STAGES = {"z": ("self-test: overrun", stage_overrun_selftest, 8)}
 
 
