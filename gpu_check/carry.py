@@ -7,7 +7,8 @@ environment that stands in for that image on this machine.
 CARRIED names what the engine and scripts/gpu_check import that gpu_check/image_packages.txt lacks;
 scripts/gpu_check_wheels downloads them at this checkout's versions. `check` verifies each wheel's tags against
 CPython 3.12 on manylinux x86-64 (any ABI tag: abi3 and none too), one version per distribution, every
-Requires-Dist (evaluated for Linux, Python 3.12.3) met by the carry or the image, <= 64 MiB in all.
+Requires-Dist (evaluated for Linux, Python 3.12.3) met by the carry or the image, the SmolLM2 tokenizer and
+all-MiniLM-L6-v2 there, <= 64 MiB in all.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def check(directory: Path) -> list[str]:
             if req.marker is None or req.marker.evaluate(env):
                 if canonicalize_name(req.name) not in have:
                     problems.append(f"{w.name} needs {req}, neither carried nor on the image")
+    for folder, what in (("tokenizer", "the SmolLM2 tokenizer"), ("minilm", "all-MiniLM-L6-v2 (stage v)")):
+        if not (directory / folder / "tokenizer.json").is_file():
+            problems.append(f"{what} is not carried ({directory / folder})")
     total = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
     if total > LIMIT:
         problems.append(f"the carry takes {total / 2**20:.1f} MiB; the run tool carries 64 MiB in all")

@@ -75,8 +75,8 @@ def compare(ctx, label: str, directory: str, note: str, count: int, longest: int
     from gpu_check.measure import row, sync
     from worker import Engine
 
-    count, longest = (8, 40) if ctx.smoke else (count, longest)
-    few, many = texts(count, 35, longest), texts(16 * count, 36, longest)
+    count, longest, scale = (8, 40, 2) if ctx.smoke else (count, longest, 16)
+    few, many = texts(count, 35, longest), texts(scale * count, 36, longest)
     cpu = Engine(directory, device="cpu", dtype="float32", cpu_kernels=False, kv_cache_gb=0.25)
     want = vectors(cpu, few)
     del cpu

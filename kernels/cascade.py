@@ -55,10 +55,11 @@ class CascadeLayout:
         c = b + num_groups
         return cls(packed[:a], packed[a:b], packed[b:c], packed[c:], max_prefix_len, packed)
 
-    @classmethod
-    def build(cls, groups: list[tuple[list[int], int]], num_seqs: int, device: torch.device | str = "cpu",
-              capacity: int | None = None) -> CascadeLayout:
-        """From (member rows, prefix tokens) pairs; the four int32 arrays in one host-to-device copy. capacity:
+    @staticmethod
+    def pack(groups: list[tuple[list[int], int]], num_seqs: int,
+             capacity: int | None = None) -> tuple[list[int], int, int, int]:
+        """The four arrays back to back on the host (group rows, starts, prefix lens, suffix starts) from (member
+        rows, prefix tokens) pairs, and (grouped rows, groups, longest prefix) to view them with. capacity:
         padded to num_seqs grouped-row entries and `capacity` groups (the class docstring)."""
         rows = [r for members, _ in groups for r in members]
         if len(rows) != len(set(rows)) or any(not 0 <= r < num_seqs for r in rows):
@@ -76,8 +77,15 @@ class CascadeLayout:
             rows += [0] * (num_seqs - len(rows))
             starts += [starts[-1]] * (capacity - len(groups))
             lens += [0] * (capacity - len(groups))
-        packed = torch.tensor(rows + starts + lens + suffix, dtype=torch.int32).to(device)
-        return cls.views(packed, len(rows), len(lens), longest)
+        return rows + starts + lens + suffix, len(rows), len(lens), longest
+
+    @classmethod
+    def build(cls, groups: list[tuple[list[int], int]], num_seqs: int, device: torch.device | str = "cpu",
+              capacity: int | None = None) -> CascadeLayout:
+        """pack's layout on `device`, in one host-to-device copy (the engine sends it inside its step's one
+        copy instead: worker/engine/step_inputs.py)."""
+        values, grouped, num_groups, longest = cls.pack(groups, num_seqs, capacity)
+        return cls.views(torch.tensor(values, dtype=torch.int32).to(device), grouped, num_groups, longest)
 
 
 def _partial(scores: torch.Tensor, invalid: torch.Tensor, values: torch.Tensor,

@@ -87,17 +87,19 @@ def test_rehearsal_runs_every_stage_inside_the_image_venv(carry, tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["smoke"] is True and report["rehearsal"] is True
     assert report["environment"]["device"] == "CPU smoke run"
-    assert set(report["stage_seconds"]) == set("abcdekmq")  # the rehearsal runs the opt-in stages too
+    assert set(report["stage_seconds"]) == set("abcdekmqlsv")  # the rehearsal runs the opt-in stages too
     rows = report["rows"]
     failed = [r for r in rows if r["ok"] is False]
     assert not failed, failed  # no stage overran, failed, missed an import or a target the CPU can check
     imports = [r for r in rows if r["check"].endswith("GPU-path imports")]
-    assert [r["stage"] for r in imports] == list("abcdekmq") and all(r["ok"] for r in imports)
+    assert [r["stage"] for r in imports] == list("abcdekmqlsv") and all(r["ok"] for r in imports)
     checks = " ".join(r["check"] for r in rows)
     for expected in ("vs reference", "collects", "decode attention", "decode step", "host syncs",
-                     "continuous batching", "HF generate", "padded static decode vs eager"):
+                     "continuous batching", "HF generate", "padded static decode vs eager", "LoRA adapters change",
+                     "cascade forced on vs off", "all-MiniLM-L6-v2 vectors", "decoder embedder"):
         assert expected in checks, f"no {expected!r} row: {checks}"
     assert all(r["ok"] for r in rows if "HF generate" in r["check"] or "vs eager" in r["check"])
+    assert any("real weights" in r["note"] for r in rows if "all-MiniLM" in r["check"]), "MiniLM was not carried"
     md = (tmp_path / "gpu_check.md").read_text()
     assert md.startswith("# GPU check (CPU smoke run") and md.count("\n| ") == len(rows) + 1
     assert "`scripts/gpu_check --rehearse`" in md and "| stage | check | result |" in proc.stdout

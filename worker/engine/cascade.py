@@ -75,6 +75,12 @@ class CascadePlanner:
         """The layout of a step whose decode rows are `decode` (lens: each one's tokens in the cache, its
         new one included; num_rows: with padding rows after them), or None to run plain decode. capacity: padded
         to that many groups (a cascade graph's static layout)."""
+        chosen = self.choose(decode, lens)
+        return CascadeLayout.build(chosen, num_rows, device, capacity) if chosen else None
+
+    def choose(self, decode: list[Sequence], lens: Seq[int]) -> list[tuple[list[int], int]]:
+        """The groups (member rows, prefix tokens) the step's decode rows cascade in (empty: plain decode),
+        counted in the stats; StepInputs packs them into the step's one host-to-device copy."""
         lens = [int(n) for n in lens[: len(decode)]]
         plain = sum(lens)
         self.stats.kv_tokens_plain += plain
@@ -91,9 +97,8 @@ class CascadePlanner:
                 chosen += [([i], (n - 1) // bs * bs) for i, n in enumerate(lens) if i not in taken and n > bs]
         saved = sum((len(members) - 1) * prefix for members, prefix in chosen)
         self.stats.kv_tokens_read += plain - saved
-        if not chosen:
-            return None
-        self.stats.steps += 1
-        self.stats.groups += len(chosen)
-        self.stats.grouped_rows += sum(len(members) for members, _ in chosen)
-        return CascadeLayout.build(chosen, num_rows, device, capacity)
+        if chosen:
+            self.stats.steps += 1
+            self.stats.groups += len(chosen)
+            self.stats.grouped_rows += sum(len(members) for members, _ in chosen)
+        return chosen

@@ -15,7 +15,8 @@ write their K/V into the pad slot (block `pad_block`, never handed to a sequence
 and read the padding row of the table, so they never touch a real sequence's cache.
 
 With LoRA slots (lora_slots > 0) each row carries its sequence's adapter slot: the rows that have one, grouped
-by slot (LoraBatch), travel in the same packed copy; padding rows have none.
+by slot (LoraBatch), travel in the same packed copy; padding rows have none. So does a cascade step's layout
+(the decode rows sharing a cached prefix, cascade.py), padded to a cascade graph's capacity when it replays one.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kernels.cascade import CascadeLayout
 from worker.engine.attention_metadata import AttentionMetadata
 from worker.engine.cascade import CascadePlanner
 from worker.engine.lora.layer import LoraBatch
@@ -209,6 +211,9 @@ class StepInputs:
             decode_lens = np.concatenate([decode_lens, np.ones(pad, np.int64)])
         lora = self._lora_plan(order, pad_to)
         l_rows, l_starts, l_counts = lora if lora is not None else ([], [], [])
+        # the decode rows sharing a cached prefix (cascade.py): their layout travels in the same copy
+        chosen = self.cascade.choose(decode, decode_lens) if self.cascade is not None and decode else []
+        c_values, *c_shape = CascadeLayout.pack(chosen, len(decode_lens), cascade_groups) if chosen else ([],)
         all_sample = np.concatenate([np.array(sample_rows, np.int64), d_sample])
         if len(all_sample) and all_sample[-1] == len(all_sample) - 1:  # sorted rows, so: 0, 1, 2, ...
             all_sample = all_sample[:0]  # the leading rows: a slice, no index needed
@@ -217,8 +222,8 @@ class StepInputs:
         longs_part, (s_ids, s_pos, s_slots, s_rows, s_sample, s_upd, s_cdst, s_csrc, s_lrows) = _pack(
             [ids + d_ids, pos, d_starts, slots, d_slots, rows, d_rows, all_sample, updates, carry_rows, carry_src,
              l_rows], 2, joined=((1, 2), (3, 4), (5, 6)))
-        ints_part, (s_plens, s_cu, s_dlens, s_vals, s_lstarts, s_lcounts) = _pack(
-            [prefill_lens, cu, decode_lens, values, l_starts, l_counts], 4)
+        ints_part, (s_plens, s_cu, s_dlens, s_vals, s_lstarts, s_lcounts, s_cascade) = _pack(
+            [prefill_lens, cu, decode_lens, values, l_starts, l_counts, c_values], 4)
         buf = self._send(np.concatenate([longs_part, ints_part]))
         cut = len(longs_part)
         longs, ints = buf[:cut], buf[cut:].to(torch.int32)
@@ -236,8 +241,7 @@ class StepInputs:
                                              (width or self.max_blocks_per_seq) if pad_to is not None else None)
             if has_decode else None,
             decode_seq_lens=ints[s_dlens] if has_decode else None,
-            cascade=self.cascade.layout(decode, decode_lens, len(decode_lens), self.device, cascade_groups)
-            if self.cascade is not None and has_decode else None,
+            cascade=CascadeLayout.views(ints[s_cascade], *c_shape) if chosen else None,
         )
         sample_index = longs[s_sample] if len(all_sample) else None
         input_ids, positions = longs[s_ids], longs[s_pos]
