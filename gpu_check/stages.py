@@ -367,9 +367,9 @@ STAGES = {
     "k": ("fp8 KV cache vs bf16: attention error, engine tok/s", kv.stage_kv_fp8, 60),  # issue 24
     "q": ("FP8 weights vs bf16", fp8.stage_fp8_weights, 150),  # issue 24
     "t": ("tensor parallel TP=2 vs TP=1 (skipped on 1 GPU)", tp.stage_tensor_parallel, 120),  # issue 37, alone
-    "l": ("LoRA under CUDA graphs: graphs on vs off, tok/s vs base", graph_rows.stage_lora, 80),  # issue 36
-    "s": ("cascade under CUDA graphs: on vs off tokens, step time", graph_rows.stage_cascade, 80),  # issue 39
-    "v": ("embeddings vs the CPU path, tokens/s", embed.stage_embeddings, 80),  # issue 35
+    "l": ("LoRA under CUDA graphs: graphs on vs off, tok/s vs base", graph_rows.stage_lora, 120),  # issue 36
+    "s": ("cascade under CUDA graphs: on vs off tokens, step time", graph_rows.stage_cascade, 110),  # issue 39
+    "v": ("embeddings vs the CPU path, tokens/s", embed.stage_embeddings, 70),  # issue 35
 }
 SMOKE_CAPS = {"a": 240, "b": 240, "c": 240, "d": 240, "e": 240, "m": 240, "k": 240, "q": 240, "t": 240,
               "l": 240, "s": 240, "v": 240, "z": 8}  # a loaded 2-core CI box
