@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -26,6 +24,7 @@ from testbed.tiny_models import make_tiny_model
 from tests.engine.test_prefix_cache_smollm2 import run_staggered
 from tests.support import eager_graphs
 from tests.support.hf_reference import hf_greedy, load_hf
+from tests.support.interpreted_child import run_interpreted
 from worker import Engine
 from worker.engine.cascade import group_capacity
 
@@ -138,12 +137,7 @@ def test_lora_rows_and_cascade_layouts_as_graph_inputs_equal_peft(tmp_path):
 
     base = tiny_base(str(tmp_path), "llama")
     adapters = write_adapters(base, str(tmp_path / "adapters"), ADAPTERS)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-m", "tests.engine.test_graph_inputs", base, json.dumps(adapters)],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"engine child failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_interpreted("tests.engine.test_graph_inputs", base, json.dumps(adapters))
     assert result["backend"] == "triton-interpreter" and result["cascade_graphs"] == result["graphs"] > 0
     assert result["replays"]["cascade"] > 0, result
     reference = PeftReference(base, adapters)

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 from tests.engine.lora_cases import PeftReference, tiny_base, write_adapters
 from tests.engine.staggered_batch import PROMPTS
+from tests.support.interpreted_child import run_interpreted
 
 ADAPTERS = {"r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]),
             "r64": dict(r=64, lora_alpha=32, use_rslora=True,
@@ -65,12 +64,7 @@ def run_child(base: str, adapters: dict[str, str]) -> dict:
 def test_triton_path_equals_peft(tmp_path):
     base = tiny_base(str(tmp_path), "llama")
     adapters = write_adapters(base, str(tmp_path / "adapters"), ADAPTERS)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-m", "tests.engine.test_lora_triton", base, json.dumps(adapters)],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"engine child failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_interpreted("tests.engine.test_lora_triton", base, json.dumps(adapters))
     assert result["backend"] == "triton-interpreter"
     assert result["calls"]["shrink"] == result["calls"]["expand"] > 0, result["calls"]
     assert result["lora_loads"] == 2, "two adapters through one slot: each loaded once, one after the other"
