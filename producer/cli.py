@@ -16,12 +16,13 @@ from typing import Any
 import redis
 import structlog
 
-from producer import adapters, batch_retry, batches, exporter, models, vectors
+from producer import adapters, batch_cli, exporter, models, vectors
+from producer.batch_cli import print_json as _print_json
 from producer.client import Client
 from protocol.errors import TokenbusError
 from protocol.keys import DEFAULT_NAMESPACE
 from protocol.models import DEFAULT_REDIS_URL, GenerationParams, Job, JobStatus
-from protocol.priority import PRIORITIES, Priority
+from protocol.priority import PRIORITIES
 from protocol.records import ModelInfo, QueueInfo
 from protocol.redaction import redact_url, scrub, secrets_of
 
@@ -141,37 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "declared (then: the default model's id; every declared model has its own series)")
     e.add_argument("--port", type=int, default=exporter.DEFAULT_PORT)
 
-    b = sub.add_parser("batch", help="OpenAI Batch API JSONL files").add_subparsers(dest="batch_command",
-                                                                                     required=True)
-    bs = b.add_parser("submit", help="validate a JSONL file and queue one job per line")
-    bs.add_argument("file")
-    bs.add_argument("--batch-id", help="your own id: re-running completes an interrupted submit")
-    bs.add_argument("--model", help="replace each line's body.model ('' = drop it: the default model)")
-    bs.add_argument("--wait", action="store_true", help="then wait with a progress bar")
-    bs.add_argument("--priority", choices=[p.value for p in PRIORITIES], default=Priority.bulk.value,
-                    help="of every job of the batch (default: bulk); batches of one priority take turns")
-    for name in ("status", "wait", "cancel"):
-        c = b.add_parser(name, help=f"batch {name}")
-        c.add_argument("batch_id")
-        if name == "wait":
-            c.add_argument("--timeout", type=float)
-    br = b.add_parser("retry", help="a new batch of the failed, cancelled and expired lines of an ended batch")
-    br.add_argument("batch_id")
-    br.add_argument("--file", help="the batch's input file, when it is no longer where it was submitted from")
-    br.add_argument("--out", help="where the retried lines are written (default: <input>.retry-<id>.jsonl)")
-    br.add_argument("--wait", action="store_true", help="then wait with a progress bar")
-    be = b.add_parser("export", help="write OpenAI Batch output lines")
-    be.add_argument("batch_id")
-    be.add_argument("out")
-    be.add_argument("--partial", action="store_true",
-                    help="export a batch that has not ended (its ended jobs only)")
-    be.add_argument("--drop-vectors", action="store_true",
-                    help="an embedding batch: delete its vectors from Redis once the file is written")
+    batch_cli.add_parser(sub)
     return p
-
-
-def _print_json(model: Any) -> None:
-    print(model.model_dump_json(indent=2))
 
 
 def _submit(c: Client, a: argparse.Namespace) -> int:
@@ -277,85 +249,6 @@ def _hit_rate(hb: Any) -> str:
     return f"{hb.prefix_hit_rate:.0%}_tokens/{blocks:.0%}_blocks"
 
 
-def _batch_wait(c: Client, batch_id: str, timeout: float | None) -> int:
-    from tqdm import tqdm
-
-    bar = None
-
-    def progress(rec: Any) -> None:
-        nonlocal bar
-        if bar is None:
-            bar = tqdm(total=rec.total, desc=batch_id, unit="job", file=sys.stderr)
-        bar.set_postfix_str(f"{rec.status.value} failed={rec.failed} cancelled={rec.cancelled}",
-                            refresh=False)
-        bar.update(rec.done - bar.n)
-
-    try:
-        record = batches.wait_batch(c, batch_id, timeout=timeout, on_progress=progress)
-    finally:
-        if bar is not None:
-            bar.close()
-    _print_json(record)
-    return 0
-
-
-class _Bars:
-    """tqdm bars on stderr for a streaming submit or export, one per stage (shown only on a terminal)."""
-
-    UNITS = {"validate": ("B", True), "enqueue": ("job", False), "export": ("job", False)}
-
-    def __init__(self) -> None:
-        self.bars: dict[str, Any] = {}
-
-    def __call__(self, stage: str, done: int, total: int | None) -> None:
-        from tqdm import tqdm
-
-        bar = self.bars.get(stage)
-        if bar is None:
-            unit, scale = self.UNITS.get(stage, ("it", False))
-            bar = self.bars[stage] = tqdm(total=total, desc=stage, unit=unit, unit_scale=scale, file=sys.stderr,
-                                          disable=None)
-        bar.update(done)
-
-    def close(self) -> None:
-        for bar in self.bars.values():
-            bar.close()
-
-
-def _batch(c: Client, a: argparse.Namespace) -> int:
-    cmd = a.batch_command
-    bars = _Bars()
-    try:
-        return _batch_command(c, a, cmd, bars)
-    finally:
-        bars.close()
-
-
-def _batch_command(c: Client, a: argparse.Namespace, cmd: str, bars: _Bars) -> int:
-    if cmd == "submit":
-        record = batches.submit_batch(c, a.file, batch_id=a.batch_id, model=a.model, priority=a.priority,
-                                      on_progress=bars)
-        bars.close()
-        print(record.id)
-        return _batch_wait(c, record.id, None) if a.wait else 0
-    if cmd == "status":
-        _print_json(batches.get_batch(c, a.batch_id))
-    elif cmd == "wait":
-        return _batch_wait(c, a.batch_id, a.timeout)
-    elif cmd == "cancel":
-        _print_json(batches.cancel_batch(c, a.batch_id))
-    elif cmd == "retry":
-        record = batch_retry.retry_batch(c, a.batch_id, a.file, a.out)
-        print(record.id)
-        return _batch_wait(c, record.id, None) if a.wait else 0
-    elif cmd == "export":
-        n = batches.export_batch(c, a.batch_id, a.out, allow_partial=a.partial, on_progress=bars,
-                                 drop_vectors=a.drop_vectors)
-        bars.close()
-        print(f"wrote {n} lines to {a.out}", file=sys.stderr)
-    return 0
-
-
 def run(a: argparse.Namespace) -> int:
     try:
         client = Client(a.url, namespace=a.namespace)
@@ -379,7 +272,7 @@ def run(a: argparse.Namespace) -> int:
         elif a.command == "exporter":
             return exporter.serve(c.redis, c.keys, a.model, a.port)
         elif a.command == "batch":
-            return _batch(c, a)
+            return batch_cli.command(c, a)
         elif a.command == "models":
             return _models(c, a)
         elif a.command == "adapters":

@@ -13,7 +13,6 @@ import queue
 import signal
 import threading
 import time
-from collections import deque
 from typing import Any
 
 import structlog
@@ -24,12 +23,12 @@ from protocol.registry import short_name
 from protocol.scripts import RetryBackoff
 from worker.engine.config import bulk_min_seats
 from worker.engine.errors import EngineError, InvalidRequest
-from worker.engine.sampling_params import SamplingParams
 from worker.serve.adapters import AdapterChange, ServedAdapters
 from worker.serve.backoff import REDIS_DOWN, Backoff
 from worker.serve.completion import CompletionWriter, FirstToken
 from worker.serve.embed_jobs import EmbedJobs, job_of
 from worker.serve.intake import BLOCK_MS, Intake, IntakeBudget
+from worker.serve.isolation import FaultIsolation
 from worker.serve.job_queue import Ending, JobQueue
 from worker.serve.leases import Housekeeper, Leases
 from worker.serve.messages import HandBack, Partial, Revoke, StartedJob, Wake
@@ -41,12 +40,10 @@ from worker.settings import WorkerSettings, lora_flags
 log = structlog.get_logger("tokenbus.worker")
 
 IDLE_WAIT_S = 0.2  # how long an idle loop waits for a message before it beats the health check
-MAX_STEP_FAILURES = 3  # consecutive failed steps before the worker gives up (exit 1, supervisor restarts it)
 REVOKE_MEMORY_S = 300.0  # how long a revoke for a job not yet in the engine is remembered
-CANARY_ID = "tokenbus:canary"  # engine request id of the health probe (job ids cannot contain ':')
 
 
-class Server:
+class Server(FaultIsolation):
     def __init__(self, settings: WorkerSettings, engine: Any, client: Any,
                  metrics: Any | None = None) -> None:
         self.settings = settings
@@ -84,15 +81,10 @@ class Server:
         )
         self.running: dict[str, StartedJob] = {}  # jobs inside the engine
         self.embeds = EmbedJobs()  # the embedding jobs among them: one engine request per input
-        # After a failed step with several jobs: they re-run one at a time (suspects), so the one that
-        # breaks the engine fails alone; jobs arriving meanwhile wait in `held`.
-        self.suspects: deque[StartedJob] = deque()
-        self.isolating: StartedJob | None = None
-        self.held: list[StartedJob] = []
+        self._init_isolation()  # suspects, isolating, held, step_failures (isolation.py)
         self.revoked: dict[str, tuple[str, float]] = {}  # job -> (reason, when) for jobs not yet seen here
         self.stop_requested = threading.Event()
         self.drain_deadline: float | None = None
-        self.step_failures = 0
         self.exit_code = 0
         self.status = EngineStatus(engine)  # the heartbeat's engine numbers
 
@@ -339,82 +331,6 @@ class Server:
                 self._abort_quietly(job.job_id)
                 self._fail(job, err)
 
-    def _step_failed(self, err: Exception) -> None:
-        culprit = self.running.get(job_of(err.request_id or "")) if isinstance(err, EngineError) else None
-        if culprit is not None:
-            # The engine named the request whose own row broke the step, before any sequence changed: that
-            # job fails (with its constraint's code, or worker_error), the rest of the batch steps on, and the
-            # engine is not at fault.
-            log.warning("job_broke_step", job_id=culprit.job_id, error=str(err))
-            del self.running[culprit.job_id]
-            self._abort_quietly(culprit.job_id)
-            self._fail(culprit, err)
-            return
-        self.step_failures += 1
-        jobs = list(self.running.values())
-        log.exception("engine_step_failed", jobs=[j.job_id for j in jobs], consecutive=self.step_failures)
-        for job in jobs:
-            self._abort_quietly(job.job_id)
-        self.running.clear()
-        if len(jobs) == 1 and out_of_memory(err):
-            # Not the job's fault but the moment's (or this device's): a transient failure, handed back with the
-            # attempt counted, so it runs again after the retry backoff, here or on another worker.
-            log.warning("job_out_of_memory", job_id=jobs[0].job_id, error=str(err))
-            self.writer.put(HandBack(jobs[0].job_id, jobs[0].entry_id, count_attempt=True, why="out of memory",
-                                     queue=jobs[0].queue))
-            self.step_failures = 0 if self._engine_works() else MAX_STEP_FAILURES
-        elif len(jobs) == 1:
-            # Alone in the batch, so it is the one that broke the step: it fails, every other job goes on.
-            self._end(jobs[0], "failed", error_code=ErrorCode.worker_error,
-                      error=f"worker error: the engine failed while running this job ({type(err).__name__}: "
-                            f"{err})")
-            # Its fault, or the engine's (a lost GPU fails every job alone too)? A one-token probe in the
-            # now empty engine tells: if it runs, the failure was the job's and does not count against us.
-            if self._engine_works():
-                self.step_failures = 0
-            else:
-                self.step_failures = MAX_STEP_FAILURES
-        else:
-            log.warning("isolating_jobs", jobs=[j.job_id for j in jobs])
-            self.suspects.extend(jobs)
-        if self.step_failures >= MAX_STEP_FAILURES:
-            # Several failures in a row, whatever ran: the engine itself is broken (a lost GPU, say).
-            log.error("engine_broken", consecutive_failures=self.step_failures)
-            self.exit_code = 1
-
-    def _engine_works(self) -> bool:
-        """Run a one-token request in the (empty) engine: False if the engine itself fails."""
-        try:
-            if "generate" in getattr(self.engine, "kinds", ["generate"]):
-                self.engine.add_request(CANARY_ID, [0], SamplingParams(max_tokens=1, ignore_eos=True))
-            else:  # an encoder: the probe is an embedding of one token
-                from worker.engine.pooling import EmbedParams  # torch: the engine's side
-
-                self.engine.add_request(CANARY_ID, [0], EmbedParams())
-            for _ in range(8):  # a one-token prompt ends on its first step; a few more cover a busy engine
-                if any(out.request_id == CANARY_ID for out in self.engine.step()):
-                    return True
-            return False
-        except Exception:
-            log.exception("engine_probe_failed")
-            return False
-        finally:
-            self._abort_quietly(CANARY_ID)
-
-    def _seat_set_aside(self) -> None:
-        """Re-run suspects one at a time in an otherwise empty engine, then seat the jobs held meanwhile."""
-        if self.isolating is not None and self.isolating.job_id not in self.running:
-            self.isolating = None  # it ended (finished, failed or cancelled)
-        if self.isolating is not None or self.engine.has_unfinished_requests():
-            return
-        if self.suspects:
-            self.isolating = self.suspects.popleft()
-            self._seat(self.isolating)
-        elif self.held:
-            held, self.held = self.held, []
-            for job in held:
-                self._seat(job)
-
     def _hand_back_all(self, why: str, count_attempt: bool) -> None:
         for job in list(self.running.values()):
             self._abort_quietly(job.job_id)
@@ -469,13 +385,3 @@ class Server:
         ending = Ending(job.job_id, job.entry_id, status, result=result, error=error, error_code=error_code,
                         finished_at=finished_at or time.time(), queue=job.queue, vectors=vectors)
         self.writer.end(ending, started_at=job.started_at, **stats)
-
-
-
-def out_of_memory(err: BaseException) -> bool:
-    """An out-of-memory error (torch's, or one it caused), however the engine wrapped it."""
-    while err is not None:
-        if type(err).__name__ == "OutOfMemoryError" or "out of memory" in str(err).lower():
-            return True
-        err = err.__cause__ or err.__context__
-    return False
