@@ -17,6 +17,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
         sys.modules["torch"].set_num_threads(1)
 
 from testbed.redis_server import RedisServer
+from tests.support.log_setup import plain_tracebacks
+
+plain_tracebacks()
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("protocol", "client", "gateway", "engine", "kernels", "serve", "deploy")

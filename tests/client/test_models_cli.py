@@ -6,20 +6,20 @@ from __future__ import annotations
 import json
 
 import pytest
-import structlog
 
 from producer.cli import main
 from protocol.keys import Keys
 from protocol.records import ModelInfo
+from tests.support.log_setup import plain_tracebacks
 
 K = Keys("tokenbus")
 
 
 @pytest.fixture(autouse=True)
 def _logging_back():
-    """main() points structlog at this test's captured stderr: the tests after it get the defaults back."""
+    """main() points structlog at this test's captured stderr: the tests after it get the suite's set-up back."""
     yield
-    structlog.reset_defaults()
+    plain_tracebacks()
 
 
 def run(capsys, url: str, *args: str) -> tuple[int, str, str]:
