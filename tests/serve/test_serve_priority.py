@@ -64,6 +64,10 @@ def test_interactive_jobs_start_before_the_rest_of_a_500_job_bulk_batch(engine, 
     chat = c.submit_many([{"prompt": f"question {i}", "max_tokens": 3, "temperature": 0.0, "ignore_eos": True,
                            "priority": "interactive"} for i in range(5)])
     chats = list(c.as_completed(chat, timeout=120))
+    # The instant intake could first see them: their entries' XADD (Redis's clock, ms), not `submitted_at`. The
+    # submit validates, resolves the model and checks capacity first, and while it does, intake goes on reading
+    # bulk jobs one free seat at a time, rightly (in the loaded full suite that window let a third one start).
+    queued_at = min(int(j.entry_id.split("-")[0]) for j in chats) / 1000
     done = c.get_batch(bulk.id).finished
     wait_finished(c, bulk.id, done + 10)  # bulk work goes on after them
     end_batch(c, bulk.id)
@@ -73,11 +77,11 @@ def test_interactive_jobs_start_before_the_rest_of_a_500_job_bulk_batch(engine, 
     remaining = [j for j in bulk_jobs if j.started_at is None or j.started_at > submitted_at]
     assert len(remaining) > 400, "the interactive jobs came while most of the batch still waited"
     last_chat_start = max(j.started_at for j in chats)
-    overtook = [j.id for j in remaining if j.started_at is not None and j.started_at < last_chat_start]
-    # Only a read already under way when the interactive jobs arrived (at most the free seats) may start first.
-    # + 1: in the loaded full suite (never alone) one more bulk job has started in that window since the
-    # per-model READ and the intake cap changes of 2026-12-03; not explained yet (the session note says so)
-    assert len(overtook) <= MAX_NUM_SEQS + 1, overtook
+    overtook = [j.id for j in remaining
+                if j.started_at is not None and queued_at <= j.started_at < last_chat_start]
+    # Only a read already under way when the interactive jobs arrived (at most the free seats) may start first:
+    # every later READ takes the interactive queue first (protocol/lua/read.lua), as many as the seats let.
+    assert len(overtook) <= MAX_NUM_SEQS, overtook
     assert any(j.started_at and j.started_at > last_chat_start for j in remaining)
     # Seats: bulk jobs already read into the look-ahead (started before the interactive ones were submitted)
     # must not take a seat ahead of them; allow about one seat per interactive job, far below the buffer.
