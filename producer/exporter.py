@@ -21,13 +21,13 @@ import signal
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 import redis
 import structlog
 
 from protocol import model_status, scripts
 from protocol.keys import Keys
+from protocol.metrics_http import NOT_FOUND, TEXT, MetricsHandler
 
 log = structlog.get_logger("tokenbus.exporter")
 
@@ -76,33 +76,23 @@ def render_models(per_model: dict[str, Counts]) -> str:
 
 
 def _handler_for(read: Callable[[], str]) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(MetricsHandler):
         def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
+            path = self.route
             if path not in ("/metrics", "/healthz"):
-                self._send(404, "text/plain; charset=utf-8", b"not found: try /metrics or /healthz\n")
+                self.send_body(404, TEXT, NOT_FOUND)
                 return
             try:
                 body = read()
             except redis.RedisError as err:
                 # a scrape error, not zeros: an autoscaler must not read an outage as an empty queue
                 log.warning("exporter_redis_error", error=str(err))
-                self._send(503, "text/plain; charset=utf-8", f"redis unavailable: {err}\n".encode())
+                self.send_body(503, TEXT, f"redis unavailable: {err}\n".encode())
                 return
             if path == "/healthz":
-                self._send(200, "application/json", b'{"status": "ok"}')
+                self.send_body(200, "application/json", b'{"status": "ok"}')
             else:
-                self._send(200, CONTENT_TYPE, body.encode())
-
-        def _send(self, code: int, content_type: str, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass  # a scrape every few seconds would flood the log
+                self.send_body(200, CONTENT_TYPE, body.encode())
 
     return Handler
 

@@ -38,6 +38,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import generate_latest
 
+from protocol.metrics_http import NOT_FOUND, TEXT, MetricsHandler
 from protocol.priority import PRIORITIES
 
 # Prefill of a 1k-token prompt behind a full batch can take seconds on a small GPU; a CPU worker, minutes.
@@ -302,26 +303,14 @@ class WorkerMetrics:
 
 
 def _handler_for(metrics: WorkerMetrics) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(MetricsHandler):
         def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                self._send(200, CONTENT_TYPE_LATEST, generate_latest(metrics.registry))
-            elif path == "/healthz":
+            if self.route == "/metrics":
+                self.send_body(200, CONTENT_TYPE_LATEST, generate_latest(metrics.registry))
+            elif self.route == "/healthz":
                 healthy, details = metrics.health()
-                self._send(200 if healthy else 503, "application/json", json.dumps(details).encode())
+                self.send_body(200 if healthy else 503, "application/json", json.dumps(details).encode())
             else:
-                self._send(404, "text/plain; charset=utf-8", b"not found: try /metrics or /healthz\n")
-
-        def _send(self, code: int, content_type: str, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:
-            # Scrapes every few seconds would flood the worker's structured log.
-            pass
+                self.send_body(404, TEXT, NOT_FOUND)
 
     return Handler
