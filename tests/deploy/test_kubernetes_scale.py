@@ -19,8 +19,8 @@ from pathlib import Path
 from protocol import scripts
 from protocol.keys import Keys
 from testbed.polling import until
-from tests.serve.test_serve_process import worker_args
 from tests.support.kubernetes import find, render
+from tests.support.worker_runs import worker_args
 
 ROOT = Path(__file__).resolve().parents[2]
 K = Keys("tokenbus")

@@ -13,7 +13,8 @@ import pytest
 from protocol.keys import Keys
 from protocol.scripts import RetryBackoff
 from testbed.tiny_models import make_tiny_model
-from tests.serve.test_serve_process import wait_until, worker_args
+from tests.serve.test_serve_process import wait_until
+from tests.support.worker_runs import worker_args
 
 K = Keys("tokenbus")
 LEASE_MS = 1000

@@ -6,22 +6,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
-from protocol import scripts
 from protocol.keys import Keys
+from tests.support.worker_runs import check_taken_over, worker_args
 
 K = Keys("tokenbus")
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def worker_args(redis_url: str, model: str, name: str, *extra: str) -> list[str]:
-    # PyTorch's CPU kernels: these tests are about the process, and a worker that waited for the C++ build
-    # (another test may be holding its lock on a fresh machine) would only make them slower
-    return ["--redis-url", redis_url, "--model", model, "--worker-name", name, "--max-num-seqs", "4",
-            "--intake-lookahead", "2", "--max-num-batched-tokens", "256", "--kv-cache-gb", "0.05",
-            "--heartbeat-s", "0.5", "--cpu-kernels", "false", *extra]
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:
@@ -46,16 +37,8 @@ def test_sigkill_mid_batch_then_another_worker_finishes_everything(
     assert in_flight, "the kill should land while jobs are running"
 
     b = worker_process(*worker_args(redis_server.url, serve_model_dir, "worker-b", "--lease-ms", "1500"))
-    jobs = {j.id: j for j in client.as_completed(ids, timeout=300)}
-    assert all(j.status == "finished" for j in jobs.values()), [j.error for j in jobs.values()]
-    assert [jobs[i].result.usage.completion_tokens for i in ids] == lengths
-    r = redis_server.client()
-    events = Counter(f[b"job_id"].decode() for _id, f in r.xrange(K.events))
-    assert events == Counter(ids), "every job ended exactly once"
+    jobs = check_taken_over(client, redis_server.client(), ids, lengths, in_flight)
     assert jobs[ids[0]].worker == "worker-a" and jobs[ids[0]].attempts == 1
-    for j in in_flight:
-        assert jobs[j.id].worker == "worker-b" and jobs[j.id].attempts == 2, jobs[j.id]
-    assert scripts.queue_totals(r, K) == (0, 0)
     assert len(b.events()) > 0 and any(e.get("event") == "entry_reclaimed" for e in b.events())
 
 

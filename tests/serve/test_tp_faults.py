@@ -8,13 +8,11 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections import Counter
 
 import pytest
 
-from protocol import scripts
 from protocol.keys import Keys
-from tests.serve.test_serve_process import worker_args
+from tests.support.worker_runs import check_taken_over, worker_args
 
 K = Keys("tokenbus")
 TP_ARGS = ("--tensor-parallel-size", "2", "--tensor-parallel-timeout-s", "4", "--lease-ms", "1500")
@@ -60,14 +58,7 @@ def test_a_rank_fault_takes_the_worker_down_and_another_finishes_every_job(
     assert in_flight, "the fault should land while jobs are running"
 
     b = worker_process(*worker_args(redis_server.url, serve_model_dir, "worker-b", "--lease-ms", "1500"))
-    jobs = {j.id: j for j in client.as_completed(ids, timeout=120)}
-    assert all(j.status == "finished" for j in jobs.values()), [j.error for j in jobs.values()]
-    assert [jobs[i].result.usage.completion_tokens for i in ids] == LENGTHS
-    r = redis_server.client()
-    assert Counter(f[b"job_id"].decode() for _id, f in r.xrange(K.events)) == Counter(ids), "each ended once"
-    for j in in_flight:
-        assert jobs[j.id].worker == "worker-b" and jobs[j.id].attempts == 2, jobs[j.id]
-    assert scripts.queue_totals(r, K) == (0, 0)
+    check_taken_over(client, redis_server.client(), ids, LENGTHS, in_flight)
     b.proc.send_signal(signal.SIGTERM)
     assert b.wait(30) == 0
 

@@ -13,7 +13,7 @@ import pytest
 from protocol import scripts
 from protocol.keys import Keys
 from testbed.polling import until
-from tests.serve.test_serve_process import worker_args
+from tests.support.worker_runs import worker_args
 
 K = Keys("tokenbus")
 

@@ -13,7 +13,7 @@ from protocol import scripts
 from protocol.keys import Keys
 from protocol.models import Job
 from testbed.polling import until
-from tests.serve.test_serve_process import worker_args
+from tests.support.worker_runs import worker_args
 
 FIRST_WAVE = [2] * 4 + [24] * 8  # max_tokens: four short jobs end before the kill, eight long ones are in flight
 
