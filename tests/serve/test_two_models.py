@@ -1,6 +1,6 @@
 """One namespace, two models, real worker processes: a batch mixing both is served line by line by the right
 worker; SIGKILL every worker of model B and A's jobs keep finishing while B's wait, then B's finish once a
-B worker is back, none lost or ended twice; a name claimed for another checkpoint is refused at start."""
+B worker is back, none lost or ended twice, while a worker claiming A's name for B's checkpoint is refused at start."""
 
 from __future__ import annotations
 
@@ -67,6 +67,8 @@ def test_a_mixed_batch_is_served_by_each_models_worker_and_b_waits_while_its_wor
     until(lambda: {m.id: m for m in client.info().models}["model-b"].unserved, 30, "B flagged unserved")
 
     b2 = start(worker_process, redis_server.url, model_b_dir, "worker-b2", "model-b", "--lease-ms", "1500")
+    # meanwhile (it starts beside B2): a worker of B's checkpoint that claims A's name is refused at start
+    thief = start(worker_process, redis_server.url, model_b_dir, "worker-thief", "model-a")
     done = {j.id: j for j in client.as_completed(b_ids + b_long, timeout=180)}
     assert all(j.status == "finished" and j.result.model == "model-b" and j.worker == "worker-b2"
                for j in done.values()), [(j.status, j.error) for j in done.values()]
@@ -80,15 +82,10 @@ def test_a_mixed_batch_is_served_by_each_models_worker_and_b_waits_while_its_wor
         assert scripts.depth(r, K.for_model(mid)).total == 0
     assert b2.proc.poll() is None and a.proc.poll() is None
 
-
-def test_an_alias_of_another_checkpoint_is_refused_at_start_naming_both(
-        redis_server, serve_model_dir, model_b_dir, worker_process):
-    a = start(worker_process, redis_server.url, serve_model_dir, "worker-a", "shared-name")
-    a.wait_for_event("worker_ready", timeout=120)
-    b = start(worker_process, redis_server.url, model_b_dir, "worker-b", "shared-name")
-    assert b.wait(120) == 2
-    refusal = next(e for e in b.events() if e.get("event") == "model_declaration_refused")
-    assert "shared-name" in refusal["error"] and "serve-tiny" in refusal["error"] and "tiny-qwen" in refusal["error"]
+    assert thief.wait(120) == 2, thief.tail()
+    refusal = next(e for e in thief.events() if e.get("event") == "model_declaration_refused")
+    assert "model-a" in refusal["error"] and "serve-tiny" in refusal["error"] and "tiny-qwen" in refusal["error"]
+    assert {m.id: m for m in client.info().models}["model-a"].workers == 1, "the refused worker counts nowhere"
 
 
 def test_the_move_a_live_namespace_of_the_release_before_models_is_served_as_the_default_models(
