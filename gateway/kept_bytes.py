@@ -21,6 +21,7 @@ import redis
 import structlog
 
 from gateway.batches import capacity
+from gateway.byte_limits import STORED_CODES, raise_for
 from gateway.context import GatewayContext
 from gateway.jobs import OWNERSHIP_SLACK_S
 from producer.batch_file import result_bytes
@@ -60,7 +61,7 @@ def admit(ctx: GatewayContext, job_id: str, who: str, endpoint: str, request: Jo
               capacity.until(ctx, now, OWNERSHIP_SLACK_S), ctx.client.result_ttl + OWNERSHIP_SLACK_S,
               *[x for kv in fields.items() for x in kv]],
         client=ctx.redis)
-    capacity.raise_for(int(code), int(value), kept.most, int(per_key), int(total), "call", capacity.STORED_CODES)
+    raise_for(int(code), int(value), kept.most, int(per_key), int(total), "call", STORED_CODES)
     return kept
 
 

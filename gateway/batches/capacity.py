@@ -25,6 +25,7 @@ import structlog
 
 from gateway.batches.quota import RECENT_BATCHES, quota_refusal
 from gateway.batches.records import GatewayBatch
+from gateway.byte_limits import INDEX_ENTRY_BYTES, raise_for, refuse
 from gateway.context import GatewayContext
 from gateway.errors import APIError
 from protocol.connection import on_shard
@@ -37,11 +38,7 @@ JOB_OVERHEAD_BYTES = 500  # measured: 401 per job (fit over lines of 235-3,195 b
 BODY_FACTOR = 1.25  # measured: 1.14 x the input line's bytes (the request JSON once, as stored), rounded up
 RECORD_OVERHEAD_BYTES = 200  # allowance for a gateway batch record's hash beyond its fields' bytes
 LEDGER_HOUR_S = 3600  # a ledger of results kept counts them by the hour they expire in: at most 24 x 8 fields
-# a member of a sorted set of ids (a key's batches, files, sessions) as Redis keeps it past 128 members (a
-# skiplist): 123 bytes measured for a 30-character id, 171 for a 64-character hash; rounded up
-INDEX_ENTRY_BYTES = 192
 KEY_SHARE = 4  # a derived per-key byte limit is this fraction of everyone's (derive_limits): 4 keys at it fill Redis
-STORED_CODES = ("stored_bytes_per_key_exceeded", "stored_bytes_exceeded")  # what a call, upload or login keeps
 
 _RESERVE = lua("reserve_bytes")  # protocol/lua/reserve_bytes.lua
 _ADMIT = lua("admit_batch")  # protocol/lua/admit_batch.lua: the quotas, the bytes and the record in one step
@@ -52,10 +49,6 @@ def estimate(requests: int, file_bytes: int, result_bytes: int = 0) -> int:
     """Redis bytes a batch of `requests` lines totalling `file_bytes` takes while open: its queued requests, and
     the `result_bytes` its results may hold (producer.batch_file.result_bytes: logprobs included)."""
     return int(requests * JOB_OVERHEAD_BYTES + file_bytes * BODY_FACTOR) + result_bytes
-
-
-def _refuse(message: str, code: str) -> APIError:
-    return APIError(429, message, code=code, headers={"retry-after": "60"})
 
 
 def reserve_problem(maxmemory: int, reserve_free: int) -> str | None:
@@ -125,7 +118,7 @@ def _check_memory(ctx: GatewayContext, need: int, reserve_free: int) -> None:
     if problem := reserve_problem(maxmemory, reserve_free):
         raise APIError(503, f"this gateway cannot queue batches: {problem}", code="redis_reserve_too_large")
     if maxmemory and used + need + reserve_free > maxmemory:
-        raise _refuse(f"Redis has no room for this batch now: it needs about {need} bytes, Redis uses {used} of "
+        raise refuse(f"Redis has no room for this batch now: it needs about {need} bytes, Redis uses {used} of "
                       f"its maxmemory {maxmemory} and keeps {reserve_free} free for the queue; retry "
                       "when running batches have ended, or split the file", "redis_capacity")
 
@@ -180,22 +173,6 @@ def until_s(now: float, keep_s: float) -> int:
 def ledgers(ctx: GatewayContext, owner: str) -> list[str]:
     """The owner's ledger of results kept and everyone's (kept_bytes.py), as the byte scripts take them."""
     return [ctx.gkeys.kept_bytes(owner), ctx.gkeys.kept_bytes("*")]
-
-
-def raise_for(code: int, value: int, need: int, per_key: int, total: int, what: str = "batch",
-               codes: tuple[str, str] = ("queued_bytes_per_key_exceeded", "queued_bytes_exceeded"),
-               less: str = "ask for less (max_tokens, n, top_logprobs)") -> None:
-    """429 for a byte limit's refusal (code -1: the key's, -2: everyone's); `what` is refused, answered `codes`;
-    `less` says how to need less."""
-    held = "open batches, files, sessions and results kept"
-    if code == -1:
-        raise _refuse(f"this API key's {held} already hold about {value} bytes in Redis; with this {what} "
-                      f"(about {need}) they would pass max_queued_bytes_per_key {per_key}. Wait for a batch to "
-                      f"end or results to expire (result_ttl), delete files you no longer need, or {less}",
-                      codes[0])
-    if code == -2:
-        raise _refuse(f"the gateway's {held} already hold about {value} bytes in Redis; with this {what} "
-                      f"(about {need}) they would pass max_queued_bytes {total}. Retry later", codes[1])
 
 
 def limits(ctx: GatewayContext) -> tuple[int, int, int]:

@@ -28,6 +28,7 @@ import redis
 import structlog
 from pydantic import BaseModel, PrivateAttr
 
+from gateway.byte_limits import INDEX_ENTRY_BYTES, STORED_CODES, raise_for
 from gateway.errors import invalid, not_found
 from gateway.keys import GatewayKeys, hash_fields
 from producer.batch_file import BatchFileReader
@@ -109,8 +110,6 @@ class FileStore:
         """Write the file's metadata, counted against its owner's bytes until the file is deleted (KEEP_FILE).
         check=True (an upload): past the key's or everyone's byte limit, 429 and nothing written; else (a file
         the gateway makes: a batch's output) counted without a check."""
-        from gateway.batches import capacity  # here: capacity imports the context, which imports this module
-
         fields = {k: ("" if v is None else json.dumps(v) if isinstance(v, list) else v)
                   for k, v in meta.model_dump().items()}
         per_key, total = self.byte_limits()
@@ -119,12 +118,12 @@ class FileStore:
                   self.keys.queued_bytes, self.keys.kept_bytes(meta.owner), self.keys.kept_bytes("*"),
                   self.keys.config],
             args=[meta.owner, meta.id, meta.created_at, "" if meta.expires_at is None else meta.expires_at,
-                  per_key, total, time.time(), int(check), capacity.INDEX_ENTRY_BYTES,
+                  per_key, total, time.time(), int(check), INDEX_ENTRY_BYTES,
                   *[x for kv in fields.items() for x in kv]],
             client=self.r)
         if int(out[0]) < 0:
             code, value, per_key, total, need = map(int, out)
-            capacity.raise_for(code, value, need, per_key, total, "file's metadata", capacity.STORED_CODES,
+            raise_for(code, value, need, per_key, total, "file's metadata", STORED_CODES,
                                "upload a file with fewer invalid lines")
         return meta
 

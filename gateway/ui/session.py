@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 from fastapi import Request
 
 from gateway.batches import capacity
+from gateway.byte_limits import INDEX_ENTRY_BYTES, STORED_CODES, raise_for
 from gateway.settings import owner_id
 from protocol.scripts import lua, script
 
@@ -103,12 +104,12 @@ def create(ctx, api_key: str) -> tuple[str, Session] | None:
               *capacity.ledgers(ctx, sess.owner), ctx.gkeys.config],
         args=[sess.owner, sess.token_hash, sess.created_at, s.ui_session_ttl_s, s.ui_max_sessions_per_key,
               capacity.until_s(sess.created_at, s.ui_session_ttl_s), s.max_queued_bytes_per_key,
-              s.max_queued_bytes, ctx.gkeys.ui_session(""), capacity.INDEX_ENTRY_BYTES,
+              s.max_queued_bytes, ctx.gkeys.ui_session(""), INDEX_ENTRY_BYTES,
               *[x for kv in fields.items() for x in kv]],
         client=ctx.redis)
     if int(code) < 0:
         per_key, total, need = map(int, limits)
-        capacity.raise_for(int(code), int(value), need, per_key, total, "login", capacity.STORED_CODES,
+        raise_for(int(code), int(value), need, per_key, total, "login", STORED_CODES,
                            "log out of a session you no longer use")
     return token, sess
 

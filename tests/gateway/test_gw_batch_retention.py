@@ -10,7 +10,7 @@ import time
 import openai
 import pytest
 
-from gateway.batches.capacity import INDEX_ENTRY_BYTES
+from gateway.byte_limits import INDEX_ENTRY_BYTES
 from gateway.settings import owner_id
 from protocol.scripts import lua, script
 from testbed.light_gateway import KEYS, chat_line, start_light_stack, stop_light_stack, wait_until

@@ -9,7 +9,8 @@ import time
 import openai
 import pytest
 
-from gateway.batches.capacity import INDEX_ENTRY_BYTES, estimate
+from gateway.batches.capacity import estimate
+from gateway.byte_limits import INDEX_ENTRY_BYTES
 from testbed.light_gateway import chat_line, wait_until
 
 

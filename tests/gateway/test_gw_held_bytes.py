@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.batches.capacity import INDEX_ENTRY_BYTES, KEY_SHARE
+from gateway.batches.capacity import KEY_SHARE
+from gateway.byte_limits import INDEX_ENTRY_BYTES
 from gateway.settings import owner_id
 from testbed.gateway_procs import KEYS, Proc, healthy
 from testbed.light_gateway import chat_line, wait_until
