@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 from testbed.light_gateway import chat_line
-from tests.gateway.test_gw_batch_api import make_batch
 
 SYSTEMS = [f"You are shop {n}'s assistant. " + f"Rule {n}: answer in one line. " * 30 for n in "ABC"]
 
@@ -25,7 +24,7 @@ def interleaved(n: int) -> tuple[list[str], list[int]]:
 
 def test_a_gateway_batch_is_enqueued_group_by_group_and_its_output_keeps_the_input_order(light_stack, tmp_path):
     lines, which = interleaved(13)
-    b = make_batch(light_stack, tmp_path, lines)
+    b = light_stack.batch("alice", lines, tmp_path)
     light_stack.wait_status("alice", b.id, ("in_progress",))
     r = light_stack.r()
     queue = r.hget(f"{{tokenbus}}:job:{b.id}-0", "queue")
