@@ -120,6 +120,22 @@ def test_cpu_long_prefix_in_chunks(ext, kv_dtype, window):
     torch.testing.assert_close(run_cpu(ext, case, window), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # a second build of the extension (~40 s) the first time on a machine, cached afterwards
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=case_id)
+def test_cpu_avx2_build(kv_dtype):
+    """The AVX2 build's vectors (8 lanes) in the softmax rows of phase 1: a mid-block prefix, a window, a
+    soft-cap, several groups."""
+    from kernels import cpu
+
+    module = cpu.extension(avx2_only=True)
+    assert module is not None
+    for window, softcap in [(0, 0.0), (19, 20.0)]:
+        case = cascade_case([(37, [2, 11, 29]), (80, [1, 20])], [5], 16, 2, 3, 64, kv_dtype=kv_dtype)
+        want = plain(case, window, softcap)
+        others_lose_the_prefix(case)
+        torch.testing.assert_close(run_cpu(module, case, window, softcap), want, rtol=1e-5, atol=1e-5)
+
+
 def test_cpu_refuses_a_bad_layout(ext):
     case = cascade_case([(32, [5, 9])], [3], 16, 2, 3, 64)
     lay = case.layout
