@@ -10,7 +10,7 @@ producer/submit_pipe.py). The gateway's upload writes the same spool beside the 
 
 A spool written here is sent in prefix order: lines whose prompts start alike together, each with its input
 index (producer/prefix_order.py, keyed as the lines stream in). A spool opened from the gateway's upload is
-sent in input order (its keys are not kept beside it yet).
+sent in the prefix order its upload kept beside it (open_spool's `order`), else in input order.
 """
 from __future__ import annotations
 
@@ -130,12 +130,14 @@ def spool_writer(spool: IO[str], order: PrefixOrder | None = None) -> Callable[[
 
 
 def open_spool(path: str | Path, endpoint: str, total: int, priority: str, input_file: str | None = None,
-               models: Iterable[str] | None = None) -> Spooled:
+               models: Iterable[str] | None = None, order_path: str | Path | None = None) -> Spooled:
     """A spool written already (spool_writer, the gateway's upload) of `total` requests of `endpoint`, whose
     requests were validated with `priority` set (and name `models`): sent as they are, nothing parsed or
-    validated again."""
-    return Spooled(endpoint, total, input_file, Path(path).open(encoding="utf-8"), Priority(priority).value,
-                   set(models) if models is not None else None)
+    validated again; in the prefix order kept at `order_path` (PrefixOrder.save) where it fits the spool."""
+    path = Path(path)
+    order = None if order_path is None else PrefixOrder.load(order_path, total, path.stat().st_size)
+    return Spooled(endpoint, total, input_file, path.open(encoding="utf-8"), Priority(priority).value,
+                   set(models) if models is not None else None, order)
 
 
 def name_of(source: str | Path | Iterable[str]) -> str | None:

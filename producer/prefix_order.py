@@ -9,6 +9,11 @@ producer has no tokenizer, and a few hundred characters are a few blocks of toke
 order of their first line; pass 2 sends group by group, each group's lines in input order (a counting sort,
 no line held in memory: 12 bytes a line of arrays, at most MAX_GROUPS keys).
 
+The gateway's upload keys its lines the same way as they stream in and keeps the order beside the validated
+requests (`save`: the two arrays, 12 bytes a line); its submit task loads it (`load`) and sends in this order
+too. A kept order that does not fit its spool (another line count, offsets out of place) is not used: that
+batch goes in input order, which is only slower.
+
 What does not change: a batch's lines all go to its own stream, so fairness between batches and priorities
 is what it was; job ids are still `{batch}-{input index}` and the batch's id list is in input order, so the
 output file (export) stays in input order. (OpenAI's Batch API does not promise its output order; tokenbus
@@ -18,8 +23,12 @@ keeps the input's.)
 from __future__ import annotations
 
 import hashlib
+import os
 from array import array
 from collections.abc import Iterator
+from pathlib import Path
+
+import structlog
 
 from protocol.models import JobRequest
 
@@ -29,6 +38,9 @@ PREFIX_TOKENS = 256
 # part that grows with distinct lines (~150 bytes each): kept small, a file of unique prompts still costs memory
 # flat in its size (tests/client/test_batch_memory.py); ordering pays for a few shared instructions, not 1,000s
 MAX_GROUPS = 1024
+MAGIC = b"tokenbus-prefix-order-1\n"  # a kept order's first bytes (save / load); native byte order
+
+log = structlog.get_logger("tokenbus.producer")
 
 
 def prefix_key(request: JobRequest) -> bytes:
@@ -89,3 +101,44 @@ class PrefixOrder:
             order[start[g]] = i
             start[g] += 1
         return iter(order)
+
+    def save(self, path: str | Path) -> None:
+        """Keep the order in `path` (written whole, then moved into place): the line count, each line's group
+        (int32) and its spool offset (int64)."""
+        path = Path(path)
+        part = path.with_name(f".{path.name}.part")
+        with open(part, "wb") as f:
+            f.write(MAGIC + len(self.line_group).to_bytes(8, "little"))
+            self.line_group.tofile(f)
+            self.offsets.tofile(f)
+        os.replace(part, path)
+
+    @classmethod
+    def load(cls, path: str | Path, total: int, spool_bytes: int) -> PrefixOrder | None:
+        """The order `save` kept in `path` for a spool of `total` lines and `spool_bytes` bytes; None where
+        there is none or it does not fit that spool (the batch then goes in input order)."""
+        path = Path(path)
+        try:
+            with open(path, "rb") as f:
+                head = f.read(len(MAGIC) + 8)
+                count = int.from_bytes(head[len(MAGIC):], "little")
+                if head[: len(MAGIC)] != MAGIC or count != total:
+                    raise ValueError(f"it holds {count} lines, its spool {total}" if head.startswith(MAGIC)
+                                     else "not a kept prefix order")
+                order = cls()
+                order.line_group.fromfile(f, count)
+                order.offsets.fromfile(f, count)
+        except FileNotFoundError:
+            return None
+        except (OSError, EOFError, ValueError) as err:
+            log.warning("prefix_order_unusable", path=str(path), error=str(err), effect="sent in input order")
+            return None
+        offsets = order.offsets
+        fits = count == 0 or (offsets[0] == 0 and offsets[-1] < spool_bytes and all(
+            a < b for a, b in zip(offsets, offsets[1:], strict=False)))
+        if not fits or any(not 0 <= g <= MAX_GROUPS for g in order.line_group):
+            log.warning("prefix_order_unusable", path=str(path), error="its offsets or groups do not fit its spool",
+                        effect="sent in input order")
+            return None
+        order._end = spool_bytes
+        return order

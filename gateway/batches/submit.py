@@ -100,11 +100,13 @@ def _submit(ctx: GatewayContext, batch_id: str) -> str:
 
 def _requests(ctx: GatewayContext, gw: GatewayBatch, path: Path) -> Spooled | Path:
     """What the submit sends: the requests the upload validated, kept beside the file (files/store.py), as they
-    are, with nothing parsed or validated again. A file uploaded before the gateway kept them is validated
-    here, once, into a temporary spool."""
+    are, with nothing parsed or validated again, in the prefix order the upload kept with them
+    (producer/prefix_order.py, as the CLI sends; the output file stays in input order). A file uploaded before
+    the gateway kept them is validated here, once, into a temporary spool (which orders it the same way)."""
     kept = ctx.files.requests_path(gw.input_file_id)
     if gw.total and kept.is_file():
         meta = ctx.files.find(gw.owner, gw.input_file_id)
         return open_spool(kept, gw.endpoint, gw.total, BATCH_PRIORITY, input_file=str(path),
-                          models=meta.models if meta and meta.models is not None else None)
+                          models=meta.models if meta and meta.models is not None else None,
+                          order_path=ctx.files.order_path(gw.input_file_id))
     return path

@@ -7,7 +7,9 @@ same files_dir (one box: a named volume; several boxes: a shared filesystem).
 
 A batch input file has its validated requests beside it (`{file_id}.requests`, producer/batch_spool.py's
 spool: one line each, the request JSON as the submit sends it), written by the upload as it validates each
-line; the submit task streams that to Redis and never reads or validates the file again.
+line; the submit task streams that to Redis and never reads or validates the file again. Beside it too, the
+order its lines are sent in (`{file_id}.requests.order`, producer/prefix_order.py: lines whose prompts start
+alike together, keyed as the upload streams in); the output file keeps the input order whatever the order sent.
 
 A file's metadata counts against its key's byte limits (batches/capacity.py) for as long as it is kept: an
 upload past them is refused 429 and nothing of it kept; DELETE (or the expiry of an output file) gives it back.
@@ -34,6 +36,7 @@ from gateway.keys import GatewayKeys, hash_fields
 from producer.batch_file import BatchFileReader
 from producer.batch_spool import spool_writer
 from producer.openai_batch import submit_fields
+from producer.prefix_order import PrefixOrder
 from protocol.priority import Priority
 from protocol.scripts import lua, script
 
@@ -85,6 +88,10 @@ class FileStore:
     def requests_path(self, file_id: str) -> Path:
         """A batch input file's validated requests, as its submit sends them (written by its upload)."""
         return self.path(file_id).with_name(f"{file_id}.requests")
+
+    def order_path(self, file_id: str) -> Path:
+        """The prefix order a batch input file's requests are sent in (producer/prefix_order.py; by its upload)."""
+        return self.path(file_id).with_name(f"{file_id}.requests.order")
 
     def find(self, owner: str, file_id: str) -> FileMeta | None:
         """The file's metadata, or None unless it exists and belongs to owner."""
@@ -139,6 +146,7 @@ class FileStore:
                       args=[file_id, f"{owner}:{file_id}"], client=self.r)
         self.path(file_id).unlink(missing_ok=True)
         self.requests_path(file_id).unlink(missing_ok=True)
+        self.order_path(file_id).unlink(missing_ok=True)
 
     def sweep_expired(self, now: float | None = None) -> int:
         """Delete the files whose expires_at passed (the watcher calls this); returns how many."""
@@ -158,6 +166,7 @@ class Upload:
     def __init__(self, store: FileStore, owner: str, file_id: str) -> None:
         self.store, self.owner, self.id = store, owner, file_id
         self.final, self.final_requests = store.path(file_id), store.requests_path(file_id)
+        self.final_order = store.order_path(file_id)
         self.final.parent.mkdir(parents=True, exist_ok=True)
         self.part = self.final.with_name(f".{file_id}.part")
         self.requests_part = self.final.with_name(f".{file_id}.requests.part")
@@ -165,8 +174,10 @@ class Upload:
         self._requests: IO[str] | None = self.requests_part.open("w", encoding="utf-8")
         self.bytes = 0
         self.sha = hashlib.sha256()
+        self.order = PrefixOrder()  # each valid line's prefix group, kept beside the requests at commit
         self.validator = BatchFileReader(store.max_line_bytes, max_tokens=store.max_tokens,
-                                         max_requests=store.max_requests, on_request=spool_writer(self._requests),
+                                         max_requests=store.max_requests,
+                                         on_request=spool_writer(self._requests, self.order),
                                          overrides=submit_fields(None, BATCH_PRIORITY))
 
     def write(self, data: bytes) -> None:
@@ -188,6 +199,7 @@ class Upload:
         if self.validator.error_count:  # a batch of it fails in validating: no request of it will be sent
             self.requests_part.unlink(missing_ok=True)
         else:
+            self.order.save(self.final_order)  # before the requests: a submit that finds them finds it too
             os.replace(self.requests_part, self.final_requests)
         os.replace(self.part, self.final)
         meta = FileMeta(id=self.id, owner=self.owner, filename=filename, purpose=purpose, bytes=self.bytes,
@@ -202,6 +214,7 @@ class Upload:
         except BaseException:  # past the key's byte limits (429): nothing of the file is kept
             self.final.unlink(missing_ok=True)
             self.final_requests.unlink(missing_ok=True)
+            self.final_order.unlink(missing_ok=True)
             raise
         log.info("file_uploaded", file_id=self.id, owner=self.owner, bytes=self.bytes,
                  requests=meta.requests, endpoint=meta.endpoint, invalid_lines=self.validator.error_count)

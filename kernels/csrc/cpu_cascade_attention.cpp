@@ -4,21 +4,60 @@
 // (kernels/cpu.py), whose attend_kv_head (the walk over one KV head's blocks) and start_state it runs;
 // decode_layers.cpp calls it. tests/kernels/test_cascade.py compares it with the reference.
 //
-// Phase 1, work items (group, KV head, chunk of the shared blocks): the query rows of every member and every
-// GQA head of that KV head ([members * group, head_dim]) against the chunk's blocks, each K/V row read once
-// for all of them (from DRAM once; the block stays in L1 while its rows are scored and summed for every query
-// row). A sliding window gives each query row its own first key (attend_block's head_first). Each item
-// writes its rows' partial softmax (max, sum, unnormalised accumulator, fp32). The chunks split a long
-// shared prefix so that a step of one group still gives every thread work.
+// Phase 1, per group and chunk of its shared prefix: matrix products. The chunk's K and V rows of every KV
+// head are gathered once into contiguous fp32 [Hk, T, D] (bf16 and int8 rows widened, their scales folded
+// in), the group's query rows into [Hk, members * group, D] (scaled), and then
+//   scores = Q K^T   [Hk, R, T]   (at::bmm: MKL's sgemm, register-tiled, ~80 GFLOP/s a core here)
+//   soft-cap, each row's window, softmax statistics (max, sum) and weights in place (vector exp)
+//   acc    = P V     [Hk, R, D]   (at::bmm)
+// so the shared part runs at matrix-product speed instead of a query row at a time over each block (what
+// this kernel did first). Its FLOPs are plain decode's; what it saves is reading the prefix once per row.
+// Each chunk leaves its rows' partial softmax (max, sum, unnormalised accumulator, fp32); a chunk is at most
+// kChunkTokens tokens and its scores at most kScoreFloats floats, which bounds the scratch (a long prefix, a
+// wide group).
 // Phase 2, work items (sequence, KV head): the row's chunks merged by log-sum-exp into its running state,
 // then its own blocks (suffix_start .. seq_len - 1) continue that online softmax, and the output is
 // normalised once. A row in no group is plain decode (suffix_start 0).
 
 namespace {
 
-// per chunk of the shared part, at least this many blocks: below it the partials' merge costs more than the
-// parallelism gains
-constexpr int64_t kMinChunkBlocks = 4;
+constexpr int64_t kChunkTokens = 1024;     // shared tokens per phase-1 product, at most
+constexpr int64_t kScoreFloats = 1 << 21;  // one chunk's scores [Hk, R, T], at most (8 MiB)
+// a score no row may weigh (before its window): far below the running maxima's -1e30 start (-ffast-math: no
+// infinities), so a row with no visible key in a chunk gets weights e^(-1e38 + 1e30) = 0
+constexpr float kHidden = -1e38f;
+
+// n rows of `width` scores (q.k, scaled), row r's first visible key at first[r] (the chunk's first key is 0):
+// soft-capped, masked, then replaced by their weights e^(s - max); m[r], l[r] the row's max (-1e30 with no
+// visible key) and sum
+inline void softmax_rows(float* s, int64_t n, int64_t width, const int64_t* first, float softcap, float* m,
+                         float* l) {
+  for (int64_t r = 0; r < n; ++r) {
+    float* row = s + r * width;
+    if (softcap > 0.f)
+      for (int64_t j = 0; j < width; ++j) row[j] = softcap * std::tanh(row[j] / softcap);
+    const int64_t hidden = std::min(width, std::max<int64_t>(0, first[r]));
+    for (int64_t j = 0; j < hidden; ++j) row[j] = kHidden;
+    int64_t j = 0;
+    Lanes vmax = Lanes{} - 1e30f;
+    for (; j + kLanes <= width; j += kLanes) vmax = lanes_max(vmax, load_lanes(row + j));
+    float mx = across(vmax, lanes_max);
+    for (; j < width; ++j) mx = std::max(mx, row[j]);
+    Lanes vsum = {};
+    for (j = 0; j + kLanes <= width; j += kLanes) {
+      const Lanes e = exp_lanes(load_lanes(row + j) - mx);
+      std::memcpy(row + j, &e, sizeof e);
+      vsum += e;
+    }
+    float sum = across(vsum, lanes_add);
+    for (; j < width; ++j) {
+      row[j] = row[j] < -1e37f ? 0.f : std::exp(row[j] - mx);
+      sum += row[j];
+    }
+    m[r] = mx;
+    l[r] = sum;
+  }
+}
 
 template <typename Kind>
 void cascade_batch(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -35,61 +74,91 @@ void cascade_batch(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   float* op = out.data_ptr<float>();
   const auto attend = head_dim == 64 ? attend_kv_head<Kind, 64>
                       : head_dim == 128 ? attend_kv_head<Kind, 128> : attend_kv_head<Kind, 0>;
-  int64_t widest = 1, prefix_blocks = 0;  // the largest group's query rows, the longest prefix's blocks
+  // chunks: the most any group's prefix splits into (a group with fewer leaves its other partials empty)
+  int64_t chunks = 1;
+  std::vector<int64_t> chunk_tokens(num_groups);
   for (int64_t g = 0; g < num_groups; ++g) {
-    widest = std::max<int64_t>(widest, (group_starts[g + 1] - group_starts[g]) * group);
-    prefix_blocks = std::max<int64_t>(prefix_blocks, (prefix_lens[g] + block_size - 1) / block_size);
+    const int64_t rows = (group_starts[g + 1] - group_starts[g]) * group;
+    const int64_t budget = kScoreFloats / std::max<int64_t>(1, num_kv_heads * rows) / block_size * block_size;
+    chunk_tokens[g] = std::max(block_size, std::min(kChunkTokens / block_size * block_size, budget));
+    chunks = std::max(chunks, (prefix_lens[g] + chunk_tokens[g] - 1) / chunk_tokens[g]);
   }
-  // chunks per group: a few items per thread, each of at least kMinChunkBlocks blocks
-  const int64_t wanted = (2 * at::get_num_threads() + num_groups * num_kv_heads - 1) /
-                         std::max<int64_t>(1, num_groups * num_kv_heads);
-  const int64_t chunks = std::max<int64_t>(1, std::min(wanted, prefix_blocks / kMinChunkBlocks));
-  // partials [num_seqs, num_q_heads, chunks] (+ head_dim); only grouped rows' are written and read
-  std::vector<float> part_m(num_groups ? num_seqs * num_q_heads * chunks : 0), part_l(part_m.size());
+  // partials [num_seqs, num_q_heads, chunks] (+ head_dim); only grouped rows' are written and read; an
+  // unwritten chunk is an empty partial (max -1e30, sum 0), which the merge weighs 0
+  std::vector<float> part_m(num_groups ? num_seqs * num_q_heads * chunks : 0, -1e30f), part_l(part_m.size());
   std::vector<float> part_acc(part_m.size() * head_dim);
   const int64_t line = kLineBytes / static_cast<int64_t>(sizeof(float));
   const auto aligned = [](std::vector<float>& buf) {  // widened rows start on a cache line (attend_batch)
     return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + kLineBytes - 1) &
                                     ~uintptr_t(kLineBytes - 1));
   };
-
-  at::parallel_for(0, num_groups * num_kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qs(widest * head_dim), acc(widest * head_dim), m(widest), l(widest);
-    std::vector<float> scores(widest * (block_size + 1));
-    std::vector<int64_t> first(widest);
-    const bool widens = !std::is_same_v<Kind, KvF32>;
-    std::vector<float> widened_buf(widens ? 2 * block_size * head_dim + line : 0);
-    float* widened = widens ? aligned(widened_buf) : nullptr;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t g = item / (num_kv_heads * chunks), h = item / chunks % num_kv_heads, c = item % chunks;
-      const int32_t* members = group_rows + group_starts[g];
-      const int64_t rows = (group_starts[g + 1] - group_starts[g]) * group;
-      if (rows == 0) continue;
-      const int64_t per_chunk = ((prefix_lens[g] + block_size - 1) / block_size + chunks - 1) / chunks;
-      int64_t lo = c * per_chunk * block_size;
-      const int64_t hi = std::min<int64_t>((c + 1) * per_chunk * block_size, prefix_lens[g]);
-      int64_t earliest = hi;  // under a window: the first key any row sees
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t s = members[r / group];
-        const float* src = qp + s * qs0 + (h * group + r % group) * qs1;
-        for (int64_t d = 0; d < head_dim; ++d) qs[r * head_dim + d] = src[d] * scale;
-        first[r] = window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0;
-        earliest = std::min(earliest, first[r]);
+  const auto f32 = q.options().dtype(torch::kFloat32);
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const int32_t* members = group_rows + group_starts[g];
+    const int64_t rows = (group_starts[g + 1] - group_starts[g]) * group;
+    if (rows == 0 || prefix_lens[g] == 0) continue;
+    // the group's query rows [Hk, R, D], scaled; row r: member r / group, query head h * group + r % group
+    torch::Tensor qg = torch::empty({num_kv_heads, rows, head_dim}, f32);
+    float* qgp = qg.data_ptr<float>();
+    std::vector<int64_t> first(rows);  // each row's first visible position (its window), absolute
+    for (int64_t r = 0; r < rows; ++r)
+      first[r] = window > 0 ? std::max<int64_t>(0, lens[members[r / group]] - window) : 0;
+    at::parallel_for(0, num_kv_heads * rows, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t h = i / rows, r = i % rows;
+        const float* src = qp + members[r / group] * qs0 + (h * group + r % group) * qs1;
+        for (int64_t d = 0; d < head_dim; ++d) qgp[i * head_dim + d] = src[d] * scale;
       }
-      lo = std::max(lo, earliest);
-      start_state(rows, head_dim, acc.data(), m.data(), l.data());
-      if (lo < hi)
-        attend(qs.data(), rows, head_dim, kv.k + h * kv.width, kv.v + h * kv.width, kv.row, kv.table(members[0]),
-               lo, hi, block_size, softcap, scores.data(), acc.data(), m.data(), l.data(), widened,
-               window > 0 ? first.data() : nullptr);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t slot = (members[r / group] * num_q_heads + h * group + r % group) * chunks + c;
-        part_m[slot] = m[r];
-        part_l[slot] = l[r];
-        std::copy(acc.begin() + r * head_dim, acc.begin() + (r + 1) * head_dim, part_acc.begin() + slot * head_dim);
-      }
+    });
+    const int32_t* table = kv.table(members[0]);
+    const int64_t earliest = *std::min_element(first.begin(), first.end());
+    for (int64_t c = 0; c * chunk_tokens[g] < prefix_lens[g]; ++c) {
+      const int64_t lo = c * chunk_tokens[g], hi = std::min<int64_t>(lo + chunk_tokens[g], prefix_lens[g]);
+      if (hi <= earliest) continue;  // every row's window starts past this chunk: its partials stay empty
+      const int64_t t = hi - lo;
+      // the chunk's K and V rows as fp32 [Hk, T, D]: one (KV head, block) per item
+      torch::Tensor keys = torch::empty({num_kv_heads, t, head_dim}, f32), vals = torch::empty_like(keys);
+      float* kp = keys.data_ptr<float>();
+      float* vp = vals.data_ptr<float>();
+      const int64_t b0 = lo / block_size, nb = (hi - 1) / block_size - b0 + 1;
+      at::parallel_for(0, num_kv_heads * nb, 4, [&](int64_t begin, int64_t end) {
+        const Ahead none = {nullptr, 0, 0};
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t h = i / nb, b = b0 + i % nb;
+          const int64_t from = std::max(lo, b * block_size), to = std::min(hi, (b + 1) * block_size);
+          const int64_t offset = (int64_t(table[b]) * block_size + from - b * block_size) * kv.row + h * kv.width;
+          float* kd = kp + (h * t + from - lo) * head_dim;
+          float* vd = vp + (h * t + from - lo) * head_dim;
+          if (head_dim == 64) {
+            widen_rows<Kind, 64>(kv.k + offset, kv.row, to - from, head_dim, kd, none);
+            widen_rows<Kind, 64>(kv.v + offset, kv.row, to - from, head_dim, vd, none);
+          } else {
+            widen_rows<Kind, 0>(kv.k + offset, kv.row, to - from, head_dim, kd, none);
+            widen_rows<Kind, 0>(kv.v + offset, kv.row, to - from, head_dim, vd, none);
+          }
+        }
+      });
+      torch::Tensor scores = at::bmm(qg, keys.transpose(1, 2));  // [Hk, R, T]
+      float* sp = scores.data_ptr<float>();
+      std::vector<float> m(num_kv_heads * rows), l(m.size());
+      at::parallel_for(0, num_kv_heads * rows, 16, [&](int64_t begin, int64_t end) {
+        std::vector<int64_t> firsts(end - begin);
+        for (int64_t i = begin; i < end; ++i) firsts[i - begin] = first[i % rows] - lo;
+        softmax_rows(sp + begin * t, end - begin, t, firsts.data(), softcap, m.data() + begin, l.data() + begin);
+      });
+      const torch::Tensor acc = at::bmm(scores, vals);  // [Hk, R, D], unnormalised
+      const float* ap = acc.data_ptr<float>();
+      at::parallel_for(0, num_kv_heads * rows, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t h = i / rows, r = i % rows;
+          const int64_t slot = (members[r / group] * num_q_heads + h * group + r % group) * chunks + c;
+          part_m[slot] = m[i];
+          part_l[slot] = l[i];
+          std::copy(ap + i * head_dim, ap + (i + 1) * head_dim, part_acc.begin() + slot * head_dim);
+        }
+      });
     }
-  });
+  }
 
   const bool widens = !std::is_same_v<Kind, KvF32> && group > 1;
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {

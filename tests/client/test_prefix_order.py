@@ -81,3 +81,24 @@ def test_a_batch_is_enqueued_group_by_group_and_keeps_its_input_indices(redis_se
         assert request["messages"][1]["content"] == f"q{i}"
     listed = [j for chunk in iter_batch_job_ids(client, "pfx") for j in chunk]
     assert [int(j.rsplit("-", 1)[1]) for j in listed] == list(range(n))  # the output's order: the input's
+
+
+def test_a_kept_order_loads_back_only_onto_the_spool_it_fits(tmp_path):
+    """The gateway's upload keeps its lines' order beside their spool (PrefixOrder.save); the submit loads it
+    back (load), and an order that does not fit that spool is refused, so the batch goes in input order."""
+    a, b = (chat(s, "q") for s in SYSTEMS[:2])
+    order = PrefixOrder()
+    for r, size in zip([a, b, a, b, a], [10, 20, 10, 20, 15], strict=True):
+        order.add(r, size)
+    path = tmp_path / "f.requests.order"
+    order.save(path)
+    loaded = PrefixOrder.load(path, 5, 75)
+    assert loaded is not None and list(loaded.order()) == [0, 2, 4, 1, 3] and loaded.reorders
+    assert list(loaded.offsets) == [0, 10, 30, 40, 60]
+    assert PrefixOrder.load(tmp_path / "none", 5, 75) is None  # an upload from before orders were kept
+    assert PrefixOrder.load(path, 4, 75) is None  # another line count
+    assert PrefixOrder.load(path, 5, 60) is None  # its last line starts past the spool's end
+    path.write_bytes(path.read_bytes()[:-3])
+    assert PrefixOrder.load(path, 5, 75) is None  # cut short
+    path.write_bytes(b"not an order at all")
+    assert PrefixOrder.load(path, 5, 75) is None

@@ -108,6 +108,34 @@ def test_cpu_many_rows_in_one_group(ext):
     torch.testing.assert_close(run_cpu(ext, case), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=case_id)
+@pytest.mark.parametrize("window", [0, 40, 700])
+def test_cpu_long_prefix_in_chunks(ext, kv_dtype, window):
+    """A prefix past the C++ phase 1's chunk (1024 tokens) splits into matrix products merged by log-sum-exp,
+    one ending mid-block; a window of 40 starts past the whole first chunk for every row (skipped), 700 inside
+    it; a second, shorter group leaves its second chunk's partials empty."""
+    case = cascade_case([(1024 + 48 + 5, [1, 9, 30]), (300, [2, 17])], [3], 16, 2, 3, 64, kv_dtype=kv_dtype)
+    want = plain(case, window)
+    others_lose_the_prefix(case)
+    torch.testing.assert_close(run_cpu(ext, case, window), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # a second build of the extension (~40 s) the first time on a machine, cached afterwards
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=case_id)
+def test_cpu_avx2_build(kv_dtype):
+    """The AVX2 build's vectors (8 lanes) in the softmax rows of phase 1: a mid-block prefix, a window, a
+    soft-cap, several groups."""
+    from kernels import cpu
+
+    module = cpu.extension(avx2_only=True)
+    assert module is not None
+    for window, softcap in [(0, 0.0), (19, 20.0)]:
+        case = cascade_case([(37, [2, 11, 29]), (80, [1, 20])], [5], 16, 2, 3, 64, kv_dtype=kv_dtype)
+        want = plain(case, window, softcap)
+        others_lose_the_prefix(case)
+        torch.testing.assert_close(run_cpu(module, case, window, softcap), want, rtol=1e-5, atol=1e-5)
+
+
 def test_cpu_refuses_a_bad_layout(ext):
     case = cascade_case([(32, [5, 9])], [3], 16, 2, 3, 64)
     lay = case.layout
