@@ -22,18 +22,24 @@ EncodingFormat = Literal["float", "base64"]
 EMBED_FIELDS = ("input", "encoding_format", "dimensions", "truncate", "embedding_dtype")
 
 
-def check_input(value: Any) -> list[str] | list[list[int]]:
-    """The inputs of an embedding request as a list (one entry per vector), or ValueError saying what is wrong.
+def as_inputs(value: Any) -> list[Any]:
+    """The inputs of an embedding request as a list (one entry per vector), nothing else checked: for a request
+    validated already (JobRequest checks its `input` once, with check_input). ValueError if `value` is not a
+    string or a list.
 
     A list of ints is ONE input of token ids (as OpenAI reads it); a list of lists is several."""
     if isinstance(value, str):
-        inputs: list[Any] = [value]
-    elif isinstance(value, list) and value and all(_is_int(v) for v in value):
-        inputs = [value]
-    elif isinstance(value, list):
-        inputs = value
-    else:
-        raise ValueError("input is a string, a list of strings, a list of token ids or a list of such lists")
+        return [value]
+    if isinstance(value, list):
+        if value and type(value[0]) is not str and all(_is_int(v) for v in value):
+            return [value]  # one input of token ids
+        return value
+    raise ValueError("input is a string, a list of strings, a list of token ids or a list of such lists")
+
+
+def check_input(value: Any) -> list[str] | list[list[int]]:
+    """The inputs of an embedding request as a list (as_inputs), or ValueError saying what is wrong."""
+    inputs = as_inputs(value)
     if not inputs:
         raise ValueError("input must not be an empty list")
     if len(inputs) > MAX_EMBED_INPUTS:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticSerializationError
 
 from protocol.constraints import check_choice, check_regex, check_response_format, grammar_error, grammar_for
-from protocol.embeddings import EMBED_FIELDS, EmbedDtype, EncodingFormat, check_input
+from protocol.embeddings import EMBED_FIELDS, EmbedDtype, EncodingFormat, as_inputs, check_input
 from protocol.errors import ErrorCode, InvalidJob  # noqa: F401  (ErrorCode: part of the protocol)
 from protocol.jobs import TERMINAL_STATUSES, Job, JobResult, JobStatus, ResultChoice, TokenText, Usage  # noqa: F401
 from protocol.priority import Priority
@@ -168,6 +168,11 @@ class Message(BaseModel):
     name: str | None = None
 
 
+# built once: _one_prompt runs for every request (every line of a batch file)
+_GENERATION_FIELDS = frozenset(GenerationParams.model_fields)
+_EMBED_FIELD_SET = frozenset(EMBED_FIELDS)
+
+
 class JobRequest(GenerationParams):
     """One job: exactly one of prompt / messages / prompt_token_ids (a generation, plus its generation fields),
     or `input` (an embedding job, OpenAI's embeddings request: protocol/embeddings.py)."""
@@ -210,12 +215,12 @@ class JobRequest(GenerationParams):
             raise ValueError(f"give exactly one of prompt, messages, prompt_token_ids (got {what}), or input for an "
                              "embedding job")
         if self.input is not None:
-            wrong = sorted((self.model_fields_set & set(GenerationParams.model_fields)) | (
+            wrong = sorted((self.model_fields_set & _GENERATION_FIELDS) | (
                 {"stream"} if self.stream else set()))
             if wrong:
                 raise ValueError(f"an embedding job (input) takes no generation fields: {', '.join(wrong)}")
             return self
-        wrong = sorted(self.model_fields_set & set(EMBED_FIELDS))
+        wrong = sorted(self.model_fields_set & _EMBED_FIELD_SET)
         if wrong:
             raise ValueError(f"{', '.join(wrong)} apply to embedding jobs (input) only")
         if self.prompt is not None and self.prompt == "":
@@ -237,8 +242,9 @@ class JobRequest(GenerationParams):
         return "embed" if self.input is not None else "generate"
 
     def embed_inputs(self) -> list[str] | list[list[int]]:
-        """An embedding job's inputs, one per vector, in order ([] for a generation)."""
-        return check_input(self.input) if self.input is not None else []
+        """An embedding job's inputs, one per vector, in order ([] for a generation); checked once, when the
+        request was validated (_input), not again on every call."""
+        return as_inputs(self.input) if self.input is not None else []
 
     @property
     def seats(self) -> int:

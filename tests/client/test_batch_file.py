@@ -61,3 +61,29 @@ def test_a_line_over_the_limit_is_one_error_and_the_rest_still_counts():
     assert [n for n, _ in reader.errors] == [2] and "longer than 300 bytes" in reader.errors[0][1]
     assert reader.requests == 3 and reader.problem("the file was not stored").startswith(
         "1 of 3 lines are invalid; the file was not stored:\n  line 2:")
+
+
+def embed(cid: str, value, model: str = "all-minilm-l6-v2") -> str:
+    return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/embeddings",
+                       "body": {"model": model, "input": value}})
+
+
+def test_embedding_lines_are_checked_once_and_counted_per_input():
+    """Each embedding line's `input` is checked as it is read (the only check: a JobRequest's embed_inputs does
+    not check again), a bad one failing its line alone, and the good ones are counted per input: one vector of
+    1,024 floats reserved each, tokens ~ bytes / 4 + 1 (or the ids). Model names are checked on every line, the
+    same name's verdict remembered."""
+    lines = [embed("one", "a text"), embed("two", ["a", "bb"]), embed("ids", [1, 2, 3]),
+             embed("lists", [[1, 2], [3]]), embed("empty", ""), embed("none", []), embed("mixed", ["a", [1]]),
+             embed("neg", [[1, -1]]), embed("bad-model", "x", model="a:b"), embed("bad-model-2", "y", model="a:b")]
+    reader = streamed("\n".join(lines).encode(), 3, keep=True)
+    assert [n for n, _ in reader.errors] == [5, 6, 7, 8, 9, 10]
+    shown = "\n".join(msg for _, msg in reader.errors)
+    for why in ("input is an empty string", "input must not be an empty list", "mixes strings and token-id lists",
+                "token ids must be >= 0", "a model name holds no ':'"):
+        assert why in shown
+    seats = {cid: (request.seats, request.embed_inputs()) for cid, request in reader.parsed}
+    assert seats == {"one": (1, ["a text"]), "two": (2, ["a", "bb"]), "ids": (1, [[1, 2, 3]]),
+                     "lists": (2, [[1, 2], [3]])}
+    assert reader.result_bytes == 6 * 1024 * 4
+    assert reader.tokens == (6 // 4 + 1) + (1 // 4 + 1) + (2 // 4 + 1) + 3 + 2 + 1
