@@ -21,7 +21,7 @@ import tempfile
 import time
 from typing import Any
 
-from bench.harness import Timed
+from bench.harness import Timed, vllm_env
 
 WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an "
          "they you were her she there been one all we their has would when if so no will what up out can more "
@@ -132,7 +132,9 @@ def vllm(python: str, model_dir: str, texts: list[str], counts: list[int], threa
     with open(f"{work}/in.json", "w") as f:
         json.dump(spec, f)
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "harness", "vllm_embed.py")
-    done = subprocess.run([python, script, f"{work}/in.json", f"{work}/out.json"], capture_output=True, text=True)
+    # -I: the script's own directory stays off sys.path, where benchmarks/harness/vllm.py would shadow vllm
+    done = subprocess.run([python, "-I", script, f"{work}/in.json", f"{work}/out.json"], capture_output=True,
+                          text=True, env=vllm_env(python))
     if done.returncode != 0:
         return f"skipped: vLLM failed ({done.stderr.strip().splitlines()[-1:] or ['no output']})"
     with open(f"{work}/out.json") as f:

