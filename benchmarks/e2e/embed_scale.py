@@ -175,24 +175,28 @@ def run(lines: int, per_line: int) -> dict[str, float]:
         dep.redis.cleanup()
 
 
-def main() -> None:
-    ap = parser(__doc__, docs=True, lines=500_000, inputs_per_line=1)
-    args = ap.parse_args()
-    f = run(args.lines, args.inputs_per_line)
-    write_json(args.json, f)
+def report(f: dict) -> str:
+    """The docs section's body for one run's figures (--json writes the same dict)."""
     rows = [f"| {f['lines']:,} x {f['inputs_per_line']} | {f['status']}, {f['output_lines']:,} lines | "
             f"{f['upload_lines_s']:,.0f} / {f['submit_lines_s']:,.0f} | {f['upload_lines_cpu_s']:,.0f} / "
             f"{f['submit_lines_cpu_s']:,.0f} (Redis {f['submit_lines_redis_cpu_s']:,.0f}) | {f['inputs_s']:,.0f} | "
             f"{f['gateway_rss_mb']:.0f} / {f['tasks_rss_mb']:.0f} | {f['redis_before_mb']:.0f} / "
             f"{f['redis_peak_mb']:.0f} / {f['redis_after_mb']:.0f} | {f['redis_bytes_per_job']:,.0f} "
             f"({f['vector_bytes_per_job']:,.0f} vectors) |"]
-    body = "\n".join([f"{MODEL} on the CPU, one worker; {machine()} (at the start: {f['load_start']}); "
-                      f"{time.strftime('%Y-%m-%d %H:%M')}.", "",
+    return "\n".join([f"{MODEL} on the CPU, one worker; {f['machine']} (at the start: {f['load_start']}); "
+                      f"{f['when']}.", "",
                       *markdown_table(["lines x inputs", "ended", "ingest lines/s (upload / submit)",
                                        "lines per CPU-second (upload / submit)", "inputs/s",
                                        "RSS MB gateway / tasks", "Redis MB before / peak / ended",
                                        "Redis bytes per job"], rows)])
-    publish(body, "embeddings.md", "embeddings-scale", not args.no_write)
+
+
+def main() -> None:
+    ap = parser(__doc__, docs=True, lines=500_000, inputs_per_line=1)
+    args = ap.parse_args()
+    f = run(args.lines, args.inputs_per_line) | {"machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M")}
+    write_json(args.json, f)
+    publish(report(f), "embeddings.md", "embeddings-scale", not args.no_write)
 
 
 if __name__ == "__main__":
