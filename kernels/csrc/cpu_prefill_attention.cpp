@@ -31,7 +31,7 @@
 // This was measured against the design the issue proposed (K transposed per block, q broadcast, scores of a
 // row as a vector, decode's softmax_heads per row): that one spent a quarter of its time in the per-row
 // softmax (horizontal max and sum) and transposed K once per block and item; docs/quantization.md has both.
-// Any block size and head_dim work; head_dim 64 and 128 are compile-time in P·V.
+// Any block size and head_dim work; head_dim 32, 64 and 128 are compile-time in P·V.
 
 namespace {
 
@@ -248,7 +248,11 @@ void prefill_batch(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const PagedKv<Kind> kv(k_cache, v_cache, block_tables);
   float* op = out.data_ptr<float>();
-  const auto attend = dim == 64 ? attend_tile<Kind, 64> : dim == 128 ? attend_tile<Kind, 128> : attend_tile<Kind, 0>;
+  // head_dim 32 too: the small encoders' (all-MiniLM-L6-v2: 12 heads of 32), whose P·V ran the generic loop
+  const auto attend = dim == 64    ? attend_tile<Kind, 64>
+                      : dim == 128 ? attend_tile<Kind, 128>
+                      : dim == 32  ? attend_tile<Kind, 32>
+                                   : attend_tile<Kind, 0>;
   const int64_t items = static_cast<int64_t>(tiles.size()) * num_kv_heads;
 
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {

@@ -160,6 +160,31 @@ def test_cpu_linear_matches_f_linear(ext, rows):
     assert calls == ([rows] if rows <= PANEL_MAX_ROWS else [])
 
 
+@pytest.mark.parametrize("rows", [3, 64, 65, 300])
+def test_cpu_backend_fused_gelu_and_add(ext, rows):
+    """An encoder's linear + GELU and linear + residual (CpuBackend.linear_gelu / linear_add): oneDNN's post-ops
+    past PANEL_MAX_ROWS rows, the panel kernel and the ops apart below; either way the reference backend's
+    gelu(F.linear) and F.linear + residual. Awkward widths, a bias."""
+    from worker.engine.backends import CpuBackend, ReferenceBackend
+    from worker.engine.backends.cpu_linear import PANEL_MAX_ROWS, CpuLinear
+
+    gen = torch.Generator().manual_seed(rows + 1)
+    linear = torch.nn.Linear(200, 77, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(77, 200, generator=gen) * 0.05)
+        linear.bias.copy_(torch.randn(77, generator=gen))
+    x, residual = torch.randn(rows, 200, generator=gen), torch.randn(rows, 77, generator=gen)
+    fast, ref, cpu_linear = CpuBackend(ext), ReferenceBackend(), CpuLinear(linear, ext)
+    fused = cpu_linear.fused(x, "gelu")
+    assert (fused is None) == (rows <= PANEL_MAX_ROWS)  # the post-op path is taken where oneDNN runs
+    with torch.inference_mode():
+        torch.testing.assert_close(fast.linear_gelu(cpu_linear, x), ref.linear_gelu(linear, x), rtol=1e-5,
+                                   atol=1e-5)
+        torch.testing.assert_close(fast.linear_add(cpu_linear, x, residual), ref.linear_add(linear, x, residual),
+                                   rtol=1e-5, atol=1e-5)
+        assert not torch.equal(fast.linear_gelu(cpu_linear, x), cpu_linear(x))  # the GELU was applied
+
+
 def test_panel_kernel_every_tile_height(ext):
     """The panel kernel has one loop per tile height (1-16 rows with AVX-512, 1-6 with AVX2) and reads a panel
     again per tile: every row count up to 70 against F.linear, in_features not a multiple of its prefetch

@@ -5,6 +5,7 @@
                           chunk's causal attention (tiles of query tokens per block)
     norms, SiLU·mul, RoPE one C++ pass each, in place where the layer allows it
     linear layers         CpuLinear (cpu_linear.py): a panel GEMV for decode-sized batches, oneDNN above
+                          (an encoder's GELU and residual adds fused into oneDNN's call)
     a pure decode step    all decoder layers in one C++ call (cpu_decode.py), the same kernels in the same
                           order, so the same result to the bit
     greedy sampling       a row-wise argmax in C++
@@ -22,7 +23,7 @@ import torch
 
 from kernels.cascade import CascadeLayout
 from worker.engine.backends.cpu_decode import FusedDecodeLayers, cascade_tensors
-from worker.engine.backends.cpu_linear import PANEL_MAX_ROWS, use_cpu_linears
+from worker.engine.backends.cpu_linear import PANEL_MAX_ROWS, CpuLinear, use_cpu_linears
 from worker.engine.backends.reference import ReferenceBackend
 
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # the caches the C++ attention reads
@@ -82,6 +83,16 @@ class CpuBackend(ReferenceBackend):
             scale, window, softcap, causal)
 
     # ---- layer ops ----------------------------------------------------------------------------------------
+
+    def linear_gelu(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(linear, CpuLinear) and (out := linear.fused(x, "gelu")) is not None:
+            return out
+        return super().linear_gelu(linear, x)
+
+    def linear_add(self, linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if isinstance(linear, CpuLinear) and (out := linear.fused(x, "add", residual)) is not None:
+            return out
+        return super().linear_add(linear, x, residual)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.float32:

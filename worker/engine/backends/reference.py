@@ -101,6 +101,16 @@ class ReferenceBackend:
         """The exact (erf) GELU of an encoder's feed-forward."""
         return gelu_ref(x)
 
+    def linear_gelu(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """gelu(linear(x)): an encoder's feed-forward up-projection and its activation (one call where a
+        backend fuses them)."""
+        return self.gelu(linear(x))
+
+    def linear_add(self, linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """linear(x) + residual: an encoder's output projections before their post-norm (one call where a
+        backend fuses them)."""
+        return linear(x) + residual
+
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """In place: q [n, hq, d] and k [n, hk, d] rotated by cos, sin [n, 1, d]. Returns (q, k)."""

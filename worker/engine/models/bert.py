@@ -115,8 +115,8 @@ class BertLayer(nn.Module):
         q, k, v = heads.split(self.num_heads, dim=1)  # strided views into the fused output
         self.backend.write_kv(k, v, *kv_cache, meta.slot_mapping)
         attn = paged_attention(self.backend, q, kv_cache, meta, self.scale, causal=False)
-        h = self.attn_norm(self.attn_out(attn.reshape(n, -1)) + x)
-        return self.out_norm(self.output(self.backend.gelu(self.intermediate(h))) + h)
+        h = self.attn_norm(self.backend.linear_add(self.attn_out, attn.reshape(n, -1), x))
+        return self.out_norm(self.backend.linear_add(self.output, self.backend.linear_gelu(self.intermediate, h), h))
 
 
 # Hugging Face names inside a layer -> ours (query/key/value are shards of qkv_proj)
