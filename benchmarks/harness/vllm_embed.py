@@ -21,7 +21,7 @@ import time
 def main(in_path: str, out_path: str) -> None:
     spec = json.load(open(in_path))
     threads = int(spec["threads"])
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: short inputs, one at a time per sequence
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, as the generation rows: inputs of <= 256 tokens
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
