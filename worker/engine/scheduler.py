@@ -162,18 +162,19 @@ class Scheduler:
         return batch
 
     def _lora_may_seat(self, seq: Sequence, waiting_for_slot: bool) -> bool:
-        """An adapter's sequence is seated in its adapter's slot when resident (grouping rows by adapter, as
-        S-LoRA does: no load), unless that slot drains for a sequence waiting for one; else in an idle slot, in
-        arrival order: once one waits for a slot, those behind it that need one wait too, and base requests
-        and resident adapters' still go. The slot kept draining (LoraManager.wait_for_slot) bounds the wait."""
+        """An adapter's sequence joins its adapter's slot when the adapter is resident (rows grouped by adapter,
+        as S-LoRA seats them: no load), unless that slot drains for a sequence waiting for one and seq came after
+        the drain began. Else it takes an idle slot, in arrival order: once one waits for a slot, those behind it
+        that need one wait too, while base requests and resident adapters' still go. The draining slot
+        (LoraManager.wait_for_slot) bounds the wait."""
         loras = self.loras
         if loras.resident(seq.lora):
-            return loras.may_join(seq.lora)
+            return loras.may_join(seq)
         if waiting_for_slot:
             return False
         if loras.idle_slots:
             return True
-        loras.wait_for_slot(self.running)
+        loras.wait_for_slot(self.running, self.waiting)
         return False
 
     def _admission_order(self) -> list[Sequence]:

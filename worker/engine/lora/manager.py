@@ -10,8 +10,9 @@ The scheduler seats a sequence in its adapter's slot when the adapter is residen
 load), else in an idle slot (a load: an empty slot first, then the least recently used one whose adapter no
 waiting sequence asks for); leaving (finish, preemption, abort) unpins it (unseat). When no slot is idle, the
 first sequence that needs one waits, and one pinned slot is kept draining for it (the one whose users end
-soonest, by their tokens left): no new sequence joins that slot, so it comes free within those tokens, and the
-wait is bounded. Slot loads and disk reads are counted.
+soonest, by their tokens left): only the sequences already waiting for its adapter may still join it, so it
+comes free within a bounded number of tokens, however many requests for its adapter keep arriving. Slot
+loads and disk reads are counted.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class LoraManager:
         self.slot_names: list[str | None] = [None] * max_loras
         self.slot_users = [0] * max_loras
         self.idle_slots: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))  # LRU, unpinned
-        self.draining: int | None = None  # the pinned slot no sequence joins until it is idle (wait_for_slot)
+        self.draining: int | None = None  # the pinned slot no new sequence joins until it is idle (wait_for_slot)
+        self.drain_joiners: set[Sequence] = set()  # those that were waiting for it when it began to drain
         self.loads = 0  # adapters copied into a slot
         self.disk_reads = 0  # adapters read from their directory (registration included)
 
@@ -147,13 +149,15 @@ class LoraManager:
     def resident(self, name: str) -> bool:
         return name in self.slot_names
 
-    def may_join(self, name: str) -> bool:
-        """Whether a sequence of resident adapter `name` may be seated now: not while its slot drains."""
-        return self.slot_names.index(name) != self.draining
+    def may_join(self, seq: Sequence) -> bool:
+        """Whether seq, whose adapter is resident, may be seated now: not in a draining slot, unless it was
+        already waiting when the slot began to drain."""
+        return self.slot_names.index(seq.lora) != self.draining or seq in self.drain_joiners
 
-    def wait_for_slot(self, running: list[Sequence]) -> None:
-        """A sequence needs a slot and none is idle: keep one pinned slot draining until it is idle (no sequence
-        joins it meanwhile), the one whose users have the fewest tokens left at most; that bounds the wait."""
+    def wait_for_slot(self, running: list[Sequence], waiting) -> None:
+        """A sequence needs a slot and none is idle: keep one pinned slot draining until it is idle, the one
+        whose users have the fewest tokens left at most. Only the sequences of its adapter waiting now may still
+        join it, newer ones may not; that bounds the wait."""
         if self.draining is not None or self.idle_slots:
             return
         left = [0] * self.max_loras
@@ -161,6 +165,8 @@ class LoraManager:
             if seq.lora_slot >= 0:
                 left[seq.lora_slot] = max(left[seq.lora_slot], seq.max_num_tokens - len(seq.token_ids))
         self.draining = min(range(self.max_loras), key=lambda s: left[s])
+        name = self.slot_names[self.draining]
+        self.drain_joiners = {seq for seq in waiting if seq.lora == name}
 
     def seat(self, seq: Sequence, wanted: Callable[[], set[str]] = set) -> None:
         """Give seq its adapter's slot; a non-resident adapter is loaded into an idle slot: an empty one first,
@@ -189,7 +195,7 @@ class LoraManager:
         if self.slot_users[slot] == 0:
             self.idle_slots[slot] = None
             if slot == self.draining:
-                self.draining = None  # free: the first sequence waiting for a slot takes it
+                self.draining, self.drain_joiners = None, set()  # free: the first one waiting for a slot takes it
 
     def _load(self, slot: int, adapter: LoraAdapter) -> None:
         r = self.max_rank
