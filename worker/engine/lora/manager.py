@@ -198,17 +198,21 @@ class LoraManager:
                 self.draining, self.drain_joiners = None, set()  # free: the first one waiting for a slot takes it
 
     def _load(self, slot: int, adapter: LoraAdapter) -> None:
+        # each part of the slot written once: the adapter's rows, zeros past its rank and for slices it leaves
+        # alone (zeroing the whole slot first cost as much again, and a parallel region per call on the CPU)
         r = self.max_rank
         for key, linear in self.linears.items():
-            linear.a[slot].zero_()
-            linear.b[slot].zero_()
-            for j, piece in enumerate(adapter.pieces.get(key, ())):
-                if piece is None:
-                    continue
-                a, b = piece
+            pieces = adapter.pieces.get(key) or [None] * len(linear.slices)
+            for j, piece in enumerate(pieces):
                 offset, width = linear.slices[j]
-                linear.a[slot, j * r : j * r + a.shape[0]].copy_(a, non_blocking=True)
-                linear.b[slot, offset : offset + width, : a.shape[0]].copy_(b, non_blocking=True)
+                a_rows, b_cols = linear.a[slot, j * r : (j + 1) * r], linear.b[slot, offset : offset + width]
+                rank = 0 if piece is None else piece[0].shape[0]
+                if piece is not None:
+                    a_rows[:rank].copy_(piece[0], non_blocking=True)
+                    b_cols[:, :rank].copy_(piece[1], non_blocking=True)
+                if rank < r:
+                    a_rows[rank:].zero_()
+                    b_cols[:, rank:].zero_()
         self.slot_names[slot] = adapter.name
         self.state.slot_ranks[slot] = adapter.rank
         self.loads += 1
