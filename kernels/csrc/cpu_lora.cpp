@@ -12,13 +12,14 @@
 
 namespace {
 
-// The native vector (GCC's vector extension: zmm with AVX-512, ymm under AVX2), loaded and stored unaligned
+// The native vector (GCC's vector extension: zmm with AVX-512, ymm under AVX2), loaded and stored unaligned;
+// may_alias as the intrinsics' own __m512: it reads and writes float tensors
 #ifdef __AVX512F__
 constexpr int64_t kLoraLanes = 16;
 #else
 constexpr int64_t kLoraLanes = 8;
 #endif
-typedef float lora_vec __attribute__((vector_size(kLoraLanes * 4), aligned(4)));
+typedef float lora_vec __attribute__((vector_size(kLoraLanes * 4), aligned(4), __may_alias__));
 constexpr int64_t kLoraBlock = 6;       // rows of one slot that share each weight load
 constexpr int64_t kLoraTileVecs = kLoraLanes == 16 ? 4 : 2;  // the expand's sums: 6 x 4 zmm (6 x 2 ymm)
 constexpr int64_t kLoraTile = kLoraTileVecs * kLoraLanes;  // output columns per expand tile
