@@ -3,14 +3,15 @@
 1. mixed: the chat workload with its rows spread over 4 adapters (row i under adapter i % 4) against the same
    workload on the base model, in one engine (max_loras 4), rounds alternating the order. Target: mixed tok/s
    >= 0.8x base.
-2. many: 100 adapters registered, 8 resident (max_loras 8, max_cpu_loras 8), each row under a random one of
-   the 100: tok/s, slot loads and disk reads per round.
+2. many: 100 adapters registered, 8 resident (max_loras 8; max_cpu_loras --cpu-loras, 0 = all registered: a
+   slot load is then a copy from host memory, never a disk read), each row under a random one of the 100:
+   tok/s, slot loads and disk reads per round.
 
 Adapters are random (testbed/lora_adapters.py) at --rank on q/k/v/o and gate/up/down of every layer, written
 once under --adapters-dir. Prints a table and writes it to docs/adapters.md (section "speed").
 
     .venv/bin/python -m benchmarks.engine.lora [--model smollm2-135m] [--num-prompts 64] [--max-tokens 128]
-        [--rounds 3] [--rank 16] [--registered 100] [--resident 8] [--device cpu] [--no-write]
+        [--rounds 3] [--rank 16] [--registered 100] [--resident 8] [--cpu-loras 0] [--device cpu] [--no-write]
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def timed(engine, prompts, params, loras) -> tuple[float, int]:
 
 def main() -> None:
     ap = parser(__doc__, model=DEFAULT_MODEL, prompts=64, max_tokens=128, rounds=3, docs=True, device="cpu",
-                dtype="float32", rank=16, mixed_adapters=4, registered=100, resident=8,
+                dtype="float32", rank=16, mixed_adapters=4, registered=100, resident=8, cpu_loras=0,
                 adapters_dir=os.path.join(tempfile.gettempdir(), "tokenbus-lora-bench"))
     args = ap.parse_args()
 
@@ -73,7 +74,8 @@ def main() -> None:
     del engine
 
     # 2. many adapters registered, a few resident
-    engine = Engine(args.model, max_loras=args.resident, max_cpu_loras=args.resident, **common)
+    host = args.cpu_loras or args.registered
+    engine = Engine(args.model, max_loras=args.resident, max_cpu_loras=host, **common)
     for i, path in enumerate(paths[: args.registered]):
         engine.add_lora(f"m{i}", path)
     rng = random.Random(0)
@@ -87,7 +89,7 @@ def main() -> None:
         loads.append(after.lora_loads - before.lora_loads)
         reads.append(after.lora_disk_reads - before.lora_disk_reads)
         print(f"  many: {many[-1]:.1f} tok/s, {loads[-1]} loads, {reads[-1]} disk reads", flush=True)
-    rows.append(f"| {args.registered} registered, {args.resident} resident | {args.resident} | "
+    rows.append(f"| {args.registered} registered, {args.resident} resident, {host} in host memory | {args.resident} | "
                 f"{statistics.median(many):.1f} | {statistics.median(loads):.0f} (disk reads "
                 f"{statistics.median(reads):.0f}) | {statistics.median(many) / base:.2f}x |")
     figures["many"] = {"tok_s": many, "loads": loads, "disk_reads": reads}
@@ -96,7 +98,8 @@ def main() -> None:
         "## Speed",
         "",
         f"`python -m benchmarks.engine.lora --model {args.model} --num-prompts {args.num_prompts} --max-tokens "
-        f"{args.max_tokens} --rounds {args.rounds} --rank {args.rank} --device {args.device}` at "
+        f"{args.max_tokens} --rounds {args.rounds} --rank {args.rank} --registered {args.registered} --resident "
+        f"{args.resident} --cpu-loras {args.cpu_loras} --device {args.device}` at "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {machine()}. The chat workload (greedy, EOS "
         f"ignored), rank-{args.rank} adapters on all seven linears of every layer; medians of {args.rounds} rounds "
         "(loads: per round).",

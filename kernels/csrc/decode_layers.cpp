@@ -19,6 +19,8 @@
 //   window        every layer's sliding window (0 = none: Mistral, Qwen2 and Phi-3 use one for all layers)
 //   cascade       empty, or the step's cascade layout (kernels/cascade.py: group_rows, group_starts,
 //                 prefix_lens, suffix_starts): every layer's decode attention then runs as a cascade
+//   lora          empty, or the step's LoRA adapter rows and slots (cpu_lora.cpp's LoraStep): each linear's
+//                 output then takes its adapter rows' deltas, as LoraLinear adds them on the per-layer path
 // Returns {x, residual}: the last layer's output and the residual stream before it (the final norm adds them).
 
 std::vector<torch::Tensor> decode_layers_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
@@ -28,7 +30,7 @@ std::vector<torch::Tensor> decode_layers_cpu(torch::Tensor x, torch::Tensor cos,
                                              int64_t num_heads,
                                              int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
                                              double eps, double scale, int64_t window,
-                                             std::vector<torch::Tensor> cascade) {
+                                             std::vector<torch::Tensor> cascade, std::vector<torch::Tensor> lora) {
   constexpr size_t kPerLayer = 7;
   TORCH_CHECK(weights.size() % kPerLayer == 0, "weights must hold 7 tensors per layer");
   const size_t num_layers = weights.size() / kPerLayer;
@@ -41,6 +43,7 @@ std::vector<torch::Tensor> decode_layers_cpu(torch::Tensor x, torch::Tensor cos,
   pybind11::gil_scoped_release no_gil;
   const int64_t n = x.size(0), hidden = x.size(1);
   const int64_t q_size = num_heads * head_dim, qkv_size = (num_heads + 2 * num_kv_heads) * head_dim;
+  const LoraStep adapters(lora, num_layers, q_size, num_kv_heads * head_dim, hidden, intermediate_size);
   torch::Tensor residual;
   for (size_t layer = 0; layer < num_layers; ++layer) {
     const torch::Tensor* w = weights.data() + layer * kPerLayer;
@@ -56,7 +59,9 @@ std::vector<torch::Tensor> decode_layers_cpu(torch::Tensor x, torch::Tensor cos,
       add_rms_norm_cpu(x, residual, w[0], eps);  // x becomes the normed sum, residual the sum
       h = x;
     }
-    const torch::Tensor heads = panel_linear_any_cpu(h, w[1], sc[0], qkv_size, qkv_bias).view({n, num_heads + 2 * num_kv_heads, head_dim});
+    const torch::Tensor qkv = panel_linear_any_cpu(h, w[1], sc[0], qkv_size, qkv_bias);
+    adapters.apply(layer, 0, qkv, h);
+    const torch::Tensor heads = qkv.view({n, num_heads + 2 * num_kv_heads, head_dim});
     torch::Tensor q = heads.narrow(1, 0, num_heads);
     torch::Tensor k = heads.narrow(1, num_heads, num_kv_heads);
     torch::Tensor v = heads.narrow(1, num_heads + num_kv_heads, num_kv_heads);
@@ -66,10 +71,15 @@ std::vector<torch::Tensor> decode_layers_cpu(torch::Tensor x, torch::Tensor cos,
         cascade.empty() ? paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, window, 0.0)
                         : cascade_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, cascade[0],
                                                        cascade[1], cascade[2], cascade[3], scale, window, 0.0);
-    torch::Tensor o = panel_linear_any_cpu(attn.view({n, q_size}), w[3], sc[1], hidden, c10::nullopt);
+    const torch::Tensor attn_rows = attn.view({n, q_size});
+    torch::Tensor o = panel_linear_any_cpu(attn_rows, w[3], sc[1], hidden, c10::nullopt);
+    adapters.apply(layer, 1, o, attn_rows);
     add_rms_norm_cpu(o, residual, w[4], eps);
-    const torch::Tensor act = silu_and_mul_cpu(panel_linear_any_cpu(o, w[5], sc[2], 2 * intermediate_size, c10::nullopt));
+    const torch::Tensor gate_up = panel_linear_any_cpu(o, w[5], sc[2], 2 * intermediate_size, c10::nullopt);
+    adapters.apply(layer, 2, gate_up, o);
+    const torch::Tensor act = silu_and_mul_cpu(gate_up);
     x = panel_linear_any_cpu(act, w[6], sc[3], hidden, c10::nullopt);
+    adapters.apply(layer, 3, x, act);
   }
   return {x, residual};
 }

@@ -107,6 +107,44 @@ def test_staggered_mixed_batch_equals_peft(models, model_type, static):
     assert stats.loras_registered == 3 and stats.loras_resident == 2
 
 
+def test_fused_decode_step_takes_adapter_rows(models, monkeypatch):
+    """On the CPU a decode step with adapter rows runs as the one C++ call (decode_layers_cpu given the rows),
+    never layer by layer, and the tokens still equal PEFT's."""
+    from worker.engine.backends.reference import ReferenceBackend
+
+    base, adapters, reference = models("llama")
+    engine = Engine(base, device="cpu", dtype="float32", max_loras=3, max_lora_rank=64, block_size=8)
+    for name, path in adapters.items():
+        engine.add_lora(name, path)
+    fused = engine.backend.fused
+    assert fused is not None, "the tiny Llama should take the fused decode step"
+    real, adapter_rows = fused.ext, []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def decode_layers_cpu(self, *args):
+            lora = args[-1]
+            adapter_rows.append(lora[0].numel() if lora else 0)
+            return real.decode_layers_cpu(*args)
+
+    fused.ext = Spy()
+    per_layer_decode = []
+    layers = ReferenceBackend.run_layers
+    monkeypatch.setattr(ReferenceBackend, "run_layers", lambda self, model, x, rotary, kv, meta: (
+        per_layer_decode.append(meta.num_prefill_tokens == 0), layers(self, model, x, rotary, kv, meta))[1])
+    workload = [(PROMPTS[0], 7, None), (PROMPTS[1], 7, "r8"), (PROMPTS[2], 7, "r16"), (SAME, 7, "r64"),
+                (PROMPTS[3], 7, "r16")]
+    outs = engine.generate([p for p, _, _ in workload],
+                           [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m, _ in workload],
+                           loras=[lora for _, _, lora in workload])
+    for (prompt, m, lora), out in zip(workload, outs, strict=True):
+        assert out.token_ids == reference.greedy(lora, prompt, m), f"request under {lora}"
+    assert not any(per_layer_decode), "a pure decode step ran layer by layer"
+    assert set(adapter_rows) == {4}, f"adapter rows per fused decode step: {adapter_rows}"
+
+
 def test_salts_are_what_keeps_adapters_apart(models, monkeypatch):
     """Without the per-adapter salt the later SAME row takes the earlier one's cached blocks, which the
     per-step check above catches: the check can fail."""

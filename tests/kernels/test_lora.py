@@ -25,6 +25,8 @@ CASES = [
     (5, 48, (40,), 2, 1, (1, 1), "mixed"),  # rank 1
     (37, 72, (48, 24), 4, 64, (64, 8, 0, 16), "mixed"),  # base rows, an empty slot, rank 64 (two K steps)
     (1, 32, (32,), 4, 8, (8, 8, 8, 8), "base"),  # no adapter row at all
+    # the CPU kernel's blocks of 6 rows (a group of 23 on slot 1: 6 + 6 + 6 + 5) and its 64-column tiles with a tail
+    (23, 96, (128, 64, 70), 3, 16, (16, 16, 5), "one"),
 ]
 
 
@@ -96,23 +98,56 @@ def test_a_wrong_grouping_is_caught():
         torch.testing.assert_close(lora_ref(y.clone(), x, swapped, b, slices, rows, starts, counts), want)
 
 
+def check_cpu_kernel(ext, case) -> None:
+    x, a, b, y, slices, slots = inputs(*case)
+    rows, starts, counts = sort_rows_by_slot(slots, a.shape[0])
+    ranks = torch.tensor(case[5], dtype=torch.int32)
+    bt = b.transpose(1, 2).contiguous()  # the kernel's layout: [slots, rank, out]
+    want = peft_rowwise(x, a, b, y, slices, slots)
+    got = y.clone()
+    ext.lora_cpu(got, x, a, bt, [o for o, _ in slices], [w for _, w in slices], rows, starts, counts, ranks)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if case[-1] != "base" and max(case[5]) > 1:
+        short = y.clone()
+        ext.lora_cpu(short, x, a, bt, [o for o, _ in slices], [w for _, w in slices], rows, starts, counts,
+                     (ranks // 2).to(torch.int32))
+        with pytest.raises(AssertionError):
+            torch.testing.assert_close(short, want, rtol=1e-5, atol=1e-5)
+
+
 @parent_only
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[-1] + f"-{c[0]}")
 def test_cpu_kernel_matches_reference(ext, case):
     """The C++ kernel (csrc/cpu_lora.cpp) computes each slot at its own rank: a rank given too low must fail."""
-    x, a, b, y, slices, slots = inputs(*case)
+    check_cpu_kernel(ext, case)
+
+
+@parent_only
+@pytest.mark.slow  # builds a second copy of the extension (~40 s) the first time on a machine, cached afterwards
+def test_cpu_kernel_avx2_path_matches_reference():
+    """The AVX2 build (ymm vectors: 16-column expand tiles) compiled with -mno-avx512f where the machine has
+    AVX-512; on an AVX2-only machine this is the ordinary build."""
+    from kernels import cpu
+
+    module = cpu.extension(avx2_only=True)
+    assert module is not None
+    for case in CASES:
+        check_cpu_kernel(module, case)
+
+
+@parent_only
+def test_cpu_kernel_refuses_a_bad_layout(ext):
+    """b in its [slots, out, rank] layout (not the transposed storage) or groups that miss a row: refused."""
+    x, a, b, y, slices, slots = inputs(*CASES[1])
     rows, starts, counts = sort_rows_by_slot(slots, a.shape[0])
-    ranks = torch.tensor(case[5], dtype=torch.int32)
-    want = peft_rowwise(x, a, b, y, slices, slots)
-    got = y.clone()
-    ext.lora_cpu(got, x, a, b, [o for o, _ in slices], [w for _, w in slices], rows, starts, counts, ranks)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    if case[-1] != "base" and max(case[5]) > 1:
-        short = y.clone()
-        ext.lora_cpu(short, x, a, b, [o for o, _ in slices], [w for _, w in slices], rows, starts, counts,
-                     (ranks // 2).to(torch.int32))
-        with pytest.raises(AssertionError):
-            torch.testing.assert_close(short, want, rtol=1e-5, atol=1e-5)
+    ranks = torch.tensor(CASES[1][5], dtype=torch.int32)
+    offsets, widths = [o for o, _ in slices], [w for _, w in slices]
+    with pytest.raises(RuntimeError, match="disagree"):
+        ext.lora_cpu(y.clone(), x, a, b.contiguous(), offsets, widths, rows, starts, counts, ranks)
+    short = counts.clone()
+    short[int(torch.nonzero(counts)[0])] -= 1
+    with pytest.raises(RuntimeError, match="groups cover"):
+        ext.lora_cpu(y.clone(), x, a, b.transpose(1, 2).contiguous(), offsets, widths, rows, starts, short, ranks)
 
 
 @needs_kernels

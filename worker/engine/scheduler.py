@@ -137,12 +137,9 @@ class Scheduler:
                 break
             if self.guided is not None and not self.guided.is_ready(seq):
                 continue  # its grammar is still compiling: those behind it go first
-            if seq.lora is not None:
-                # every slot is pinned: base requests behind it still go, other adapters' wait their turn
-                # (seating them would keep the slots pinned and starve it)
-                if waiting_for_slot or not self.loras.can_seat(seq.lora):
-                    waiting_for_slot = True
-                    continue
+            if seq.lora is not None and not self._lora_may_seat(seq, waiting_for_slot):
+                waiting_for_slot |= not self.loras.resident(seq.lora)
+                continue
             hits = self.block_manager.match_prefix(seq)
             n = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
             if seq.whole_prompt and n < seq.num_tokens:  # an encoder's input is never split
@@ -155,7 +152,7 @@ class Scheduler:
             self.block_manager.admit(seq, hits)
             self.block_manager.allocate(seq, n)
             if seq.lora is not None:
-                self.loras.seat(seq)
+                self.loras.seat(seq, lambda: {w.lora for w in self.waiting if w.lora is not None})
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
@@ -163,6 +160,22 @@ class Scheduler:
             batch.pooled |= seq.pool_state is not None
             budget -= n
         return batch
+
+    def _lora_may_seat(self, seq: Sequence, waiting_for_slot: bool) -> bool:
+        """An adapter's sequence joins its adapter's slot when the adapter is resident (rows grouped by adapter,
+        as S-LoRA seats them: no load), unless that slot drains for a sequence waiting for one and seq came after
+        the drain began. Else it takes an idle slot, in arrival order: once one waits for a slot, those behind it
+        that need one wait too, while base requests and resident adapters' still go. The draining slot
+        (LoraManager.wait_for_slot) bounds the wait."""
+        loras = self.loras
+        if loras.resident(seq.lora):
+            return loras.may_join(seq)
+        if waiting_for_slot:
+            return False
+        if loras.idle_slots:
+            return True
+        loras.wait_for_slot(self.running, self.waiting)
+        return False
 
     def _admission_order(self) -> list[Sequence]:
         """The waiting queue in priority order, except that bulk sequences short of their reserved seats

@@ -9,8 +9,8 @@
     a pure decode step    all decoder layers in one C++ call (cpu_decode.py), the same kernels in the same
                           order, so the same result to the bit
     greedy sampling       a row-wise argmax in C++
-    LoRA adapters         decode-sized batches in C++ (csrc/cpu_lora.cpp), prompt chunks as grouped torch matmuls;
-                          a decode step with adapter rows runs layer by layer, not as the fused C++ call (no LoRA)
+    LoRA adapters         decode-sized batches in C++ (csrc/cpu_lora.cpp), inside the fused decode step's call
+                          too; prompt chunks as grouped torch matmuls
 Anything a kernel does not take (a strided view it cannot read, other dtypes) runs as in the ReferenceBackend.
 """
 
@@ -119,12 +119,14 @@ class CpuBackend(ReferenceBackend):
         return super().rotary(q, k, cos, sin)
 
     def lora(self, y, x, a, b, slices, batch) -> torch.Tensor:
-        """A decode-sized batch's adapter rows in one C++ call per linear (csrc/cpu_lora.cpp: two GEMVs a row at
-        the slot's own rank); longer ones (prompt chunks) as grouped matmuls, which reuse each weight across rows."""
+        """A decode-sized batch's adapter rows in one C++ call per linear (csrc/cpu_lora.cpp: a GEMV and an AXPY
+        per rank a row, at the slot's own rank, over b's transposed storage: the manager's CPU layout); longer
+        ones (prompt chunks) as grouped matmuls, which reuse each weight across rows."""
+        bt = b.transpose(1, 2)
         if batch.rows.shape[0] > PANEL_MAX_ROWS or x.dtype != torch.float32 or x.stride(-1) != 1 \
-                or y.stride(-1) != 1 or self.lora_state is None:
+                or y.stride(-1) != 1 or self.lora_state is None or not bt.is_contiguous():
             return super().lora(y, x, a, b, slices, batch)
-        self.ext.lora_cpu(y, x, a, b, [o for o, _ in slices], [w for _, w in slices], batch.rows, batch.starts,
+        self.ext.lora_cpu(y, x, a, bt, [o for o, _ in slices], [w for _, w in slices], batch.rows, batch.starts,
                           batch.counts, self.lora_state.slot_ranks)
         return y
 
@@ -133,9 +135,13 @@ class CpuBackend(ReferenceBackend):
     def run_layers(self, model: torch.nn.Module, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        lora = self.lora_state
-        if self.fused is not None and (lora is None or lora.batch is None) and self.fused.serves(x, meta):
-            return self.fused(x, rotary, kv_caches, meta)
+        if self.fused is not None and self.fused.serves(x, meta):
+            lora = self.lora_state
+            if lora is None or lora.batch is None:
+                return self.fused(x, rotary, kv_caches, meta)
+            adapters = self.fused.lora_tensors(model, lora)  # None: a linear the C++ step cannot take it for
+            if adapters is not None:
+                return self.fused(x, rotary, kv_caches, meta, adapters)
         return super().run_layers(model, x, rotary, kv_caches, meta)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,13 @@
     slots        max_loras device slots, stacked per wrapped linear (LoraLinear.a / .b); a slot is pinned
                  while a running sequence uses it, and an unpinned one is reloaded least recently used first
 
-The scheduler seats a sequence only when its adapter is resident or a slot can take it (can_seat, seat);
-leaving (finish, preemption, abort) unpins it (unseat). Slot loads and disk reads are counted.
+The scheduler seats a sequence in its adapter's slot when the adapter is resident (it joins the slot's rows: no
+load), else in an idle slot (a load: an empty slot first, then the least recently used one whose adapter no
+waiting sequence asks for); leaving (finish, preemption, abort) unpins it (unseat). When no slot is idle, the
+first sequence that needs one waits, and one pinned slot is kept draining for it (the one whose users end
+soonest, by their tokens left): only the sequences already waiting for its adapter may still join it, so it
+comes free within a bounded number of tokens, however many requests for its adapter keep arriving. Slot
+loads and disk reads are counted.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
@@ -52,6 +58,8 @@ class LoraManager:
             parent, attr = target.module_of(model)
             a = torch.zeros(max_loras, len(target.slices) * max_rank, target.in_features, dtype=dtype, device=device)
             b = torch.zeros(max_loras, target.out_features, max_rank, dtype=dtype, device=device)
+            if device.type == "cpu":  # the C++ kernel's layout: b a view of bt [slots, rank, out] (csrc/cpu_lora.cpp)
+                b = torch.zeros(max_loras, max_rank, target.out_features, dtype=dtype).transpose(1, 2)
             wrapped = LoraLinear(getattr(parent, attr), a, b, target.slices, self.state, backend)
             setattr(parent, attr, wrapped)
             self.linears[key] = wrapped
@@ -60,6 +68,8 @@ class LoraManager:
         self.slot_names: list[str | None] = [None] * max_loras
         self.slot_users = [0] * max_loras
         self.idle_slots: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))  # LRU, unpinned
+        self.draining: int | None = None  # the pinned slot no new sequence joins until it is idle (wait_for_slot)
+        self.drain_joiners: set[Sequence] = set()  # those that were waiting for it when it began to drain
         self.loads = 0  # adapters copied into a slot
         self.disk_reads = 0  # adapters read from their directory (registration included)
 
@@ -136,17 +146,40 @@ class LoraManager:
 
     # ---- slots ---------------------------------------------------------------------------------------------
 
-    def can_seat(self, name: str) -> bool:
-        return name in self.slot_names or bool(self.idle_slots)
+    def resident(self, name: str) -> bool:
+        return name in self.slot_names
 
-    def seat(self, seq: Sequence) -> None:
-        """Give seq its adapter's slot, loading the adapter into the least recently used idle slot if needed."""
+    def may_join(self, seq: Sequence) -> bool:
+        """Whether seq, whose adapter is resident, may be seated now: not in a draining slot, unless it was
+        already waiting when the slot began to drain."""
+        return self.slot_names.index(seq.lora) != self.draining or seq in self.drain_joiners
+
+    def wait_for_slot(self, running: list[Sequence], waiting) -> None:
+        """A sequence needs a slot and none is idle: keep one pinned slot draining until it is idle, the one
+        whose users have the fewest tokens left at most. Only the sequences of its adapter waiting now may still
+        join it, newer ones may not; that bounds the wait."""
+        if self.draining is not None or self.idle_slots:
+            return
+        left = [0] * self.max_loras
+        for seq in running:
+            if seq.lora_slot >= 0:
+                left[seq.lora_slot] = max(left[seq.lora_slot], seq.max_num_tokens - len(seq.token_ids))
+        self.draining = min(range(self.max_loras), key=lambda s: left[s])
+        name = self.slot_names[self.draining]
+        self.drain_joiners = {seq for seq in waiting if seq.lora == name}
+
+    def seat(self, seq: Sequence, wanted: Callable[[], set[str]] = set) -> None:
+        """Give seq its adapter's slot; a non-resident adapter is loaded into an idle slot: an empty one first,
+        else the least recently used one whose adapter is not in wanted() (the adapters waiting sequences ask
+        for: evicting one of those means loading it again soon), else the least recently used."""
         name = seq.lora
         if name in self.slot_names:
             slot = self.slot_names.index(name)
         else:
-            # an empty slot first, else the least recently idle one
-            slot = next((s for s in self.idle_slots if self.slot_names[s] is None), next(iter(self.idle_slots)))
+            slot = next((s for s in self.idle_slots if self.slot_names[s] is None), None)
+            if slot is None:
+                keep = wanted() if len(self.idle_slots) > 1 else set()
+                slot = next((s for s in self.idle_slots if self.slot_names[s] not in keep), next(iter(self.idle_slots)))
             self._load(slot, self.host[name])
         if self.slot_users[slot] == 0:
             del self.idle_slots[slot]
@@ -161,19 +194,25 @@ class LoraManager:
         self.slot_users[slot] -= 1
         if self.slot_users[slot] == 0:
             self.idle_slots[slot] = None
+            if slot == self.draining:
+                self.draining, self.drain_joiners = None, set()  # free: the first one waiting for a slot takes it
 
     def _load(self, slot: int, adapter: LoraAdapter) -> None:
+        # each part of the slot written once: the adapter's rows, zeros past its rank and for slices it leaves
+        # alone (zeroing the whole slot first cost as much again, and a parallel region per call on the CPU)
         r = self.max_rank
         for key, linear in self.linears.items():
-            linear.a[slot].zero_()
-            linear.b[slot].zero_()
-            for j, piece in enumerate(adapter.pieces.get(key, ())):
-                if piece is None:
-                    continue
-                a, b = piece
+            pieces = adapter.pieces.get(key) or [None] * len(linear.slices)
+            for j, piece in enumerate(pieces):
                 offset, width = linear.slices[j]
-                linear.a[slot, j * r : j * r + a.shape[0]].copy_(a, non_blocking=True)
-                linear.b[slot, offset : offset + width, : a.shape[0]].copy_(b, non_blocking=True)
+                a_rows, b_cols = linear.a[slot, j * r : (j + 1) * r], linear.b[slot, offset : offset + width]
+                rank = 0 if piece is None else piece[0].shape[0]
+                if piece is not None:
+                    a_rows[:rank].copy_(piece[0], non_blocking=True)
+                    b_cols[:, :rank].copy_(piece[1], non_blocking=True)
+                if rank < r:
+                    a_rows[rank:].zero_()
+                    b_cols[:, rank:].zero_()
         self.slot_names[slot] = adapter.name
         self.state.slot_ranks[slot] = adapter.rank
         self.loads += 1
