@@ -19,7 +19,7 @@ import structlog
 import torch
 
 from protocol.priority import Priority, rank_of
-from worker.engine import loader, model_setup, pooling, prompts
+from worker.engine import loader, model_setup, offline, pooling, prompts
 from worker.engine.block_manager import BlockManager
 from worker.engine.cascade import CascadePlanner
 from worker.engine.config import EngineConfig, bulk_min_seats
@@ -388,7 +388,7 @@ class Engine:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt given bare
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        return self._run_offline("generate", prompts, params_list, loras)
+        return offline.run(self, "generate", prompts, params_list, loras)
 
     def embed(self, inputs: Seq[str | list[int]] | str,
               params: EmbedParams | list[EmbedParams] | None = None) -> list[RequestOutput]:
@@ -397,30 +397,4 @@ class Engine:
         if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
             inputs = [inputs]  # one input given bare
         params_list = params if isinstance(params, list) else [params or EmbedParams()] * len(inputs)
-        return self._run_offline("embed", inputs, params_list)
-
-    def _run_offline(self, kind: str, prompts: Seq[Any], params_list: list[Any],
-                     loras: list[str | None] | None = None) -> list[RequestOutput]:
-        ids = [f"{kind}-{self.steps}-{i}" for i in range(len(prompts))]
-        added: list[str] = []
-        for rid, prompt, p, lora in zip(ids, prompts, params_list, loras or [None] * len(ids), strict=True):
-            try:
-                self.add_request(rid, prompt, p, lora=lora)
-            except EngineError as err:  # nothing of this call stays behind in the engine
-                for other in added:
-                    self.abort(other)
-                raise type(err)(f"{kind} input {len(added)}: {err}", code=err.code) from err
-            added.append(rid)
-        results: dict[str, RequestOutput] = {}
-        rejected: dict[str, EngineError] = {}
-        while len(results) + len(rejected) < len(ids):
-            for out in self.step():
-                results[out.request_id] = out
-            rejected.update(self.rejected)
-        if rejected:
-            why = "; ".join(f"prompt {ids.index(rid)}: {err}" for rid, err in rejected.items())
-            errors = list(rejected.values())
-            if all(isinstance(err, InvalidRequest) for err in errors):
-                raise InvalidRequest(why, code=errors[0].code)
-            raise EngineFault(why)
-        return [results[rid] for rid in ids]
+        return offline.run(self, "embed", inputs, params_list)
