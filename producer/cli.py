@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         return hand_off_bench(argv[1:])
     a = build_parser().parse_args(argv)
     structlog.configure(
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO if a.verbose else logging.WARNING),
     )
     url = redact_url(a.url)  # a URL's password is never printed

@@ -25,7 +25,8 @@ def configure_logging(level: str = "info", json: bool | None = None, libraries: 
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),  # line and newline in one write:
+        # a print() writes them apart, and a TP rank sharing the stream then glued its line onto the other's
         cache_logger_on_first_use=True,
     )
     # Libraries that use stdlib logging go to the same stream, at this level or `libraries`, whichever is higher.
