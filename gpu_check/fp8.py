@@ -1,6 +1,6 @@
 """gpu_check stage q: FP8 weights (issue 24) on the GPU, against bf16.
 
-    the GEMM     kernels/fp8_linear.py's torch._scaled_mm (rowwise scales) against its fp32
+    the GEMM     tokenbus_kernels/fp8_linear.py's torch._scaled_mm (rowwise scales) against its fp32
                  reference on Llama-3-8B's linear shapes at 1, 64 and 256 tokens, and its time against the
                  bf16 F.linear of the same weights
     a checkpoint an FP8 checkpoint (compressed-tensors, per channel) of the tiny llama loads as Fp8Linear with
@@ -39,7 +39,7 @@ def stage_fp8_weights(ctx: Ctx) -> None:
 def gemm_rows(ctx: Ctx) -> None:
     import torch.nn.functional as F
 
-    from kernels.fp8_linear import fp8_linear, fp8_linear_reference, quantize_weight
+    from tokenbus_kernels.fp8_linear import fp8_linear, fp8_linear_reference, quantize_weight
 
     dtype = torch.float32 if ctx.smoke else torch.bfloat16
     gen = torch.Generator(device=ctx.device).manual_seed(0)

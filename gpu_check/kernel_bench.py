@@ -4,7 +4,7 @@
     .venv/bin/python -m gpu_check.kernel_bench  # H200: a few minutes; rewrites the table in docs/kernels.md
     .venv/bin/python -m gpu_check.kernel_bench --cpu-smoke  # no GPU: the correctness part, tiny shapes, interpreter
 
-1. Correctness: every kernel against kernels/reference.py on random inputs with awkward lengths.
+1. Correctness: every kernel against tokenbus_kernels/reference.py on random inputs with awkward lengths.
 2. Speed (bf16, block_size 16, shuffled block tables), triton.testing.do_bench, for a 0.5B-class shape
    (14 q / 2 kv heads, head_dim 64) and a 7B-class shape (32 / 8, 128) over batch x context:
    - decode: KV bytes read / time against a measured device-to-device copy bandwidth; PyTorch SDPA on the
@@ -58,10 +58,10 @@ def paged_inputs(torch, lens, block_size, hk, d, dtype, device, gen):
 
 def check_correctness(torch, device: str, cases) -> list[tuple[str, float, bool]]:
     """Each kernel against its reference; returns (case, max abs error, within tolerance)."""
-    from kernels.decode_attention import paged_decode_attention_triton
-    from kernels.kv_write import write_kv_triton
-    from kernels.prefill_attention import paged_prefill_attention_triton
-    from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
+    from tokenbus_kernels.decode_attention import paged_decode_attention_triton
+    from tokenbus_kernels.kv_write import write_kv_triton
+    from tokenbus_kernels.prefill_attention import paged_prefill_attention_triton
+    from tokenbus_kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
 
     tol = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1e-2)}
     results = []
@@ -139,8 +139,8 @@ def bench_config(torch, do_bench, name, shape, batch, ctx, copy_bw):
     """One row: (shape, batch, context, decode us, GB/s, % copy, SDPA us, prefill us, TFLOP/s, SDPA us)."""
     from torch.nn.attention.bias import causal_lower_right
 
-    from kernels.decode_attention import paged_decode_attention_triton
-    from kernels.prefill_attention import paged_prefill_attention_triton
+    from tokenbus_kernels.decode_attention import paged_decode_attention_triton
+    from tokenbus_kernels.prefill_attention import paged_prefill_attention_triton
 
     hq, hk, d = shape
     dtype, dev = torch.bfloat16, "cuda"
@@ -179,7 +179,7 @@ def bench_config(torch, do_bench, name, shape, batch, ctx, copy_bw):
 
 
 def bench_write_kv(torch, do_bench):
-    from kernels.kv_write import write_kv_triton
+    from tokenbus_kernels.kv_write import write_kv_triton
 
     lines = []
     for name, (_, hk, d) in SHAPES.items():

@@ -1,4 +1,4 @@
-"""Stage k of scripts/gpu_check: the fp8 KV cache (--kv-cache-dtype fp8, kernels/kv_quant.py) on the GPU.
+"""Stage k of scripts/gpu_check: the fp8 KV cache (--kv-cache-dtype fp8, tokenbus_kernels/kv_quant.py) on the GPU.
 
   kernel   paged decode attention over an fp8 cache against the PyTorch reference over the same cache
            dequantized (what the kernel must compute: relative error < 2e-2 in bf16), and against the same
@@ -24,9 +24,9 @@ def stage_kv_fp8(ctx) -> None:
 
 def kernel_rows(ctx) -> None:
     from gpu_check.measure import row, time_ms
-    from kernels.decode_attention import paged_decode_attention_triton
-    from kernels.kv_quant import dequantize, quantize
-    from kernels.reference import paged_decode_attention_ref
+    from tokenbus_kernels.decode_attention import paged_decode_attention_triton
+    from tokenbus_kernels.kv_quant import dequantize, quantize
+    from tokenbus_kernels.reference import paged_decode_attention_ref
 
     dtype = torch.float32 if ctx.smoke else torch.bfloat16
     (hq, hk, d), seqs, context, block = ((4, 2, 32), 3, 40, 16) if ctx.smoke else ((14, 2, 64), 64, 1024, 16)

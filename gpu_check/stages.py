@@ -85,9 +85,9 @@ def sliding_window_rows(ctx: Ctx) -> list[dict]:
     """Windowed, soft-capped decode and prefill (Gemma 2's switches) against the reference at Gemma-2-like
     shapes (16 q / 8 kv heads, head_dim 256; window 4096 over 8k contexts and 100 over 2k ones), and what the
     window saves: windowed decode time against the same decode without one."""
-    from kernels.decode_attention import paged_decode_attention_triton
-    from kernels.prefill_attention import paged_prefill_attention_triton
-    from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
+    from tokenbus_kernels.decode_attention import paged_decode_attention_triton
+    from tokenbus_kernels.prefill_attention import paged_prefill_attention_triton
+    from tokenbus_kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
 
     dtype = torch.float32 if ctx.smoke else torch.bfloat16
     hq, hk, d = (4, 2, 16) if ctx.smoke else (16, 8, 256)
@@ -124,7 +124,7 @@ def sliding_window_rows(ctx: Ctx) -> list[dict]:
 # ---------------------------------------------------------------- (b) kernel bandwidth, prefill vs SDPA
 
 def stage_bandwidth(ctx: Ctx) -> None:
-    from kernels.decode_attention import paged_decode_attention_triton
+    from tokenbus_kernels.decode_attention import paged_decode_attention_triton
 
     bw = copy_bandwidth(ctx)
     ctx.emit(row("device copy bandwidth (read + write)", f"{bw / 1e9:,.0f} GB/s"))
@@ -283,20 +283,22 @@ def stage_parity(ctx: Ctx) -> None:
 
 # the modules each stage imports on the GPU (its smoke run skips some): the rehearsal imports them all
 STAGE_IMPORTS = {
-    "a": ("gpu_check.kernel_bench", "pytest", "triton.testing", "kernels.decode_attention"),
-    "b": ("gpu_check.kernel_bench", "triton.testing", "kernels.decode_attention", "kernels.prefill_attention"),
+    "a": ("gpu_check.kernel_bench", "pytest", "triton.testing", "tokenbus_kernels.decode_attention"),
+    "b": ("gpu_check.kernel_bench", "triton.testing", "tokenbus_kernels.decode_attention",
+          "tokenbus_kernels.prefill_attention"),
     "c": ("worker", "worker.engine.model_runner", "worker.engine.cuda_graphs", "torch.profiler",
           "bench.host_timer"),
     "d": ("gpu_check.engine_bench", "worker", "transformers"),
     "e": ("testbed.tiny_models", "worker", "transformers", "gpu_check.graphs", "worker.engine.guided",
           "protocol.constraints"),
-    "m": ("kernels.moe", "kernels.moe_reference", "triton.testing"),
-    "k": ("gpu_check.kv", "kernels.kv_quant", "kernels.decode_attention", "worker", "gpu_check.engine_bench"),
-    "q": ("gpu_check.fp8", "kernels.fp8_linear", "worker.engine.quant.fp8", "testbed.fp8_checkpoints", "worker",
-          "triton.testing"),
+    "m": ("tokenbus_kernels.moe", "tokenbus_kernels.moe_reference", "triton.testing"),
+    "k": ("gpu_check.kv", "tokenbus_kernels.kv_quant", "tokenbus_kernels.decode_attention", "worker",
+          "gpu_check.engine_bench"),
+    "q": ("gpu_check.fp8", "tokenbus_kernels.fp8_linear", "worker.engine.quant.fp8", "testbed.fp8_checkpoints",
+          "worker", "triton.testing"),
     "t": ("gpu_check.tp", "torch.distributed", "worker.engine.parallel.follower", "testbed.tiny_models", "worker"),
     "l": ("gpu_check.graph_rows", "testbed.lora_adapters", "worker.engine.cuda_graphs", "worker", "transformers"),
-    "s": ("gpu_check.graph_rows", "worker.engine.cascade", "kernels.cascade_attention", "worker"),
+    "s": ("gpu_check.graph_rows", "worker.engine.cascade", "tokenbus_kernels.cascade_attention", "worker"),
     "v": ("gpu_check.embed", "testbed.tiny_embedders", "worker.engine.pooling", "worker", "transformers"),
 }
 
@@ -326,11 +328,11 @@ def stage_overrun_selftest(ctx: Ctx) -> None:
 # ---------------------------------------------------------------- (m) fused-MoE kernel vs its reference
 
 def stage_moe(ctx: Ctx) -> None:
-    """The fused-MoE kernel (kernels/moe.py) on one Mixtral-8x7B and one Qwen3-30B-A3B layer: error against
+    """The fused-MoE kernel (tokenbus_kernels/moe.py) on one Mixtral-8x7B and one Qwen3-30B-A3B layer: error against
     the PyTorch reference, time against it, and the expert weights it touches read at what share of the copy
     bandwidth (a decode-sized batch reads each chosen expert once: the floor)."""
-    from kernels.moe import fused_moe_triton
-    from kernels.moe_reference import fused_moe_ref, route_topk_ref
+    from tokenbus_kernels.moe import fused_moe_triton
+    from tokenbus_kernels.moe_reference import fused_moe_ref, route_topk_ref
 
     dtype = torch.float32 if ctx.smoke else torch.bfloat16
     # (name, experts, top_k, hidden, inter, token counts)

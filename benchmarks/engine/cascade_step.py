@@ -15,8 +15,8 @@ import torch
 
 from bench.harness import parser
 from bench.workload import chat_ids, shared_prefix_workload
-from kernels.cascade import CascadeLayout
-from kernels.kv_quant import bytes_per_token
+from tokenbus_kernels.cascade import CascadeLayout
+from tokenbus_kernels.kv_quant import bytes_per_token
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -52,7 +52,7 @@ def attention_ms(rows: int, prefix: int, suffix: int, shape: tuple[int, int, int
                  repeats: int = 5) -> dict[str, float]:
     """ms per step of decode attention over `layers` cold caches, rows behind one shared prefix: plain decode
     and cascade (the C++ kernels; the median of `repeats`)."""
-    from kernels.cpu import extension
+    from tokenbus_kernels.cpu import extension
 
     ext = extension()
     if ext is None:

@@ -233,7 +233,7 @@ def linear_paths(model, batches: list[int], repeats: int = 5) -> str:
             paths["oneDNN fp32, prepacked weight, dense input (_linear_pointwise: CpuLinear above "
                   f"{PANEL_MAX_ROWS} rows)"] = (
                 lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), packed, torch.float32)
-    from kernels import cpu
+    from tokenbus_kernels import cpu
     from worker.engine.backends.cpu_linear import pack_panels
 
     if (ext := cpu.extension()) is not None:

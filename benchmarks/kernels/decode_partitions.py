@@ -2,7 +2,7 @@
 
 For a uniform decode batch (every sequence at `context` tokens) the padded decode step of a CUDA-graph engine
 hands the kernel a block table either max_model_len wide (before issue #21) or cut to DecodeWidths' bucket of
-the step's longest table (now). The plan is kernels/decode_attention.plan_decode as a GPU with 132
+the step's longest table (now). The plan is tokenbus_kernels/decode_attention.plan_decode as a GPU with 132
 multiprocessors (an H200) would get it; nothing is launched. Also the number of (rows, width) graph shapes
 the engine captures at max_num_seqs 256.
 
@@ -18,8 +18,8 @@ import torch
 
 from bench.harness import parser
 from benchmarks.harness.docs import DOCS
-from kernels.decode_attention import plan_decode
-from kernels.partitions import cdiv
+from tokenbus_kernels.decode_attention import plan_decode
+from tokenbus_kernels.partitions import cdiv
 from worker.engine.cuda_graphs import DecodeWidths, decode_buckets
 
 H200_SMS = 132

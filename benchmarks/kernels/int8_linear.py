@@ -1,5 +1,5 @@
 """CPU cost of one decode-sized linear in the three panel kernels (issue 24): fp32 panels
-(kernels/csrc/cpu_kernels.cpp), weight-only int8 (cpu_quant.cpp) and W8A8 on VNNI (cpu_w8a8.cpp, the
+(tokenbus_kernels/csrc/cpu_kernels.cpp), weight-only int8 (cpu_quant.cpp) and W8A8 on VNNI (cpu_w8a8.cpp, the
 activation quantization included), SmolLM2-135M's shapes, at a decode step's row counts.
 
 Timed in CPU time (time.process_time) on one thread, so that other processes on a shared machine inflate it
@@ -20,7 +20,7 @@ import torch
 
 from bench.harness import cpu_name, parser
 from benchmarks.harness.docs import publish
-from kernels import cpu
+from tokenbus_kernels import cpu
 from worker.engine.backends.cpu_linear import pack_panels, pack_panels_w8a8
 from worker.engine.quant.schemes import quantize_int8
 

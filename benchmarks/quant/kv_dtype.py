@@ -68,7 +68,7 @@ def end_to_end(kv: str, redis_url: str, prompt_ids, max_tokens, log_dir: str,
 def kernel_inputs():
     """(layout, q, {dtype: (k_cache, v_cache)}, block_tables, seq_lens) for the two layouts --kernel-only times:
     the same random K/V in each dtype."""
-    from kernels.kv_quant import quantize
+    from tokenbus_kernels.kv_quant import quantize
 
     gen = torch.Generator().manual_seed(0)
     seqs, hq, hk, d, bs, length, shared = 16, 9, 3, 64, 16, 560, 496
@@ -87,7 +87,7 @@ def kernel_inputs():
 
 
 def kernel_rows(rounds: int) -> list[str]:
-    from kernels import cpu
+    from tokenbus_kernels import cpu
 
     ext = cpu.extension()
     rows = []

@@ -6,7 +6,7 @@ SmolLM2-135M's real weights (the built-in GGUF, dequantized to fp32), CPU:
                transformers with each linear's weight replaced by its quantized-dequantized value: the model
                the tokenbus engine serves (tests/engine/test_quantization.py: token for token equal); a KV
                dtype ("kv int8", "kv bf16") instead rounds each layer's rotated keys and its values as the
-               cache stores them (kernels/kv_quant.py: per token and KV head) before attention, which is
+               cache stores them (tokenbus_kernels/kv_quant.py: per token and KV head) before attention, which is
                what the engine's attention reads back; w8a8 also rounds each linear's input per token to
                int8 per group of 64 features (quantization.round_activations_int8, a forward pre-hook), as its
                kernel quantizes it;
@@ -15,7 +15,7 @@ SmolLM2-135M's real weights (the built-in GGUF, dequantized to fp32), CPU:
                and the share of tokens before the first divergence (mean over requests).
 
 fp8 is the GPU scheme (e4m3 weights per channel, activations per token): here both measures run its
-definition, kernels/fp8_linear.py's fp8_linear_reference, in fp32 — for perplexity in transformers' linears
+definition, tokenbus_kernels/fp8_linear.py's fp8_linear_reference, in fp32 — for perplexity in transformers' linears
 (lm_head kept, as the engine keeps it), for greedy agreement in the engine's Fp8Linears (PyTorch's CPU
 torch._scaled_mm computes the same within fp32 rounding, tests/kernels/test_fp8_linear.py, but is far too
 slow on the CPU for 64 prompts). The GPU's bf16 activations and outputs are not modelled.
@@ -37,7 +37,7 @@ import torch
 from bench.harness import parser
 from bench.workload import chat_ids, workload
 from benchmarks.harness.docs import write_section
-from kernels.fp8_linear import fp8_linear_reference, quantize_weight
+from tokenbus_kernels.fp8_linear import fp8_linear_reference, quantize_weight
 from worker.engine.quant.schemes import quantize_int8, round_activations_int8
 
 HELDOUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heldout.txt")
@@ -49,7 +49,7 @@ def _kv_attention(dtype: torch.dtype):
     """transformers' sdpa attention over keys and values rounded as a `dtype` KV cache holds them."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from kernels.kv_quant import dequantize, quantize
+    from tokenbus_kernels.kv_quant import dequantize, quantize
 
     def stored(x: torch.Tensor) -> torch.Tensor:  # [batch, kv heads, tokens, head_dim]: a scale per row
         return dequantize(quantize(x, dtype)) if dtype == torch.int8 else x.to(dtype).float()

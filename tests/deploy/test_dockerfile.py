@@ -80,7 +80,7 @@ def test_gateway_image_has_no_torch():
     assert copied == {"pyproject.toml", "protocol", "producer", "gateway"}, copied
     assert [v for k, v in ins if k == "ENTRYPOINT"] == ['["tokenbus-gateway"]']
     code = ("import sys, gateway.app, gateway.tasks_worker, gateway.__main__; "
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'worker', 'kernels')); "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'worker', 'tokenbus_kernels')); "
             "assert not bad, bad")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -122,7 +122,7 @@ def test_build_context_holds_what_copy_needs_and_builds_a_complete_wheel(tmp_pat
     assert out.returncode == 0, out.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("tokenbus-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    modules = {p.relative_to(ROOT).as_posix() for pkg in ("worker", "producer", "protocol", "kernels")
+    modules = {p.relative_to(ROOT).as_posix() for pkg in ("worker", "producer", "protocol", "tokenbus_kernels")
                for p in (ROOT / pkg).rglob("*.py")}
     assert modules and not modules - names, f"missing from the wheel: {sorted(modules - names)}"
     assert any(n.endswith("entry_points.txt") and "tokenbus-worker" in

@@ -7,20 +7,21 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("protocol", "producer", "gateway", "worker", "kernels", "testbed", "bench", "gpu_check", "benchmarks")
+PACKAGES = ("protocol", "producer", "gateway", "worker", "tokenbus_kernels", "testbed", "bench", "gpu_check",
+            "benchmarks")
 # who may import whom: the contract is at the bottom; the client, the gateway and the worker sit on it side by
-# side; kernels know nothing of the rest; testbed (throwaway Redis servers, tiny models, a gateway's processes)
-# sits on the worker; bench (`tokenbus bench`) and the GPU check measure the worker with testbed's parts;
+# side; tokenbus_kernels knows nothing of the rest; testbed (throwaway Redis servers, tiny models, a gateway's
+# processes) sits on the worker; bench (`tokenbus bench`) and the GPU check measure the worker with testbed's parts;
 # benchmarks may use anything that ships. Nothing imports tests/ (test_nothing_outside_tests_imports_tests).
 ALLOWED = {
     "protocol": {"protocol"},
     "producer": {"protocol", "producer"},
     "gateway": {"protocol", "producer", "gateway"},
-    "worker": {"protocol", "worker", "kernels"},
-    "kernels": {"kernels"},
+    "worker": {"protocol", "worker", "tokenbus_kernels"},
+    "tokenbus_kernels": {"tokenbus_kernels"},
     "testbed": {"testbed", "protocol", "worker"},
-    "bench": {"bench", "protocol", "producer", "worker", "kernels", "testbed"},
-    "gpu_check": {"gpu_check", "bench", "protocol", "worker", "kernels", "testbed"},
+    "bench": {"bench", "protocol", "producer", "worker", "tokenbus_kernels", "testbed"},
+    "gpu_check": {"gpu_check", "bench", "protocol", "worker", "tokenbus_kernels", "testbed"},
     "benchmarks": set(PACKAGES),
 }
 

@@ -1,6 +1,6 @@
 """Split-KV decode work follows the step's longest context, not the block-table width (issue #21 item 4).
 
-Read from the launch plan (kernels/decode_attention.plan_decode as a 132-SM GPU gets it) on the CPU: a padded
+Read from the launch plan (tokenbus_kernels/decode_attention.plan_decode as a 132-SM GPU gets it) on the CPU: a padded
 decode step cuts its tables to DecodeWidths' bucket, so at batch 256, context ~1k and max_model_len 32k at most
 10 % of the stage-1 programs exit at once (94-97 % with the full-width table)."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.kernels.decode_partitions import H200_SMS, graph_count, idle_share
-from kernels.partitions import cdiv, idle_programs, num_partitions
+from tokenbus_kernels.partitions import cdiv, idle_programs, num_partitions
 from worker.engine.cuda_graphs import DecodeWidths, decode_buckets
 
 

@@ -33,12 +33,12 @@ MAX_TOKENS = [20, 9, 14, 24, 11]  # at max_num_seqs 4 the decode batch runs at 3
 def run_engine_with_triton(directory: str, static_decode: bool = False, cascade: bool = False) -> dict:
     """Child side: the engine on CPU with the interpreted Triton kernels; the references would raise."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    import kernels.activation as activation
-    import kernels.cascade_attention as cascade_attention
-    import kernels.decode_attention as decode
-    import kernels.norm as norm
-    import kernels.prefill_attention as prefill
-    import kernels.rope as rope
+    import tokenbus_kernels.activation as activation
+    import tokenbus_kernels.cascade_attention as cascade_attention
+    import tokenbus_kernels.decode_attention as decode
+    import tokenbus_kernels.norm as norm
+    import tokenbus_kernels.prefill_attention as prefill
+    import tokenbus_kernels.rope as rope
     from worker import Engine, SamplingParams
     from worker.engine.backends import reference
 

@@ -19,10 +19,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.fp8_linear import fp8_linear_reference, quantize_weight
 from testbed.fp8_checkpoints import write_fp8
 from testbed.tiny_models import make_tiny_model
 from tests.support.hf_reference import hf_greedy, load_hf
+from tokenbus_kernels.fp8_linear import fp8_linear_reference, quantize_weight
 from worker import Engine, SamplingParams
 from worker.engine.quant.fp8 import Fp8Linear
 

@@ -19,12 +19,12 @@ import sys
 
 import pytest
 
-from kernels.cascade import CascadeLayout
 from testbed.tiny_models import make_tiny_model
 from tests.engine.test_prefix_cache_smollm2 import run_staggered
 from tests.support import eager_graphs
 from tests.support.hf_reference import hf_greedy, load_hf
 from tests.support.interpreted_child import run_interpreted
+from tokenbus_kernels.cascade import CascadeLayout
 from worker import Engine
 from worker.engine.cascade import group_capacity
 

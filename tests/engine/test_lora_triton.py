@@ -1,4 +1,4 @@
-"""LoRA adapters on the Triton path (the SGMV kernels, kernels/lora.py, under TRITON_INTERPRET=1) equal PEFT.
+"""LoRA adapters on the Triton path (the SGMV kernels, tokenbus_kernels/lora.py, under TRITON_INTERPRET=1) equal PEFT.
 
 The engine runs in a child process (Triton reads TRITON_INTERPRET when the kernel modules are first imported:
 tests/engine/test_engine_triton.py), whose PyTorch LoRA reference raises, and which counts the kernels' calls.
@@ -27,7 +27,7 @@ MAX_TOKENS = 3
 
 def run_child(base: str, adapters: dict[str, str]) -> dict:
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    import kernels.lora as lora_kernels
+    import tokenbus_kernels.lora as lora_kernels
     from worker import Engine, SamplingParams
     from worker.engine.backends import reference
 

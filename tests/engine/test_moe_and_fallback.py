@@ -119,7 +119,7 @@ def test_model_impl_transformers_forces_the_fallback(tiny):
 
 def _child(directories: list[str]) -> None:
     """The Triton child: every PyTorch reference that the Triton path replaces raises if called."""
-    import kernels.moe_reference
+    import tokenbus_kernels.moe_reference
     from worker.engine.backends import reference
 
     def refuse(*args, **kwargs):
@@ -128,7 +128,7 @@ def _child(directories: list[str]) -> None:
     for name in ("write_kv_ref", "paged_decode_attention_ref", "paged_prefill_attention_ref", "rms_norm_ref",
                  "add_rms_norm_ref", "rotary_ref", "silu_and_mul_ref"):
         setattr(reference, name, refuse)
-    kernels.moe_reference.fused_moe_ref = refuse
+    tokenbus_kernels.moe_reference.fused_moe_ref = refuse
     runs = [arg.rsplit(":", 1) for arg in directories]
     print(json.dumps({d: run_in_engine(d, short == "1") for d, short in runs}))
 

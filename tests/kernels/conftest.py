@@ -2,7 +2,7 @@
 
 import pytest
 
-from kernels import cpu
+from tokenbus_kernels import cpu
 
 
 @pytest.fixture(scope="module")

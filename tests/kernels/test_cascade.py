@@ -1,5 +1,5 @@
-"""Cascade decode attention (kernels/cascade.py): the PyTorch reference equals plain paged decode attention
-(kernels/reference.py), and the C++ kernel (csrc/cpu_cascade_attention.cpp) equals the reference, on the
+"""Cascade decode attention (tokenbus_kernels/cascade.py): the PyTorch reference equals plain paged decode attention
+(tokenbus_kernels/reference.py), and the C++ kernel (csrc/cpu_cascade_attention.cpp) equals the reference, on the
 awkward shapes of tests/support/cascade_cases.py: a group of 1, every row in one group, several groups,
 prefixes ending mid-block and at a block edge, suffixes of zero tokens, GQA 1/3/8, int8 / bf16 / fp8 KV,
 sliding windows that start inside the prefix (and past it), soft-capping."""
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cascade import CascadeLayout, cascade_decode_attention_ref
-from kernels.reference import paged_decode_attention_ref
 from tests.support.cascade_cases import SHAPES, cascade_case
 from tests.support.kernel_cases import UNUSED_BLOCK, case_id
+from tokenbus_kernels.cascade import CascadeLayout, cascade_decode_attention_ref
+from tokenbus_kernels.reference import paged_decode_attention_ref
 
 GQA = [1, 3, 8]
 # (window, softcap): none; a window of 5 (inside the prefix for short suffixes, past it for long ones); 40
@@ -125,7 +125,7 @@ def test_cpu_long_prefix_in_chunks(ext, kv_dtype, window):
 def test_cpu_avx2_build(kv_dtype):
     """The AVX2 build's vectors (8 lanes) in the softmax rows of phase 1: a mid-block prefix, a window, a
     soft-cap, several groups."""
-    from kernels import cpu
+    from tokenbus_kernels import cpu
 
     module = cpu.extension(avx2_only=True)
     assert module is not None

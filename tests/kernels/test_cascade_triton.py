@@ -1,5 +1,5 @@
-"""The Triton cascade decode attention (kernels/cascade_attention.py) against the PyTorch reference
-(kernels/cascade.py) and plain paged decode, on tests/support/cascade_cases.py's awkward shapes. Runs in
+"""The Triton cascade decode attention (tokenbus_kernels/cascade_attention.py) against the PyTorch reference
+(tokenbus_kernels/cascade.py) and plain paged decode, on tests/support/cascade_cases.py's awkward shapes. Runs in
 scripts/test's TRITON_INTERPRET=1 process (CPU tensors), and on CUDA in the parent where there is a GPU."""
 
 from __future__ import annotations
@@ -7,17 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import paged_decode_attention_ref
 from tests.kernels.test_cascade import GQA, SHAPE_IDS, SHAPES, cascade_ref, others_lose_the_prefix
 from tests.support.cascade_cases import cascade_case
 from tests.support.kernel_cases import DEVICE, case_id, needs_kernels, parent_only
 from tests.support.sm90_compile import check_attention_compiles, compile_for_sm90
+from tokenbus_kernels.reference import paged_decode_attention_ref
 
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1e-2)}
 
 
 def run(case, window=0, softcap=0.0, partition_size=None):
-    from kernels.cascade_attention import cascade_decode_attention_triton
+    from tokenbus_kernels.cascade_attention import cascade_decode_attention_triton
 
     out = torch.full_like(case.q, float("nan"))  # every row must be written
     return cascade_decode_attention_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
@@ -74,7 +74,7 @@ def test_many_partitions(partition_size):
 def test_gpu_plans_compile_for_sm90(dtype, hq, hk, head_dim, tmp_path):
     """The shared part's kernel and the own part's CASCADE variants compile for sm_90 without spills; the
     shared part's K/V loop is software-pipelined like plain decode's."""
-    from kernels.cascade_attention import plan_cascade
+    from tokenbus_kernels.cascade_attention import plan_cascade
 
     case = cascade_case([(64, [1, 3, 5, 2, 9]), (32, [4])], [7], 16, hk, hq // hk, head_dim, dtype=dtype)
     launches = plan_cascade(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.layout,

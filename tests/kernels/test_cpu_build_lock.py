@@ -1,5 +1,5 @@
 """A CPU-kernel build killed half-way (SIGKILL) leaves torch's baton file behind; the next engine still builds
-the kernels and serves instead of waiting forever (kernels/cpu.py build_lock)."""
+the kernels and serves instead of waiting forever (tokenbus_kernels/cpu.py build_lock)."""
 
 from __future__ import annotations
 

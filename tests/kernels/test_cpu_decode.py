@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from kernels import cpu
 from testbed.tiny_models import make_tiny_model
+from tokenbus_kernels import cpu
 from worker import Engine, SamplingParams
 from worker.engine.backends.cpu_decode import FusedDecodeLayers
 

@@ -1,5 +1,6 @@
-"""The C++ CPU kernels (kernels/cpu.py, kernels/csrc/cpu_kernels.cpp and the cpu_*attention*.cpp files) against
-the PyTorch references, on fresh random inputs of awkward shapes, and the CPU dispatch that picks them."""
+"""The C++ CPU kernels (tokenbus_kernels/cpu.py, tokenbus_kernels/csrc/cpu_kernels.cpp and the cpu_*attention*.cpp
+files) against the PyTorch references, on fresh random inputs of awkward shapes, and the CPU dispatch
+that picks them."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu
-from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
 from tests.support.kernel_cases import LENGTH_CASES, count_calls, paged_cache, prefill_inputs, strided
+from tokenbus_kernels import cpu
+from tokenbus_kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
 from worker.engine.backends import CpuBackend, select_backend
 
 # (block_size, num_q_heads, num_kv_heads, head_dim): SmolLM2's shape, MHA, GQA 3 and 8, MQA, odd head_dim
@@ -205,7 +206,7 @@ def test_the_kernel_switch_reaches_the_engine_in_its_config():
     """`--cpu-kernels false` travels in the EngineConfig the settings build (no environment variable read at
     import), and parsing the worker's settings imports neither torch nor the kernels."""
     code = ("import sys, worker.__main__ as m; c = m.load_settings(['--cpu-kernels', 'false']).engine; "
-            "print('CONFIG', c.cpu_kernels, 'IMPORTED', 'torch' in sys.modules or 'kernels' in sys.modules)")
+            "print('CONFIG', c.cpu_kernels, 'IMPORTED', 'torch' in sys.modules or 'tokenbus_kernels' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,5 +1,5 @@
-"""The C++ KV write and paged attention over bfloat16 and int8 caches (kernels/csrc/cpu_attention.cpp,
-cpu_attention_block.cpp, cpu_decode_attention.cpp, kernels/kv_quant.py): the write quantizes as
+"""The C++ KV write and paged attention over bfloat16 and int8 caches (tokenbus_kernels/csrc/cpu_attention.cpp,
+cpu_attention_block.cpp, cpu_decode_attention.cpp, tokenbus_kernels/kv_quant.py): the write quantizes as
 kv_quant.quantize does, and attention over a quantized cache equals the PyTorch reference over the same cache
 dequantized (within fp32 rounding), on awkward shapes, with the AVX-512 and the AVX2 builds."""
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu
-from kernels.kv_quant import cache_shape, dequantize, quantize
-from kernels.reference import paged_decode_attention_ref, write_kv_ref
 from tests.kernels.test_cpu_kernels import DECODE_CASES
 from tests.support.kernel_cases import LENGTH_CASES, paged_cache, stored_cache, strided
+from tokenbus_kernels import cpu
+from tokenbus_kernels.kv_quant import cache_shape, dequantize, quantize
+from tokenbus_kernels.reference import paged_decode_attention_ref, write_kv_ref
 
 KV_DTYPES = [torch.bfloat16, torch.int8]
 

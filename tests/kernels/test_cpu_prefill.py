@@ -1,4 +1,4 @@
-"""The C++ paged prefill attention (kernels/csrc/cpu_prefill_attention.cpp) against the PyTorch reference
+"""The C++ paged prefill attention (tokenbus_kernels/csrc/cpu_prefill_attention.cpp) against the PyTorch reference
 over the same cache dequantized: fp32, bf16 and int8 caches; sequences with cached prefixes, single tokens,
 chunks longer than a work item's tile, an empty entry, several lengths in one call; GQA, MHA, MQA, a group
 wider than a tile; block sizes that hold whole vectors and ones that do not; compile-time and run-time
@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu
-from kernels.kv_quant import dequantize
-from kernels.reference import paged_prefill_attention_ref
 from tests.support.kernel_cases import paged_cache, prefill_inputs, stored_cache
+from tokenbus_kernels import cpu
+from tokenbus_kernels.kv_quant import dequantize
+from tokenbus_kernels.reference import paged_prefill_attention_ref
 from worker.engine.backends import CpuBackend
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int8]

@@ -1,5 +1,5 @@
 """The fp8 KV cache (--kv-cache-dtype fp8) in the Triton kernels: write_kv quantizes each (token, KV head) row
-as kernels/kv_quant.quantize does, and decode and prefill attention over an fp8 cache equal the PyTorch
+as tokenbus_kernels/kv_quant.quantize does, and decode and prefill attention over an fp8 cache equal the PyTorch
 reference over the same cache dequantized. Triton 3.9's interpreter runs fp8 (tl.float8e4nv) on the CPU, so
 scripts/test runs this file under TRITON_INTERPRET=1 (INTERPRETED_SUITES); on a GPU the main suite runs it.
 The main suite also compiles the fp8 launch plans for sm_90 (no spills, the K/V loop still pipelined)."""
@@ -9,8 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_quant import cache_shape, dequantize, quantize
-from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
 from tests.support.kernel_cases import (
     DEVICE,
     INTERPRETED,
@@ -21,6 +19,8 @@ from tests.support.kernel_cases import (
     strided,
 )
 from tests.support.sm90_compile import compile_for_sm90, stack_bytes
+from tokenbus_kernels.kv_quant import cache_shape, dequantize, quantize
+from tokenbus_kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
 
 FP8 = torch.float8_e4m3fn
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
@@ -34,7 +34,7 @@ def fp8_cache(lens, block_size, hk, head_dim, gen):
 @needs_kernels
 @pytest.mark.parametrize("block_size,hk,head_dim", [(16, 3, 64), (8, 1, 32)])
 def test_write_kv_quantizes_like_the_reference(block_size, hk, head_dim):
-    from kernels.kv_write import write_kv_triton
+    from tokenbus_kernels.kv_write import write_kv_triton
 
     gen = torch.Generator().manual_seed(block_size + hk)
     num_blocks, num_tokens = 5, 30
@@ -62,7 +62,7 @@ def test_write_kv_quantizes_like_the_reference(block_size, hk, head_dim):
     (16, 4, 4, 64, None), (16, 6, 2, 32, 32), (32, 8, 1, 128, 64), (16, 6, 2, 80, 32),  # 80: padded lanes
 ])
 def test_decode_over_fp8_equals_reference_dequantized(dtype, block_size, hq, hk, head_dim, partition):
-    from kernels.decode_attention import paged_decode_attention_triton
+    from tokenbus_kernels.decode_attention import paged_decode_attention_triton
 
     gen = torch.Generator().manual_seed(block_size * 100 + hq + head_dim)
     lens = LENGTH_CASES(block_size)
@@ -81,7 +81,7 @@ def test_decode_over_fp8_equals_reference_dequantized(dtype, block_size, hq, hk,
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_prefill_over_fp8_equals_reference_dequantized(dtype):
-    from kernels.prefill_attention import paged_prefill_attention_triton
+    from tokenbus_kernels.prefill_attention import paged_prefill_attention_triton
 
     gen = torch.Generator().manual_seed(5)
     block_size, hq, hk, head_dim = 16, 6, 2, 32
@@ -97,7 +97,7 @@ def test_prefill_over_fp8_equals_reference_dequantized(dtype):
 @needs_kernels
 def test_the_triton_backend_writes_fp8_through_rotary_then_write_kv():
     """The fused rotary + KV write stores plain values: with an fp8 cache the backend rotates, then quantizes."""
-    from kernels.reference import rotary_write_kv_ref
+    from tokenbus_kernels.reference import rotary_write_kv_ref
     from worker.engine.backends import TritonBackend
 
     gen = torch.Generator().manual_seed(9)
@@ -120,9 +120,9 @@ def test_the_triton_backend_writes_fp8_through_rotary_then_write_kv():
 @pytest.mark.parametrize("dtype,hq,hk,head_dim", [(torch.bfloat16, 32, 8, 128), (torch.bfloat16, 9, 3, 64),
                                                   (torch.float16, 16, 2, 64), (torch.bfloat16, 16, 2, 256)])
 def test_fp8_launch_plans_compile_for_sm90_without_spills(tmp_path, dtype, hq, hk, head_dim):
-    from kernels.decode_attention import plan_decode
-    from kernels.kv_write import plan_write_kv
-    from kernels.prefill_attention import plan_prefill
+    from tokenbus_kernels.decode_attention import plan_decode
+    from tokenbus_kernels.kv_write import plan_write_kv
+    from tokenbus_kernels.prefill_attention import plan_prefill
 
     num_seqs, block_size = 4, 16
     cache = torch.zeros(cache_shape(64, block_size, hk, head_dim, FP8), dtype=FP8)
@@ -148,7 +148,7 @@ def test_fp8_launch_plans_compile_for_sm90_without_spills(tmp_path, dtype, hq, h
 
 
 def test_a_mismatched_cache_is_refused():
-    from kernels.decode_attention import plan_decode
+    from tokenbus_kernels.decode_attention import plan_decode
 
     q = torch.randn(2, 4, 32)
     narrow = torch.zeros(4, 16, 2, 32, dtype=FP8)  # fp8 rows need head_dim + 4

@@ -1,4 +1,4 @@
-"""The FP8 linear (kernels/fp8_linear.py) on the CPU: torch._scaled_mm's CPU build, with the per-token
+"""The FP8 linear (tokenbus_kernels/fp8_linear.py) on the CPU: torch._scaled_mm's CPU build, with the per-token
 activation and per-channel weight scales the GPU path passes it, equals the fp32 reference within fp32
 rounding on awkward shapes; the quantizers keep their contract (scale = max|row| / 448, no overflow, zero
 rows). The same call runs on CUDA sm_89+ (PyTorch's CUTLASS rowwise kernel): gpu_check stage q
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8_linear import (
+from tokenbus_kernels.fp8_linear import (
     FP8,
     FP8_MAX,
     dequantize_weight,

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
 from tests.kernels import fused_inputs as inputs
 from tests.kernels.fused_inputs import DTYPES, EPS, norm_inputs, qkv_inputs, rope_tables, split, wide_rows
 from tests.support.kernel_cases import INTERPRETED, case_id, generator, parent_only
 from tests.support.sm90_compile import compile_for_sm90, stack_bytes
+from tokenbus_kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
 
 
 @parent_only
@@ -81,9 +81,9 @@ def test_checks_catch_wrong_kernels(dtype):
 
 @parent_only
 def test_plans_reject_bad_arguments():
-    from kernels.activation import plan_silu_and_mul
-    from kernels.norm import plan_add_rms_norm, plan_rms_norm
-    from kernels.rope import plan_rotary
+    from tokenbus_kernels.activation import plan_silu_and_mul
+    from tokenbus_kernels.norm import plan_add_rms_norm, plan_rms_norm
+    from tokenbus_kernels.rope import plan_rotary
 
     x, w = torch.randn(3, 72), torch.randn(72)
     with pytest.raises(ValueError, match="same memory"):
@@ -105,9 +105,9 @@ def test_plans_reject_bad_arguments():
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="needs GPU-compiled kernels and no GPU")
 def test_compiled_kernels_refuse_cpu_tensors_clearly():
-    from kernels.activation import silu_and_mul_triton
-    from kernels.norm import add_rms_norm_triton, rms_norm_triton
-    from kernels.rope import rotary_triton, rotary_write_kv_triton
+    from tokenbus_kernels.activation import silu_and_mul_triton
+    from tokenbus_kernels.norm import add_rms_norm_triton, rms_norm_triton
+    from tokenbus_kernels.rope import rotary_triton, rotary_write_kv_triton
 
     x, w, heads, cache = torch.randn(3, 72), torch.randn(72), torch.randn(3, 4, 64), torch.zeros(2, 16, 1, 64)
     calls = [
@@ -128,9 +128,9 @@ def test_gpu_plans_compile_for_sm90(tmp_path):
     """Every planned GPU launch (0.5B / 8B / wide shapes) compiles for sm_90 without register spills, with
     vectorised (16-byte) loads, and without contracting HF's separately rounded products into fmas."""
 
-    from kernels.activation import plan_silu_and_mul
-    from kernels.norm import plan_add_rms_norm, plan_rms_norm
-    from kernels.rope import plan_rotary
+    from tokenbus_kernels.activation import plan_silu_and_mul
+    from tokenbus_kernels.norm import plan_add_rms_norm, plan_rms_norm
+    from tokenbus_kernels.rope import plan_rotary
 
     launches = []
     for dtype, hidden in ((torch.bfloat16, 896), (torch.bfloat16, 8192), (torch.float32, 16384)):

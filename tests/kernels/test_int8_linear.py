@@ -1,4 +1,4 @@
-"""Weight-only int8 (worker/engine/quant/schemes.py): the C++ int8 panel kernel (kernels/csrc/cpu_quant.cpp) on
+"""Weight-only int8 (worker/engine/quant/schemes.py): the C++ int8 panel kernel (tokenbus_kernels/csrc/cpu_quant.cpp) on
 its AVX-512 and AVX2 paths, and CpuLinear around it, against F.linear on the dequantized weight (the model an
 int8 engine serves) on fresh random inputs of awkward shapes."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu
 from tests.support.kernel_cases import count_calls, int8_linear
+from tokenbus_kernels import cpu
 from worker.engine.backends.cpu_linear import PANEL_MAX_ROWS, CpuLinear, pack_panels
 from worker.engine.quant.schemes import INT8_MAX, check_int8_layout, quantize_int8
 

@@ -1,7 +1,7 @@
-"""The Triton paged-attention kernels against their PyTorch references (kernels/reference.py).
+"""The Triton paged-attention kernels against their PyTorch references (tokenbus_kernels/reference.py).
 
 Triton decides interpreted-or-compiled when a @triton.jit function is *defined*, i.e. when
-kernels/kv_write.py & co are first imported, from TRITON_INTERPRET. Setting the variable inside this pytest
+tokenbus_kernels/kv_write.py & co are first imported, from TRITON_INTERPRET. Setting the variable inside this pytest
 process would leak into every other test module (the engine would start running its CPU forward passes
 under the interpreter) and would do nothing if the kernel modules were already imported. So scripts/test
 runs this file (and the other INTERPRETED_SUITES) in a pytest process of their own with TRITON_INTERPRET=1,
@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
 from tests.support.kernel_cases import (
     DEVICE,
     INTERPRETED,
@@ -36,6 +35,7 @@ from tests.support.kernel_cases import (
     strided,
 )
 from tests.support.sm90_compile import check_attention_compiles
+from tokenbus_kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
 
 TOL = {
     torch.float32: dict(rtol=1e-5, atol=1e-5),
@@ -67,7 +67,7 @@ DECODE_CASES = [
 @needs_kernels
 @pytest.mark.parametrize("dtype,block_size,hq,hk,head_dim,partition", DECODE_CASES, ids=case_id)
 def test_decode_matches_reference(dtype, block_size, hq, hk, head_dim, partition):
-    from kernels.decode_attention import paged_decode_attention_triton
+    from tokenbus_kernels.decode_attention import paged_decode_attention_triton
 
     gen = torch.Generator().manual_seed(hash((block_size, hq, hk, head_dim)) % 2**31)
     lens = LENGTH_CASES(block_size)
@@ -85,7 +85,7 @@ def test_decode_matches_reference(dtype, block_size, hq, hk, head_dim, partition
 def test_decode_with_workspace_matches_reference():
     """The engine's preallocated partials (DecodeWorkspace): the same output as the per-call buffers, over a
     full-width table (the padded decode path's), and a workspace too small for a call is not used."""
-    from kernels.decode_attention import DecodeWorkspace, paged_decode_attention_triton
+    from tokenbus_kernels.decode_attention import DecodeWorkspace, paged_decode_attention_triton
 
     gen = torch.Generator().manual_seed(7)
     block_size, hq, hk, head_dim = 16, 6, 2, 32
@@ -126,7 +126,7 @@ PREFILL_CASES = [
 @needs_kernels
 @pytest.mark.parametrize("dtype,block_size,hq,hk,head_dim", PREFILL_CASES, ids=case_id)
 def test_prefill_matches_reference(dtype, block_size, hq, hk, head_dim):
-    from kernels.prefill_attention import paged_prefill_attention_triton
+    from tokenbus_kernels.prefill_attention import paged_prefill_attention_triton
 
     gen = torch.Generator().manual_seed(hash((block_size, hq, hk, head_dim, 1)) % 2**31)
     bs = block_size
@@ -152,7 +152,7 @@ NONCAUSAL_CASES = [(torch.float32, 16, 12, 12, 32), (torch.float32, 16, 6, 2, 96
 def test_prefill_noncausal_matches_reference(dtype, block_size, hq, hk, head_dim):
     """Every query sees its whole sequence: whole inputs of awkward lengths (one token, a block and one, longer
     than a tile), and a chunk after cached keys, which the kernel serves the same way."""
-    from kernels.prefill_attention import paged_prefill_attention_triton
+    from tokenbus_kernels.prefill_attention import paged_prefill_attention_triton
 
     gen = torch.Generator().manual_seed(hash((block_size, hq, hk, head_dim, 2)) % 2**31)
     bs = block_size
@@ -177,7 +177,7 @@ def test_prefill_noncausal_matches_reference(dtype, block_size, hq, hk, head_dim
     (torch.float32, 16, 3, 96),  # padded lanes must not write past a head
 ], ids=case_id)
 def test_write_kv_matches_reference(dtype, block_size, hk, head_dim):
-    from kernels.kv_write import write_kv_triton
+    from tokenbus_kernels.kv_write import write_kv_triton
 
     gen = torch.Generator().manual_seed(block_size * hk + head_dim)
     num_blocks, num_tokens = 6, 40
@@ -218,17 +218,17 @@ def test_interpreter_sends_cpu_tensors_to_triton(monkeypatch):
 
 @pytest.mark.skipif(INTERPRETED, reason="checks the plain (no TRITON_INTERPRET) backend choice")
 def test_cpu_tensors_stay_off_triton(monkeypatch):
-    import kernels.decode_attention
-    import kernels.kv_write
-    import kernels.prefill_attention
+    import tokenbus_kernels.decode_attention
+    import tokenbus_kernels.kv_write
+    import tokenbus_kernels.prefill_attention
     from worker.engine.backends import select_backend
 
     def refuse(*args, **kwargs):
         raise AssertionError("Triton called for CPU tensors without TRITON_INTERPRET=1")
 
-    monkeypatch.setattr(kernels.kv_write, "write_kv_triton", refuse)
-    monkeypatch.setattr(kernels.decode_attention, "paged_decode_attention_triton", refuse)
-    monkeypatch.setattr(kernels.prefill_attention, "paged_prefill_attention_triton", refuse)
+    monkeypatch.setattr(tokenbus_kernels.kv_write, "write_kv_triton", refuse)
+    monkeypatch.setattr(tokenbus_kernels.decode_attention, "paged_decode_attention_triton", refuse)
+    monkeypatch.setattr(tokenbus_kernels.prefill_attention, "paged_prefill_attention_triton", refuse)
     backend = select_backend("cpu", torch.float32, cpu_kernels_enabled=False)
     assert backend.name == "torch-reference"
     gen = torch.Generator().manual_seed(8)
@@ -265,9 +265,9 @@ def test_compiled_kernels_refuse_cpu_tensors_clearly():
 def test_gpu_plans_compile_for_sm90(dtype, hq, hk, head_dim, tmp_path):
     """Every launch the wrappers plan on a GPU compiles for sm_90 without register spills, and the K/V
     loops are software-pipelined (async copies), which the bandwidth target depends on."""
-    from kernels.decode_attention import plan_decode
-    from kernels.kv_write import plan_write_kv
-    from kernels.prefill_attention import plan_prefill
+    from tokenbus_kernels.decode_attention import plan_decode
+    from tokenbus_kernels.kv_write import plan_write_kv
+    from tokenbus_kernels.prefill_attention import plan_prefill
 
     block_size = 16
     k_cache, table, seq_lens, q, q_prefill, cu = attention_plan_inputs(dtype, hq, hk, head_dim, block_size)

@@ -1,4 +1,4 @@
-"""The fused elementwise Triton kernels (kernels/norm.py, rope.py, activation.py) against their references.
+"""The fused elementwise Triton kernels (tokenbus_kernels/norm.py, rope.py, activation.py) against their references.
 
 As in tests/kernels/test_kernels.py (see its docstring for why), the parent pytest process never sets
 TRITON_INTERPRET: scripts/test runs this file in a pytest process of its own with TRITON_INTERPRET=1, where
@@ -16,13 +16,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import (
-    add_rms_norm_ref,
-    rms_norm_ref,
-    rotary_ref,
-    rotary_write_kv_ref,
-    silu_and_mul_ref,
-)
 from tests.kernels.fused_inputs import (
     DTYPES,
     EPS,
@@ -35,6 +28,13 @@ from tests.kernels.fused_inputs import (
     wide_rows,
 )
 from tests.support.kernel_cases import DEVICE, case_id, generator, needs_kernels
+from tokenbus_kernels.reference import (
+    add_rms_norm_ref,
+    rms_norm_ref,
+    rotary_ref,
+    rotary_write_kv_ref,
+    silu_and_mul_ref,
+)
 
 # (rows, hidden, block): block None = one pass; a block below hidden = the chunked two-pass path, with a tail
 NORM_CASES = [(1, 576, None), (3, 576, 128), (37, 72, None), (5, 72, 32), (3, 4096, None)]
@@ -44,7 +44,7 @@ NORM_CASES = [(1, 576, None), (3, 576, 128), (37, 72, None), (5, 72, 32), (3, 40
 @pytest.mark.parametrize("dtype", DTYPES, ids=case_id)
 @pytest.mark.parametrize("n,hidden,block", NORM_CASES)
 def test_add_rms_norm_matches_reference(dtype, n, hidden, block):
-    from kernels.norm import add_rms_norm_triton
+    from tokenbus_kernels.norm import add_rms_norm_triton
 
     x_buf, x, res_buf, residual, weight = norm_inputs(n, hidden, dtype, "add")
     ref_x_buf, ref_res_buf = x_buf.clone(), res_buf.clone()
@@ -63,7 +63,7 @@ def test_add_rms_norm_matches_reference(dtype, n, hidden, block):
 @pytest.mark.parametrize("dtype", DTYPES, ids=case_id)
 @pytest.mark.parametrize("n,hidden,block", NORM_CASES[:4])
 def test_rms_norm_matches_reference(dtype, n, hidden, block):
-    from kernels.norm import rms_norm_triton
+    from tokenbus_kernels.norm import rms_norm_triton
 
     x_buf, x, _, _, weight = norm_inputs(n, hidden, dtype, "plain")
     x_before = x_buf.clone()
@@ -82,7 +82,7 @@ def test_rms_norm_matches_reference(dtype, n, hidden, block):
 @pytest.mark.parametrize("dtype", DTYPES, ids=case_id)
 def test_rms_norm_per_head_on_qkv_slices(dtype):
     """Qwen3's q/k norm: [n, heads, head_dim] strided slices of the fused qkv output, one norm per head."""
-    from kernels.norm import rms_norm_triton
+    from tokenbus_kernels.norm import rms_norm_triton
 
     gen = generator("heads", case_id(dtype))
     n, hq, hk, head_dim = 5, 9, 3, 64
@@ -106,7 +106,7 @@ ROPE_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=case_id)
 @pytest.mark.parametrize("n,hq,hk,head_dim,layout", ROPE_CASES)
 def test_rotary_matches_reference(dtype, n, hq, hk, head_dim, layout):
-    from kernels.rope import rotary_triton
+    from tokenbus_kernels.rope import rotary_triton
 
     qkv, cos, sin, _ = qkv_inputs(n, hq, hk, head_dim, dtype, layout, "inplace")
     expected = qkv.clone()
@@ -121,7 +121,7 @@ def test_rotary_matches_reference(dtype, n, hq, hk, head_dim, layout):
 @pytest.mark.parametrize("dtype", DTYPES, ids=case_id)
 @pytest.mark.parametrize("n,hq,hk,head_dim,layout", ROPE_CASES)
 def test_rotary_write_kv_matches_reference(dtype, n, hq, hk, head_dim, layout):
-    from kernels.rope import rotary_write_kv_triton
+    from tokenbus_kernels.rope import rotary_write_kv_triton
 
     qkv, cos, sin, gen = qkv_inputs(n, hq, hk, head_dim, dtype, layout, "cache")
     block_size, num_blocks = 16, 2 + n // 8
@@ -147,7 +147,7 @@ SILU_CASES = [(1, 576, None, None), (37, 72, None, "strided"), (3, 1536, 256, No
 @pytest.mark.parametrize("dtype", DTYPES, ids=case_id)
 @pytest.mark.parametrize("n,inter,block,out", SILU_CASES)
 def test_silu_and_mul_matches_reference(dtype, n, inter, block, out):
-    from kernels.activation import silu_and_mul_triton
+    from tokenbus_kernels.activation import silu_and_mul_triton
 
     gen = generator("silu", n, inter, block, out, case_id(dtype))
     gate_up_buf, gate_up = wide_rows(n, 2 * inter, gen, dtype, 4.0)  # silu's curved part and both tails

@@ -1,5 +1,5 @@
-"""The LoRA SGMV kernels (kernels/lora.py) against their PyTorch reference (kernels/lora_reference.py), and the
-reference against PEFT's own arithmetic (a per-row loop of `lora_B(lora_A(x)) * scaling`).
+"""The LoRA SGMV kernels (tokenbus_kernels/lora.py) against their PyTorch reference (lora_reference.py beside it), and
+the reference against PEFT's own arithmetic (a per-row loop of `lora_B(lora_A(x)) * scaling`).
 
 scripts/test runs this file a second time in its TRITON_INTERPRET=1 process (INTERPRETED_SUITES), where the
 kernel tests run on CPU tensors; with a GPU they run on CUDA. Awkward shapes on purpose: rows of one adapter
@@ -14,9 +14,9 @@ import re
 import pytest
 import torch
 
-from kernels.lora_reference import groups_of, lora_apply_ref, lora_ref, sort_rows_by_slot
 from tests.support.kernel_cases import DEVICE, generator, needs_kernels, parent_only
 from tests.support.sm90_compile import compile_for_sm90, stack_bytes
+from tokenbus_kernels.lora_reference import groups_of, lora_apply_ref, lora_ref, sort_rows_by_slot
 
 # (rows, in, slices' widths, slots, max rank, ranks per slot, slot of each row: a rule)
 CASES = [
@@ -127,7 +127,7 @@ def test_cpu_kernel_matches_reference(ext, case):
 def test_cpu_kernel_avx2_path_matches_reference():
     """The AVX2 build (ymm vectors: 16-column expand tiles) compiled with -mno-avx512f where the machine has
     AVX-512; on an AVX2-only machine this is the ordinary build."""
-    from kernels import cpu
+    from tokenbus_kernels import cpu
 
     module = cpu.extension(avx2_only=True)
     assert module is not None
@@ -153,7 +153,7 @@ def test_cpu_kernel_refuses_a_bad_layout(ext):
 @needs_kernels
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[-1] + f"-{c[0]}")
 def test_kernels_match_reference(case):
-    from kernels.lora import lora_expand_triton, lora_shrink_triton
+    from tokenbus_kernels.lora import lora_expand_triton, lora_shrink_triton
 
     x, a, b, y, slices, slots = (t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in inputs(*case))
     rows, starts, counts = sort_rows_by_slot(slots, a.shape[0])
@@ -171,7 +171,7 @@ def test_kernels_match_reference(case):
 def test_a_padded_grid_and_strided_output():
     """A grid sized for more rows than any group has (a CUDA graph's fixed grid), base rows left bit-equal,
     and y a column view of a wider tensor (a fused output's slice)."""
-    from kernels.lora import lora_expand_triton, lora_shrink_triton
+    from tokenbus_kernels.lora import lora_expand_triton, lora_shrink_triton
 
     x, a, b, y, slices, slots = (t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in inputs(*CASES[3]))
     rows, starts, counts = sort_rows_by_slot(slots, a.shape[0])
@@ -190,7 +190,7 @@ def test_a_padded_grid_and_strided_output():
 def test_gpu_plans_compile_for_sm90(tmp_path):
     """Shrink and expand compile for sm_90 without spills: bf16 on tensor cores (Llama-3.1-8B's qkv_proj and
     down_proj at rank 16, 8 slots), fp32 in IEEE fp32."""
-    from kernels.lora import plan_expand, plan_shrink
+    from tokenbus_kernels.lora import plan_expand, plan_shrink
 
     launches = []
     for dtype, in_features, widths, rank in ((torch.bfloat16, 4096, (4096, 1024, 1024), 16),
@@ -213,7 +213,7 @@ def test_gpu_plans_compile_for_sm90(tmp_path):
 
 @needs_kernels
 def test_bf16_within_rounding():
-    from kernels.lora import lora_expand_triton, lora_shrink_triton
+    from tokenbus_kernels.lora import lora_expand_triton, lora_shrink_triton
 
     x, a, b, y, slices, slots = (t.to(DEVICE) if isinstance(t, torch.Tensor) else t
                                  for t in inputs(*CASES[1], dtype=torch.bfloat16))

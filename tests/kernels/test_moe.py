@@ -1,4 +1,5 @@
-"""The fused-MoE Triton kernel (kernels/moe.py) against its PyTorch reference (kernels/moe_reference.py).
+"""The fused-MoE Triton kernel (tokenbus_kernels/moe.py) against its PyTorch reference
+(tokenbus_kernels/moe_reference.py).
 
 As tests/kernels/test_kernels_fused.py: scripts/test runs this file a second time in its TRITON_INTERPRET=1
 process (INTERPRETED_SUITES), where the kernel tests run on CPU tensors; with a GPU they run on CUDA. The
@@ -17,9 +18,9 @@ import re
 import pytest
 import torch
 
-from kernels.moe_reference import fused_moe_ref, route_topk_ref
 from tests.support.kernel_cases import DEVICE, generator, needs_kernels, parent_only
 from tests.support.sm90_compile import compile_for_sm90, stack_bytes
+from tokenbus_kernels.moe_reference import fused_moe_ref, route_topk_ref
 
 # (tokens, experts, top_k, hidden, inter, routing, tiles (block_m, block_n, block_k) or None for the defaults)
 CASES = [
@@ -48,7 +49,7 @@ def inputs(n, experts, top_k, hidden, inter, routing, dtype=torch.float32, devic
 @needs_kernels
 @pytest.mark.parametrize("n,experts,top_k,hidden,inter,routing,tiles", CASES)
 def test_fused_moe_matches_reference(n, experts, top_k, hidden, inter, routing, tiles):
-    from kernels.moe import fused_moe_triton
+    from tokenbus_kernels.moe import fused_moe_triton
 
     x, w13, w2, weights, ids = inputs(n, experts, top_k, hidden, inter, routing)
     block_m, block_n, block_k = tiles or (None, None, None)
@@ -60,7 +61,7 @@ def test_fused_moe_matches_reference(n, experts, top_k, hidden, inter, routing, 
 @needs_kernels
 def test_fused_moe_strided_weights_and_no_tokens():
     """Expert weights as transposed views (any strides), and an empty batch."""
-    from kernels.moe import fused_moe_triton
+    from tokenbus_kernels.moe import fused_moe_triton
 
     x, w13, w2, weights, ids = inputs(6, 4, 2, 32, 24, "random")
     w13_t = w13.transpose(1, 2).contiguous().transpose(1, 2)
@@ -84,7 +85,7 @@ def test_a_wrong_kernel_is_caught():
 
 @parent_only
 def test_alignment_covers_every_pair_once():
-    from kernels.moe import moe_align
+    from tokenbus_kernels.moe import moe_align
 
     for experts, block_m in ((9, 16), (3, 64)):
         ids = torch.tensor([[4, 1], [1, 0], [4, 1], [8, 0]]) % experts
@@ -130,7 +131,7 @@ def test_reference_equals_transformers_moe_block(model_type):
 def test_gpu_plans_compile_for_sm90(tmp_path):
     """The two grouped GEMMs compile for sm_90 in bf16 (Mixtral-8x7B and Qwen3-30B-A3B shapes) and fp32,
     without register spills."""
-    from kernels.moe import moe_align, plan_moe_gemm
+    from tokenbus_kernels.moe import moe_align, plan_moe_gemm
 
     launches = []
     for dtype, experts, top_k, hidden, inter, block_m in (

@@ -1,4 +1,4 @@
-"""Sliding windows and attention soft-capping in the paged attention kernels, against kernels/reference.py.
+"""Sliding windows and attention soft-capping in the paged attention kernels, against tokenbus_kernels/reference.py.
 
 The Triton decode and prefill kernels run in scripts/test's TRITON_INTERPRET=1 process (see
 tests/kernels/test_kernels.py for why a process of their own), the C++ decode kernel (which also serves
@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
 from tests.support.kernel_cases import INTERPRETED, attention_plan_inputs, paged_cache
 from tests.support.sm90_compile import check_attention_compiles
+from tokenbus_kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
 
 BLOCK = 16
 WINDOWS = [5, BLOCK, BLOCK + 3, 1000]  # shorter than a block, one block, longer, longer than any sequence
@@ -63,7 +63,7 @@ def test_reference_window_is_hugging_faces(window, softcap):
 @pytest.mark.skipif(INTERPRETED, reason="the C++ kernels run in the parent")
 @pytest.mark.parametrize("window", WINDOWS)
 def test_cpp_decode_window_matches_reference(window):
-    from kernels.cpu import extension
+    from tokenbus_kernels.cpu import extension
 
     ext = extension()
     if ext is None:
@@ -83,7 +83,7 @@ def test_cpp_decode_window_matches_reference(window):
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("partition", [None, 24], ids=["one-partition", "p24"])  # 24: not a block multiple
 def test_triton_decode_window_matches_reference(window, partition):
-    from kernels.decode_attention import paged_decode_attention_triton
+    from tokenbus_kernels.decode_attention import paged_decode_attention_triton
 
     gen = torch.Generator().manual_seed(window * 7 + (partition or 0))
     hq, hk, d = 4, 2, 16
@@ -101,7 +101,7 @@ def test_triton_decode_window_matches_reference(window, partition):
 @pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
 @pytest.mark.parametrize("window", WINDOWS)
 def test_triton_prefill_window_matches_reference(window):
-    from kernels.prefill_attention import paged_prefill_attention_triton
+    from tokenbus_kernels.prefill_attention import paged_prefill_attention_triton
 
     gen = torch.Generator().manual_seed(window * 11)
     hq, hk, d = 4, 2, 16
@@ -124,8 +124,8 @@ def test_triton_prefill_window_matches_reference(window):
 
 @pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
 def test_triton_gelu_tanh_and_mul_matches_reference():
-    from kernels.activation import gelu_tanh_and_mul_triton
-    from kernels.reference import gelu_tanh_and_mul_ref
+    from tokenbus_kernels.activation import gelu_tanh_and_mul_triton
+    from tokenbus_kernels.reference import gelu_tanh_and_mul_ref
 
     gate_up = torch.randn(5, 2 * 48, generator=torch.Generator().manual_seed(3)) * 4
     torch.testing.assert_close(gelu_tanh_and_mul_triton(gate_up), gelu_tanh_and_mul_ref(gate_up), rtol=1e-5, atol=1e-5)
@@ -135,9 +135,9 @@ def test_triton_gelu_tanh_and_mul_matches_reference():
 def test_windowed_plans_compile_for_sm90(tmp_path):
     """The SLIDING / SOFTCAP variants (Gemma 2's shapes: head_dim 256, GQA 2) and GeGLU compile for sm_90,
     without register spills, their K/V loops still software-pipelined."""
-    from kernels.activation import plan_silu_and_mul
-    from kernels.decode_attention import plan_decode
-    from kernels.prefill_attention import plan_prefill
+    from tokenbus_kernels.activation import plan_silu_and_mul
+    from tokenbus_kernels.decode_attention import plan_decode
+    from tokenbus_kernels.prefill_attention import plan_prefill
 
     dtype, head_dim, hq, hk = torch.bfloat16, 256, 8, 4
     k_cache, table, seq_lens, q, q_prefill, cu = attention_plan_inputs(dtype, hq, hk, head_dim, BLOCK)

@@ -1,4 +1,4 @@
-"""W8A8 int8 (worker/engine/quant/schemes.py): the C++ VNNI panel kernel (kernels/csrc/cpu_w8a8.cpp) against an
+"""W8A8 int8 (worker/engine/quant/schemes.py): the C++ VNNI panel kernel (tokenbus_kernels/csrc/cpu_w8a8.cpp) against an
 independent PyTorch reference — x quantized per row and group of 64 features as the kernel does
 (quantize_activations_int8), each group's integer product in int64, the scales applied in float64 — on
 awkward shapes, on the AVX-512 VNNI build and an AVX2 (AVX-VNNI) build of the same source; CpuLinear around it
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu
 from tests.support.kernel_cases import count_calls, int8_linear
+from tokenbus_kernels import cpu
 from worker.engine.backends.cpu_linear import PANEL_MAX_ROWS, CpuLinear, pack_panels_w8a8
 from worker.engine.quant.schemes import W8A8_GROUP, quantize_activations_int8, quantize_int8, round_activations_int8
 

@@ -1,4 +1,4 @@
-"""Cascade decode attention's test cases (kernels/cascade.py), shared by the reference, C++ and Triton suites:
+"""Cascade decode attention's test cases (tokenbus_kernels/cascade.py), shared by the reference, C++ and Triton suites:
 paged caches whose groups of rows hold the same first tokens, junk in every slot no row may read, rows of a
 group scattered over the batch, and the CascadeLayout that says so.
 
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cascade import CascadeLayout
-from kernels.kv_quant import QUANTIZED, quantize
 from tests.support.kernel_cases import UNUSED_BLOCK, cdiv, generator
+from tokenbus_kernels.cascade import CascadeLayout
+from tokenbus_kernels.kv_quant import QUANTIZED, quantize
 
 # (name, groups, alone): the awkward shapes, at block size 16
 SHAPES = [

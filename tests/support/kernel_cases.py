@@ -118,6 +118,6 @@ def int8_linear(seed: int, w8a8: bool = False) -> torch.nn.Linear:
 
 def stored_cache(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A float32 cache [..., head_dim] as a `dtype` cache holds it (packed int8 rows, or rounded bf16)."""
-    from kernels.kv_quant import quantize
+    from tokenbus_kernels.kv_quant import quantize
 
     return quantize(cache, dtype) if dtype == torch.int8 else cache.to(dtype)

@@ -14,7 +14,7 @@ def compile_for_sm90(launch):
     """Compile a planned launch as Triton's JIT would for an H100/H200, without a GPU: same specialisation of
     arguments (ints equal to 1 become constants, 16-divisible ints and pointers get divisibility hints). The
     plan's num_warps, num_stages and enable_fp_fusion become compiler options (the fused kernels turn fusion
-    off: with it ptxas would contract HF's separately rounded products into fmas, see kernels/rounding.py)."""
+    off: with it ptxas would contract HF's separately rounded products into fmas, see tokenbus_kernels/rounding.py)."""
     import triton
     from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.compiler import ASTSource, make_backend

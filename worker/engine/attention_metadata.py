@@ -3,7 +3,7 @@
 The batch holds the prefill tokens first (sequences feeding more than one token: prompt chunks), then the
 decode tokens (one per sequence). Attention runs the prefill kernel on the first part and the decode
 kernel on the rest; both read the K/V that write_kv has just stored (paged_attention, every model's).
-`cascade` (kernels/cascade.py), when set, groups the decode rows that share their first KV blocks: the decode
+`cascade` (tokenbus_kernels/cascade.py), when set, groups the decode rows that share their first KV blocks: the decode
 kernel then reads those once.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kernels.cascade import CascadeLayout
+from tokenbus_kernels.cascade import CascadeLayout
 
 
 @dataclass

@@ -10,7 +10,7 @@ evicts the least recently freed cached block only when none is left. A block is 
 full and read-only, so no sequence ever writes into a block another one reads.
 
 The same sharing gives cascade decode attention its groups (prefix_groups): running sequences whose tables
-start with the same physical blocks read those blocks' K/V once per step between them (kernels/cascade.py).
+start with the same physical blocks read those blocks' K/V once per step between them (tokenbus_kernels/cascade.py).
 """
 
 from __future__ import annotations

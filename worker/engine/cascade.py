@@ -1,4 +1,4 @@
-"""When cascade decode attention pays, and each decode step's layout (kernels/cascade.py).
+"""When cascade decode attention pays, and each decode step's layout (tokenbus_kernels/cascade.py).
 
 The block manager names the groups of decode rows whose tables start with the same physical blocks
 (BlockManager.prefix_groups); CascadePlanner keeps the groups the cost rule accepts and builds the step's
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cascade import CascadeLayout
+from tokenbus_kernels.cascade import CascadeLayout
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import CASCADE_MODES
 from worker.engine.sequence import Sequence

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")  # kernels/kv_quant.py
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")  # tokenbus_kernels/kv_quant.py
 KV_CACHE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8_e4m3": "fp8"}
 QUANTIZATIONS = ("int8", "fp8", "w8a8")  # worker/engine/quant/schemes.py
 CASCADE_MODES = ("auto", "on", "off")  # worker/engine/cascade.py
@@ -56,13 +56,13 @@ class EngineConfig:
     tensor_parallel_timeout_s: float = 30.0  # a collective (a step's all-reduce, the idle keep-alive) waiting this
     # long means a rank hangs: the worker exits (code 3) and its jobs go to other workers
     kv_cache_dtype: str = "auto"  # "auto" = the model dtype; "bfloat16", "float32"; "int8" (CPU: the C++
-    # kernels, a scale per token and KV head); "fp8" (CUDA sm_89+: e4m3, the same scales). kernels/kv_quant.py
+    # kernels, a scale per token and KV head); "fp8" (CUDA sm_89+: e4m3, the same scales). tokenbus_kernels/kv_quant.py
     max_loras: int = 0  # LoRA adapter slots on the device (0 = no LoRA: no wrapped linears, no cost);
     # docs/adapters.md. Each slot holds one adapter at max_lora_rank for every target linear
     max_lora_rank: int = 16  # the largest adapter rank a slot holds; a higher one is refused at load
     max_cpu_loras: int | None = None  # adapters kept in host memory (LRU) for reloading into slots; None =
     # max_loras. Adapters of requests inside the engine are always kept
-    cascade_attention: str = "auto"  # decode rows sharing a cached prefix read it once per step (kernels/cascade.py):
+    cascade_attention: str = "auto"  # rows sharing a cached prefix read it once a step (tokenbus_kernels/cascade):
     # "auto" where the cost rule says it pays (worker/engine/cascade.py), "off" never, "on" every row (tests)
 
     def __post_init__(self) -> None:

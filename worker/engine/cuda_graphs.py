@@ -32,8 +32,8 @@ from collections.abc import Callable
 import structlog
 import torch
 
-from kernels.cascade import CascadeLayout
-from kernels.partitions import num_partitions, table_widths
+from tokenbus_kernels.cascade import CascadeLayout
+from tokenbus_kernels.partitions import num_partitions, table_widths
 from worker.engine.attention_metadata import AttentionMetadata
 from worker.engine.lora.layer import LoraBatch, LoraState
 from worker.engine.scheduler import ScheduledBatch
@@ -242,9 +242,9 @@ def _sync(device: torch.device) -> None:
 
 
 def _num_sms(device: torch.device) -> int:
-    """What the decode kernel plans with: the GPU's multiprocessors, 1 off the GPU (kernels/decode_attention)."""
+    """What the decode kernel plans with: the GPU's multiprocessors, 1 off it (tokenbus_kernels/decode_attention)."""
     if device.type != "cuda":
         return 1
-    from kernels.decode_attention import num_sms
+    from tokenbus_kernels.decode_attention import num_sms
 
     return num_sms(device.index if device.index is not None else torch.cuda.current_device())

@@ -1,5 +1,5 @@
 """The KV cache's dtype (`--kv-cache-dtype`, EngineConfig.kv_cache_dtype): which storage each device and backend
-serves, refused at load with what to do otherwise, and the caches themselves (kernels/kv_quant.py has the
+serves, refused at load with what to do otherwise, and the caches themselves (tokenbus_kernels/kv_quant.py has the
 layouts: int8 and fp8 rows carry a scale per token and KV head).
 
     auto       the model's dtype (float32 on the CPU, bfloat16 on CUDA), as before
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_quant import STORAGE, bytes_per_token, cache_shape
+from tokenbus_kernels.kv_quant import STORAGE, bytes_per_token, cache_shape
 
 
 def storage_dtype(name: str, device: torch.device, model_dtype: torch.dtype, backend_name: str) -> torch.dtype:

@@ -23,8 +23,8 @@ from typing import Any
 import structlog
 import torch
 
-from kernels.cpu import cache_root
 from protocol.registry import short_name
+from tokenbus_kernels.cpu import cache_root
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tokenizer_config.json")
 # built-in name -> (the package that ships it, the file in the package, the pip package to install)
@@ -47,7 +47,7 @@ class ModelSource:
 
 
 def resolve(model: str, cache_dir: str | None = None) -> ModelSource:
-    """Where the model's files are. A GGUF is dequantised once into cache_dir (kernels.cpu.cache_root)."""
+    """Where the model's files are. A GGUF is dequantised once into cache_dir (tokenbus_kernels.cpu.cache_root)."""
     if model in BUILTIN_MODELS:
         package, filename, dist = BUILTIN_MODELS[model]
         spec = importlib.util.find_spec(package)  # finds the package without running it (one prints on import)

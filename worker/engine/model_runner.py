@@ -2,7 +2,7 @@
 of embedding sequences: pooling.py).
 
 Owns the model weights and the paged KV cache (per layer a K and a V tensor of shape
-[num_blocks + 1, block_size, num_kv_heads, head_dim] (+ 4 per row for int8/fp8: kernels/kv_quant.py); the
+[num_blocks + 1, block_size, num_kv_heads, head_dim] (+ 4 per row for int8/fp8: tokenbus_kernels/kv_quant.py); the
 last block is the padding rows' scratch block).
 """
 
@@ -25,7 +25,7 @@ from worker.engine.step_inputs import Ahead, PreparedStep, StepInputs
 
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    """dtype: the cache's (EngineConfig.kv_cache_dtype's storage, kernels/kv_quant.py)."""
+    """dtype: the cache's (EngineConfig.kv_cache_dtype's storage, tokenbus_kernels/kv_quant.py)."""
     return kv_cache.bytes_per_block(model.arch, block_size, dtype)
 
 

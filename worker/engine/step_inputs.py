@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kernels.cascade import CascadeLayout
+from tokenbus_kernels.cascade import CascadeLayout
 from worker.engine.attention_metadata import AttentionMetadata
 from worker.engine.cascade import CascadePlanner
 from worker.engine.lora.layer import LoraBatch

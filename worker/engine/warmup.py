@@ -23,15 +23,15 @@ import dataclasses
 
 import torch
 
-from kernels.cascade import CascadeLayout
-from kernels.partitions import table_widths
+from tokenbus_kernels.cascade import CascadeLayout
+from tokenbus_kernels.partitions import table_widths
 from worker.engine import kv_cache
 from worker.engine.attention_metadata import AttentionMetadata
 
 
 def _caches(model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
             device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """dtype: the KV cache's (kernels/kv_quant.py)."""
+    """dtype: the KV cache's (tokenbus_kernels/kv_quant.py)."""
     return kv_cache.allocate(model.arch, num_blocks, block_size, dtype, device)
 
 

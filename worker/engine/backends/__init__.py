@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-import kernels
-from kernels import cpu as cpu_kernels
+import tokenbus_kernels
+from tokenbus_kernels import cpu as cpu_kernels
 from worker.engine.backends.cpu import CpuBackend
 from worker.engine.backends.reference import ReferenceBackend
 from worker.engine.backends.triton_kernels import TritonBackend
@@ -24,7 +24,7 @@ __all__ = ["Backend", "CpuBackend", "ReferenceBackend", "TritonBackend", "select
 def select_backend(device: torch.device | str, dtype: torch.dtype, cpu_kernels_enabled: bool = True,
                    cache_dir: str | None = None) -> ReferenceBackend:
     device = torch.device(device)
-    if device.type == "cuda" or kernels.INTERPRET:
+    if device.type == "cuda" or tokenbus_kernels.INTERPRET:
         return TritonBackend(interpreted=device.type != "cuda")
     if device.type == "cpu" and dtype == torch.float32 and cpu_kernels_enabled:
         ext = cpu_kernels.extension(cache_dir)

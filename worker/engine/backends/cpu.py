@@ -1,7 +1,7 @@
 """CpuBackend: how a step runs on the CPU in float32 — the whole fast path in one place.
 
-    attention, KV write   C++ kernels (kernels/csrc/cpu_*attention*.cpp) over a float32, bfloat16 or int8 cache: a
-                          decode step's (a cascade where rows share a prefix: kernels/cascade.py), and a prompt
+    attention, KV write   C++ kernels (tokenbus_kernels/csrc/cpu_*attention*) over a float32, bfloat16 or int8 cache: a
+                          decode step's (a cascade where rows share a prefix: tokenbus_kernels/cascade.py), and a prompt
                           chunk's causal attention (tiles of query tokens per block)
     norms, SiLU·mul, RoPE one C++ pass each, in place where the layer allows it
     linear layers         CpuLinear (cpu_linear.py): a panel GEMV for decode-sized batches, oneDNN above
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.cascade import CascadeLayout
+from tokenbus_kernels.cascade import CascadeLayout
 from worker.engine.backends.cpu_decode import FusedDecodeLayers, cascade_tensors
 from worker.engine.backends.cpu_linear import PANEL_MAX_ROWS, CpuLinear, use_cpu_linears
 from worker.engine.backends.reference import ReferenceBackend
@@ -49,7 +49,7 @@ class CpuBackend(ReferenceBackend):
 
     @staticmethod
     def _takes(t: torch.Tensor, cache: torch.Tensor) -> bool:
-        # the cache float32, or bfloat16 / int8 (--kv-cache-dtype, kernels/kv_quant.py): widened in registers
+        # the cache float32, or bfloat16 / int8 (--kv-cache-dtype, tokenbus_kernels/kv_quant.py): widened in registers
         return t.dtype == torch.float32 and cache.dtype in KV_DTYPES and t.stride(-1) == 1 and cache.is_contiguous()
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:

@@ -1,4 +1,4 @@
-"""FusedDecodeLayers: a pure decode step's decoder layers as one C++ call (kernels/csrc/decode_layers.cpp).
+"""FusedDecodeLayers: a pure decode step's decoder layers as one C++ call (tokenbus_kernels/csrc/decode_layers.cpp).
 
 The call runs the same C++ kernels as the CpuBackend's per-layer path, in the same order, so its output is
 the same to the bit; what it saves is the Python between them (module calls, dispatch, argument
@@ -6,7 +6,7 @@ conversion), about as long as the kernels themselves at a decode step's few rows
 runs in the same call: each linear's output takes its rows' deltas (csrc/cpu_lora.cpp, the kernel the per-layer
 path's LoraLinear calls, so again the same result to the bit). Steps with prompt tokens,
 batches wider than the panel linears serve, and models the C++ layer does not cover (QK-norm, Gemma's
-layer: cpu_fusable False) take the per-layer path. A step with a cascade layout (kernels/cascade.py) runs
+layer: cpu_fusable False) take the per-layer path. A step with a cascade layout (tokenbus_kernels/cascade.py) runs
 every layer's decode attention as a cascade.
 """
 
@@ -16,7 +16,7 @@ from types import ModuleType
 
 import torch
 
-from kernels.cascade import CascadeLayout
+from tokenbus_kernels.cascade import CascadeLayout
 from worker.engine.attention_metadata import AttentionMetadata
 from worker.engine.backends.cpu_linear import PANEL_MAX_ROWS, CpuLinear
 from worker.engine.lora.layer import LoraLinear, LoraState

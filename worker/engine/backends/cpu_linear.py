@@ -46,7 +46,7 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_panels_w8a8(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The W8A8 kernel's operands (kernels/csrc/cpu_w8a8.cpp) from int8 [out, in] and its scales [out]:
+    """The W8A8 kernel's operands (tokenbus_kernels/csrc/cpu_w8a8.cpp) from int8 [out, in] and its scales [out]:
     panels int8 [ceil(out / 16), ceil(in / 4), 16, 4] (4 consecutive inputs of each of 16 columns side by side,
     zeros past in and out) and fp32 [1 + ceil(in / W8A8_GROUP), ceil(out / 16) * 16]: the scales, then for each
     activation group of W8A8_GROUP inputs each column's sum of codes over it."""

@@ -1,4 +1,4 @@
-"""ReferenceBackend: every operation of a step in plain PyTorch, through kernels/reference.py (the definition
+"""ReferenceBackend: every operation of a step in plain PyTorch, through tokenbus_kernels/reference.py (the definition
 of correct). The other backends subclass it and replace what they run faster; what they do not replace runs
 as here.
 
@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kernels.cascade import CascadeLayout, cascade_decode_attention_ref
-from kernels.reference import (
+from tokenbus_kernels.cascade import CascadeLayout, cascade_decode_attention_ref
+from tokenbus_kernels.reference import (
     add_rms_norm_ref,
     gelu_ref,
     gelu_tanh_and_mul_ref,
@@ -54,13 +54,13 @@ class ReferenceBackend:
     def reserve(self, arch: Any, max_num_seqs: int, max_context: int, device: torch.device) -> None:
         """Called once the engine knows its widest batch and table: a backend may preallocate workspaces."""
 
-    # ---- attention over the paged KV cache (kernels/reference.py has the shapes) --------------------------
+    # ---- attention over the paged KV cache (tokenbus_kernels/reference.py has the shapes) --------------------------
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
     # window: the layer's sliding window (0 = none); softcap: attention-logit soft-capping (0 = none);
-    # cascade: the step's groups of rows sharing a prefix (kernels/cascade.py), None = plain decode
+    # cascade: the step's groups of rows sharing a prefix (tokenbus_kernels/cascade.py), None = plain decode
     # causal False (prefill): every query sees all its sequence's keys (an encoder's bidirectional attention)
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int = 0,
                          softcap: float = 0.0, cascade: CascadeLayout | None = None) -> torch.Tensor:
@@ -127,16 +127,16 @@ class ReferenceBackend:
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
-        """A mixture-of-experts layer's experts, weighted and summed (kernels/moe_reference.py has the shapes)."""
-        from kernels.moe_reference import fused_moe_ref
+        """A mixture-of-experts layer's experts, weighted and summed (shapes: tokenbus_kernels/moe_reference.py)."""
+        from tokenbus_kernels.moe_reference import fused_moe_ref
 
         return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
     def lora(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              slices: tuple[tuple[int, int], ...], batch: LoraBatch) -> torch.Tensor:
-        """In place: y += (x · A_slot) · B_slot for every row of the batch that uses an adapter (kernels/
+        """In place: y += (x · A_slot) · B_slot for every row of the batch that uses an adapter (tokenbus_kernels/
         lora_reference.py has the layout): grouped torch matmuls, one shrink and one expand a slice per slot."""
-        from kernels.lora_reference import lora_apply_ref
+        from tokenbus_kernels.lora_reference import lora_apply_ref
 
         return lora_apply_ref(y, x, a, b, slices, batch.rows, batch.groups)
 

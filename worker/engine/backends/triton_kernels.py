@@ -1,4 +1,4 @@
-"""TritonBackend: a step's kernel-level ops in our Triton kernels (kernels/*.py) on CUDA tensors, or on CPU
+"""TritonBackend: a step's kernel-level ops in our Triton kernels (tokenbus_kernels/*.py) on CUDA tensors, or on CPU
 tensors under TRITON_INTERPRET=1 (tests): paged attention, the KV write fused with RoPE, residual add +
 RMSNorm, SiLU·mul, the LoRA shrink and expand. Each is one launch, with no host sync and no data-dependent
 allocation, so a decode step can be captured in a CUDA graph."""
@@ -7,22 +7,22 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cascade import CascadeLayout
+from tokenbus_kernels.cascade import CascadeLayout
 from worker.engine.backends.reference import ReferenceBackend
 
 
 class TritonBackend(ReferenceBackend):
     def __init__(self, interpreted: bool = False) -> None:
         # imported here, not at module level: Triton must see TRITON_INTERPRET before these modules load
-        from kernels.activation import gelu_tanh_and_mul_triton, silu_and_mul_triton
-        from kernels.cascade_attention import cascade_decode_attention_triton
-        from kernels.decode_attention import DecodeWorkspace, num_sms, paged_decode_attention_triton
-        from kernels.kv_write import write_kv_triton
-        from kernels.lora import lora_expand_triton, lora_shrink_triton
-        from kernels.moe import fused_moe_triton
-        from kernels.norm import add_rms_norm_triton, rms_norm_triton
-        from kernels.prefill_attention import paged_prefill_attention_triton
-        from kernels.rope import rotary_triton, rotary_write_kv_triton
+        from tokenbus_kernels.activation import gelu_tanh_and_mul_triton, silu_and_mul_triton
+        from tokenbus_kernels.cascade_attention import cascade_decode_attention_triton
+        from tokenbus_kernels.decode_attention import DecodeWorkspace, num_sms, paged_decode_attention_triton
+        from tokenbus_kernels.kv_write import write_kv_triton
+        from tokenbus_kernels.lora import lora_expand_triton, lora_shrink_triton
+        from tokenbus_kernels.moe import fused_moe_triton
+        from tokenbus_kernels.norm import add_rms_norm_triton, rms_norm_triton
+        from tokenbus_kernels.prefill_attention import paged_prefill_attention_triton
+        from tokenbus_kernels.rope import rotary_triton, rotary_write_kv_triton
 
         self.name = "triton-interpreter" if interpreted else "triton"
         self._write_kv = write_kv_triton
@@ -61,7 +61,7 @@ class TritonBackend(ReferenceBackend):
 
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int = 0,
                          softcap: float = 0.0, cascade: CascadeLayout | None = None) -> torch.Tensor:
-        if cascade is not None:  # rows sharing a prefix read it once (kernels/cascade_attention.py)
+        if cascade is not None:  # rows sharing a prefix read it once (tokenbus_kernels/cascade_attention.py)
             return self._cascade(q, k_cache, v_cache, block_tables, seq_lens, cascade, scale,
                                  workspace=self.decode_workspace, window=window, softcap=softcap)
         return self._decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace=self.decode_workspace,
@@ -89,7 +89,7 @@ class TritonBackend(ReferenceBackend):
         return self._fused_moe(x, w13, w2, topk_weights, topk_ids)
 
     def lora(self, y, x, a, b, slices, batch) -> torch.Tensor:
-        """The SGMV shrink and expand kernels (kernels/lora.py), grid bounded by batch.max_count: no host sync."""
+        """The SGMV shrink and expand kernels (tokenbus_kernels/lora.py), grid bounded by batch.max_count: no sync."""
         t = self._lora_shrink(x, a, batch.rows, batch.starts, batch.counts, batch.max_count)
         return self._lora_expand(y, t, b, slices, batch.rows, batch.starts, batch.counts, batch.max_count)
 

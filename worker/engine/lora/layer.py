@@ -2,7 +2,7 @@
 by adapter slot (LoraBatch) that every wrapped linear of the model reads.
 
 The wrapper leaves the base linear as it is (nn.Linear, CpuLinear, an FP8 or int8 one): y = base(x), then
-for the rows that use an adapter y += (x · A_slot) · B_slot through the backend (kernels/lora*.py). A step
+for the rows that use an adapter y += (x · A_slot) · B_slot through the backend (tokenbus_kernels/lora*.py). A step
 with no adapter row sets no batch and costs nothing. The batch is set once per forward on the LoraState the
 wrappers share (ModelRunner); a CUDA graph captures it as static tensors, refilled per replay.
 """
@@ -15,12 +15,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from kernels.lora_reference import Slices
+from tokenbus_kernels.lora_reference import Slices
 
 
 @dataclass
 class LoraBatch:
-    """The rows of a step that use an adapter, grouped by slot (kernels/lora_reference.py's layout)."""
+    """The rows of a step that use an adapter, grouped by slot (tokenbus_kernels/lora_reference.py's layout)."""
 
     rows: torch.Tensor  # int64 [adapter rows], sorted by slot
     starts: torch.Tensor  # int32 [num_slots]

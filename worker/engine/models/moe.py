@@ -4,8 +4,8 @@ Attention is the Llama family's (Mixtral's is Mistral's; Qwen3-MoE's is Qwen3's,
 models are LlamaForCausalLM with the MLP of each sparse layer swapped for SparseMoe:
   router     logits = gate(x) [n, experts]; softmax in fp32; top_k of it. Mixtral always rescales the top_k to
              sum to 1; Qwen3-MoE only when its config says norm_topk_prob, and casts them to the model dtype
-  experts    backend.fused_moe: the Triton fused-MoE kernel (kernels/moe.py) on CUDA / under the interpreter,
-             kernels/moe_reference.py on the CPU
+  experts    backend.fused_moe: the Triton fused-MoE kernel (tokenbus_kernels/moe.py) on CUDA / under the interpreter,
+             tokenbus_kernels/moe_reference.py on the CPU
 Qwen3-MoE keeps a dense MLP on the layers in mlp_only_layers and off its decoder_sparse_step.
 
 Checkpoints name experts per expert (hub files: Mixtral's block_sparse_moe.experts.E.w1/w3/w2, Qwen3-MoE's
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.moe_reference import route_topk_ref
+from tokenbus_kernels.moe_reference import route_topk_ref
 from worker.engine.backends import Backend
 from worker.engine.models.llama import LlamaArch, LlamaForCausalLM
 

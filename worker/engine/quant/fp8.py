@@ -2,7 +2,7 @@
 
 serve FP8   (CUDA sm_89+ with an FP8 checkpoint, or --quantization fp8 anywhere): the decoder's linears
             are Fp8Linear — e4m3 weight [N, K], one fp32 scale per output channel, the activations
-            quantized per token at each call, the GEMM through torch._scaled_mm (kernels/fp8_linear.py).
+            quantized per token at each call, the GEMM through torch._scaled_mm (tokenbus_kernels/fp8_linear.py).
             An FP8 checkpoint's weights are kept bit for bit (a per-tensor scale repeated per channel);
             block-wise ones are dequantized and requantized per channel (logged: not the file's bits).
             An unquantized checkpoint is quantized at load (dynamic). lm_head and MoE routers stay as
@@ -19,7 +19,7 @@ import structlog
 import torch
 from torch import nn
 
-from kernels.fp8_linear import FP8, dequantize_weight, fp8_linear, quantize_weight
+from tokenbus_kernels.fp8_linear import FP8, dequantize_weight, fp8_linear, quantize_weight
 from worker.engine.quant.fp8_checkpoint import Fp8Checkpoint, read_format, scan
 from worker.engine.quant.schemes import fp8_gemm_available, row_max
 
@@ -35,7 +35,7 @@ FUSED = {
 
 
 class Fp8Linear(nn.Module):
-    """nn.Linear with an e4m3 weight and per-output-channel scales (kernels/fp8_linear.py has the shapes)."""
+    """nn.Linear with an e4m3 weight and per-output-channel scales (tokenbus_kernels/fp8_linear.py has the shapes)."""
 
     def __init__(
         self,

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kernels.fp8_linear import FP8
+from tokenbus_kernels.fp8_linear import FP8
 
 STRATEGIES = ("channel", "tensor", "block")
 SCALE_NAMES = ("weight_scale", "weight_scale_inv")

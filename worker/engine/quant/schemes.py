@@ -4,12 +4,12 @@ model's linears are quantized, and the on-disk cache of the result.
     int8   CPU, float32 activations. Weight-only, symmetric, one fp32 scale per output channel:
            q = round(W / s), s = max|W_row| / 127. Every linear of the decoder and lm_head (untied from the
            embedding, which stays fp32: a lookup reads one row per token). The C++ panel kernel reads the int8
-           panels and widens them in registers (kernels/csrc/cpu_quant.cpp); prefill-sized batches run oneDNN
+           panels and widens them in registers (tokenbus_kernels/csrc/cpu_quant.cpp); prefill-sized batches run oneDNN
            on the dequantized weight, so both paths compute the same model: W ≈ q · s.
 
     w8a8   CPU, float32. int8's weights (the same cache), and each linear's input rounded to int8 at each
            call, dynamically, per row (token) and group of 64 features: sx = max|x_group| / 127,
-           qx = round(x / sx). The kernel multiplies int8 by int8 with VNNI (kernels/csrc/cpu_w8a8.cpp: 4
+           qx = round(x / sx). The kernel multiplies int8 by int8 with VNNI (tokenbus_kernels/csrc/cpu_w8a8.cpp: 4
            products per 32-bit lane, int32 sums per group, scaled into fp32) where int8's kernel runs one
            fp32 FMA per weight, at every batch size, prefill included; without VNNI, prefill-sized batches
            run oneDNN on the rounded activations and the dequantized weight: the same model,
@@ -17,12 +17,12 @@ model's linears are quantized, and the on-disk cache of the result.
            (a warning at load).
 
     fp8    FP8 (e4m3) weights with per-output-channel scales through torch._scaled_mm, activations quantized
-           per token (worker/engine/quant/fp8.py, kernels/fp8_linear.py). CUDA sm_89+ (Ada, Hopper); the CPU runs
-           the same code on PyTorch's CPU _scaled_mm (slow: for checking). An unquantized checkpoint is
+           per token (worker/engine/quant/fp8.py, tokenbus_kernels/fp8_linear.py). CUDA sm_89+ (Ada, Hopper); the CPU
+           runs the same code on PyTorch's CPU _scaled_mm (slow: for checking). An unquantized checkpoint is
            quantized at load; an FP8 checkpoint (fp8_checkpoint.py) is served FP8 on CUDA even without it.
 
 Quantizing SmolLM2-135M takes about a second; the result is still cached on disk beside the dequantized
-GGUF (kernels.cpu.cache_root()/quantized), keyed by the checkpoint's files, so a restart reads it back.
+GGUF (tokenbus_kernels.cpu.cache_root()/quantized), keyed by the checkpoint's files, so a restart reads it back.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import structlog
 import torch
 from torch import nn
 
-from kernels.cpu import cache_root, cpu_flags
+from tokenbus_kernels.cpu import cache_root, cpu_flags
 
 SCHEMES = ("int8", "fp8", "w8a8")
 INT8_MAX = 127
@@ -75,7 +75,7 @@ def quantize_int8(weight: torch.Tensor, reduce: Callable[[torch.Tensor], torch.T
 def quantize_activations_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic symmetric int8 of x [..., k] per row (token) and group of W8A8_GROUP consecutive features (the last
     group may be shorter): (codes [..., k], scale [..., ceil(k / W8A8_GROUP)]) with scale = max|x_group| / 127 and
-    codes = round(x · (127 / max|x_group|)) in fp32, the ops the C++ W8A8 kernel runs (kernels/csrc/cpu_w8a8.cpp);
+    codes = round(x · (127 / max|x_group|)) in fp32, the ops the C++ W8A8 kernel runs (csrc/cpu_w8a8.cpp);
     an all-zero group gets scale 0 and codes 0."""
     x = x.float()
     k = x.shape[-1]

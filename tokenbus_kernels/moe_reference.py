@@ -1,4 +1,4 @@
-"""Plain PyTorch mixture-of-experts: the router and the experts, the definition of "correct" for kernels/moe.py.
+"""Plain PyTorch mixture-of-experts: the router and the experts, the definition of "correct" for moe.py.
 
 Layout (shared with the Triton kernel):
   x            [num_tokens, hidden]

@@ -1,5 +1,5 @@
 """Plain PyTorch LoRA over a batch whose rows use different adapters: the definition of "correct" for
-kernels/lora.py, and the CPU serving path (grouped torch matmuls, one pair per adapter that has rows).
+tokenbus_kernels/lora.py, and the CPU serving path (grouped torch matmuls, one pair per adapter that has rows).
 
 Layout (shared with the Triton kernels):
   x        [num_tokens, in]             a linear layer's input

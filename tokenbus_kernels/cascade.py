@@ -1,7 +1,7 @@
 """Cascade decode attention: decode rows that share their first KV blocks (a system prompt held once by the
 prefix cache) read those blocks once per step for all of them, then each its own blocks; the two partial
 softmaxes are merged exactly (log-sum-exp, fp32). CascadeLayout says which rows share what; the PyTorch
-reference here defines the result, which is paged_decode_attention's (kernels/reference.py) to rounding.
+reference here defines the result, which is paged_decode_attention's (tokenbus_kernels/reference.py) to rounding.
 
     shared part   one group's prefix K/V [prefix_len, Hk, D] against all its members' queries and every GQA
                   head at once: scores [Hk, members * group, prefix_len], one matrix product per KV head
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.reference import _context, _soft_cap
+from tokenbus_kernels.reference import _context, _soft_cap
 
 
 @dataclass

@@ -7,13 +7,13 @@ fused_moe_triton(x, w13, w2, topk_weights, topk_ids) -> out [num_tokens, hidden]
   topk_weights [num_tokens, top_k] (float32 from the router), topk_ids int64 [num_tokens, top_k]
   out[t] = sum_k topk_weights[t, k] * w2[e] @ (silu(w13[e, :inter] @ x[t]) * (w13[e, inter:] @ x[t])),
            e = topk_ids[t, k]
-kernels/moe_reference.py (fused_moe_ref) is the definition of correct.
+tokenbus_kernels/moe_reference.py (fused_moe_ref) is the definition of correct.
 
 How: the num_tokens * top_k (token, slot) pairs are sorted by expert and each expert's run padded to a multiple
 of BLOCK_M (moe_align: torch ops on the device, no host sync, fixed upper-bound sizes, so CUDA-graph safe).
 Every BLOCK_M tile then belongs to one expert (block_experts; -1 for the tail past the last real tile), and
   GEMM 1  gate_up[pair] = x[pair // top_k] @ w13[e]^T          [num_pairs, 2 * inter]
-  SiLU·mul (kernels/activation.py)                             [num_pairs, inter]
+  SiLU·mul (tokenbus_kernels/activation.py)                             [num_pairs, inter]
   GEMM 2  down[pair]    = topk_weight[pair] * h[pair] @ w2[e]^T [num_pairs, hidden]
   out = down.view(num_tokens, top_k, hidden).sum(1)
 _moe_gemm_kernel is both GEMMs: grid (max tiles, cdiv(N, BLOCK_N)); a tile gathers its rows of A through the
@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.activation import silu_and_mul_triton
-from kernels.launch import Launch, check_launchable
+from tokenbus_kernels.activation import silu_and_mul_triton
+from tokenbus_kernels.launch import Launch, check_launchable
 
 
 @triton.jit

@@ -1,7 +1,7 @@
-// Cascade decode attention on the CPU (kernels/cascade.py has the definition and the PyTorch reference):
+// Cascade decode attention on the CPU (tokenbus_kernels/cascade.py has the definition and the PyTorch reference):
 // decode rows that share their first tokens' K/V (a system prompt the prefix cache holds once) read those
 // blocks once per step for all of them. Built after cpu_decode_attention.cpp in the same translation unit
-// (kernels/cpu.py), whose attend_kv_head (the walk over one KV head's blocks) and start_state it runs;
+// (tokenbus_kernels/cpu.py), whose attend_kv_head (the walk over one KV head's blocks) and start_state it runs;
 // decode_layers.cpp calls it. tests/kernels/test_cascade.py compares it with the reference.
 //
 // Phase 1, per group and chunk of its shared prefix: matrix products. The chunk's K and V rows of every KV
@@ -206,7 +206,7 @@ void cascade_batch(const torch::Tensor& q, const torch::Tensor& k_cache, const t
 
 }  // namespace
 
-// paged_decode_attention_cpu's result over a cascade layout (kernels/cascade.py CascadeLayout: group_rows,
+// paged_decode_attention_cpu's result over a cascade layout (tokenbus_kernels/cascade.py CascadeLayout: group_rows,
 // group_starts, prefix_lens, suffix_starts, int32, contiguous).
 torch::Tensor cascade_decode_attention_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                            torch::Tensor block_tables, torch::Tensor seq_lens,
@@ -216,7 +216,7 @@ torch::Tensor cascade_decode_attention_cpu(torch::Tensor q, torch::Tensor k_cach
   const int kind = check_paged_attention(q, k_cache, v_cache, block_tables);
   for (const torch::Tensor* t : {&seq_lens, &group_rows, &group_starts, &prefix_lens, &suffix_starts})
     TORCH_CHECK(t->scalar_type() == torch::kInt32 && t->is_contiguous() && t->device().is_cpu(),
-                "seq_lens and the cascade layout (kernels/cascade.py) must be contiguous int32 CPU tensors");
+                "seq_lens and the cascade layout (tokenbus_kernels/cascade.py) must be contiguous int32 CPU tensors");
   const int64_t num_groups = prefix_lens.size(0);
   TORCH_CHECK(group_starts.size(0) == num_groups + 1 && suffix_starts.size(0) == q.size(0),
               "a cascade layout has num_groups + 1 group_starts and one suffix_start per row");

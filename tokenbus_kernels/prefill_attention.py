@@ -5,7 +5,7 @@ cu_seqlens_q  int32 [num_seqs + 1]: sequence i owns q rows cu_seqlens_q[i] : cu_
 k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim] (any strides, both caches alike), already
               holding all seq_lens[i] tokens of sequence i (earlier chunks and prefix-cache hits included);
               q's dtype, or fp8 [..., head_dim + 4] with a scale per row, dequantized in registers as each
-              tile loads (attention_tiles.py's kv_tile; kernels/kv_quant.py has the layout)
+              tile loads (attention_tiles.py's kv_tile; tokenbus_kernels/kv_quant.py has the layout)
 block_tables  int32 [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs]
 out           [num_tokens, num_q_heads, head_dim], contiguous, dtype of q
 
@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import attention_tiles as tiles
-from kernels.launch import Launch, attention_out, head_pad
-from kernels.reference import check_causal
+from tokenbus_kernels import attention_tiles as tiles
+from tokenbus_kernels.launch import Launch, attention_out, head_pad
+from tokenbus_kernels.reference import check_causal
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""Triton kernel: cascade decode attention (kernels/cascade.py has the definition, the layout and the reference).
+"""Triton kernel: cascade decode attention (cascade.py beside it has the definition, the layout and the reference).
 
 Shared part, _cascade_prefix_kernel, grid (num_grouped_rows // TILE_SEQS + num_groups, num_kv_heads,
 prefix_partitions): a program owns TILE_SEQS members of one group times all GROUP query heads of one KV
@@ -22,11 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import attention_tiles as tiles
-from kernels.cascade import CascadeLayout
-from kernels.decode_attention import CascadeReduce, DecodeWorkspace, decode_block_n, num_sms, plan_decode
-from kernels.launch import Launch, attention_out, head_pad
-from kernels.partitions import pick_partition_size
+from tokenbus_kernels import attention_tiles as tiles
+from tokenbus_kernels.cascade import CascadeLayout
+from tokenbus_kernels.decode_attention import CascadeReduce, DecodeWorkspace, decode_block_n, num_sms, plan_decode
+from tokenbus_kernels.launch import Launch, attention_out, head_pad
+from tokenbus_kernels.partitions import pick_partition_size
 
 
 @triton.jit

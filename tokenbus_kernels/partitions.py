@@ -1,4 +1,4 @@
-"""How split-KV decode attention (kernels/decode_attention.py) cuts a step's contexts into partitions, in plain
+"""How split-KV decode attention (tokenbus_kernels/decode_attention.py) cuts a step's contexts into partitions, in plain
 Python (no Triton import: the engine plans CUDA-graph shapes with it before any kernel module loads).
 
 Stage 1 of the decode kernel runs a grid (num_seqs, num_kv_heads, num_partitions), where num_partitions

@@ -2,7 +2,7 @@
 argmax and a panel GEMV), csrc/cpu_attention.cpp (write_kv over a float32, bfloat16 or int8 KV cache),
 csrc/cpu_attention_block.cpp and cpu_decode_attention.cpp (paged decode attention over such a cache: one
 block's math, then the walk over blocks and sequences), csrc/cpu_cascade_attention.cpp (the same for rows
-that share a prefix: its blocks read once for all of them, kernels/cascade.py), csrc/cpu_prefill_attention.cpp
+that share a prefix: its blocks read once for all of them, tokenbus_kernels/cascade.py), csrc/cpu_prefill_attention.cpp
 (paged causal prefill attention over such a cache: tiles of query tokens per block), csrc/cpu_w8a8.cpp (the
 panel GEMV with int8 weights and int8 activations per token and group of 64, VNNI), csrc/cpu_quant.cpp (the
 panel GEMV with int8 weights), csrc/cpu_lora.cpp (the LoRA deltas of a decode step's adapter rows) and
@@ -46,9 +46,9 @@ SOURCES = [Path(__file__).with_name("csrc") / name
                         "cpu_decode_attention.cpp", "cpu_cascade_attention.cpp", "cpu_prefill_attention.cpp",
                         "cpu_w8a8.cpp", "cpu_quant.cpp", "cpu_lora.cpp", "decode_layers.cpp")]
 FUNCTIONS = [
-    "write_kv_cpu", "paged_decode_attention_cpu",  # the CPU versions of three kernels/reference.py functions
+    "write_kv_cpu", "paged_decode_attention_cpu",  # the CPU versions of three tokenbus_kernels/reference.py functions
     "paged_prefill_attention_cpu",
-    "cascade_decode_attention_cpu",  # decode rows sharing a prefix read it once (kernels/cascade.py)
+    "cascade_decode_attention_cpu",  # decode rows sharing a prefix read it once (tokenbus_kernels/cascade.py)
     "add_rms_norm_cpu", "rms_norm_cpu", "silu_and_mul_cpu", "rotary_cpu",  # a decoder layer's elementwise ops
     "argmax_rows_cpu",  # greedy sampling
     "panel_linear_cpu",  # decode-sized linear layers (worker/engine/backends/cpu_linear.py)

@@ -1,11 +1,11 @@
-// The CPU serving path's kernels (fp32), built on first use by kernels/cpu.py with torch's cpp_extension:
+// The CPU serving path's kernels (fp32), built on first use by tokenbus_kernels/cpu.py with torch's cpp_extension:
 // the decoder layer's elementwise ops (worker/engine/backends/cpu.py), the greedy sampler's argmax
 // (worker/engine/backends/cpu.py) and the small-batch panel linear (worker/engine/backends/cpu_linear.py).
 // write_kv and the paged decode attention are in cpu_attention.cpp, cpu_attention_block.cpp and
 // cpu_decode_attention.cpp, next in the same translation unit.
 // tests/kernels/test_cpu_kernels.py compares each with its PyTorch version.
 //
-// Compiled with -ffast-math (kernels/cpu.py) for vectorised exp and reductions: no kernel relies on NaN.
+// Compiled with -ffast-math (tokenbus_kernels/cpu.py) for vectorised exp and reductions: no kernel relies on NaN.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

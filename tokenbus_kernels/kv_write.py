@@ -3,7 +3,7 @@
 k, v          [num_tokens, num_kv_heads, head_dim] (any strides)
 k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim] (any strides, both caches alike), or fp8
               (float8_e4m3fn, contiguous [..., head_dim + 4]): each row quantized on write, scale = max|x| / 448,
-              codes = fp8(x * (448 / max|x|)), the scale stored after the codes (kernels/kv_quant.quantize)
+              codes = fp8(x * (448 / max|x|)), the scale stored after the codes (tokenbus_kernels/kv_quant.quantize)
 slot_mapping  int64 [num_tokens] = block_id * block_size + offset; -1 marks padding and is skipped
 Grid: (num_tokens,). Each program moves one token's [num_kv_heads, head_dim] tile of K and of V.
 """
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import Launch, check_head_dim, check_launchable, head_pad
+from tokenbus_kernels.launch import Launch, check_head_dim, check_launchable, head_pad
 
 FP8_MAX = tl.constexpr(448.0)  # e4m3's largest finite value (constexpr: a jit function may read it)
 
@@ -90,7 +90,7 @@ def plan_write_kv(
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or v_cache.dtype != k_cache.dtype:
         raise ValueError("write_kv: k_cache and v_cache must share dtype, shape and strides")
     if fp8 and not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("write_kv: an fp8 cache must be contiguous (kernels/kv_quant.py)")
+        raise ValueError("write_kv: an fp8 cache must be contiguous (tokenbus_kernels/kv_quant.py)")
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"write_kv: slot_mapping {tuple(slot_mapping.shape)} for {num_tokens} tokens")
     check_head_dim("write_kv", head_dim)

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import check_head_dim
+from tokenbus_kernels.launch import check_head_dim
 
 LOG2E = 1.4426950408889634
 
@@ -109,7 +109,8 @@ def cache_scales(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"{who}: k_cache and v_cache must share dtype, shape and strides")
     if k_cache.dtype == torch.float8_e4m3fn:
         if k_cache.shape[3] != head_dim + 4 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError(f"{who}: an fp8 cache must be contiguous [..., head_dim + 4] (kernels/kv_quant.py), "
+            raise ValueError(f"{who}: an fp8 cache must be contiguous [..., head_dim + 4] "
+                             "(tokenbus_kernels/kv_quant.py), "
                              f"got {tuple(k_cache.shape)} for head_dim {head_dim}")
         return k_cache.view(torch.float32), v_cache.view(torch.float32), True
     if k_cache.shape[3] != head_dim:

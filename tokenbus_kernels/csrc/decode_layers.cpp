@@ -13,11 +13,11 @@
 //   weights       7 per layer: input norm, qkv panels, qkv bias (or an empty tensor), o panels,
 //                 post-attention norm, gate_up panels, down panels (panels as cpu_linear.pack_panels makes them)
 //   scales        4 per layer, one per linear (qkv, o, gate_up, down): empty for fp32 panels, the per-channel
-//                 scales of int8 panels (kernels/csrc/cpu_quant.cpp), or the scales and column sums of W8A8
-//                 panels (kernels/csrc/cpu_w8a8.cpp)
+//                 scales of int8 panels (tokenbus_kernels/csrc/cpu_quant.cpp), or the scales and column sums of W8A8
+//                 panels (tokenbus_kernels/csrc/cpu_w8a8.cpp)
 //   kv_caches     2 per layer: k_cache, v_cache
 //   window        every layer's sliding window (0 = none: Mistral, Qwen2 and Phi-3 use one for all layers)
-//   cascade       empty, or the step's cascade layout (kernels/cascade.py: group_rows, group_starts,
+//   cascade       empty, or the step's cascade layout (tokenbus_kernels/cascade.py: group_rows, group_starts,
 //                 prefix_lens, suffix_starts): every layer's decode attention then runs as a cascade
 //   lora          empty, or the step's LoRA adapter rows and slots (cpu_lora.cpp's LoraStep): each linear's
 //                 output then takes its adapter rows' deltas, as LoraLinear adds them on the per-layer path

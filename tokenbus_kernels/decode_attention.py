@@ -3,7 +3,7 @@
 q             [num_seqs, num_q_heads, head_dim] (any strides): one new token per sequence
 k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim] (any strides, both caches alike), q's dtype;
               or fp8 (float8_e4m3fn, --kv-cache-dtype fp8), contiguous [..., head_dim + 4]: each row's codes
-              then its fp32 scale (kernels/kv_quant.py). A K/V tile is dequantized in registers right after
+              then its fp32 scale (tokenbus_kernels/kv_quant.py). A K/V tile is dequantized in registers right after
               its load (codes * scale, in q's dtype), so everything after it runs as for a q-dtype cache.
 block_tables  int32 [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs]
 window        a layer's sliding window (0 = none): sequence i sees only its last `window` tokens
@@ -23,7 +23,7 @@ partitions wholly before it exit at once; stage 2 merges only the partitions fro
 Window and soft-capping are constexpr switches, so a model without them runs the kernel it always ran.
 
 num_partitions comes from block_tables.shape[1] (no device->host sync); partitions past a sequence's
-length exit at once, so callers hand a table cut to the step's longest context (kernels/partitions.py).
+length exit at once, so callers hand a table cut to the step's longest context (tokenbus_kernels/partitions.py).
 The partition size is chosen so that num_seqs * num_kv_heads * num_partitions gives
 the GPU a few waves of programs: a few long sequences still fill it. A DecodeWorkspace holds the partials
 allocated once (the engine's, sized for its widest batch and table), so a step allocates nothing and a
@@ -39,9 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import attention_tiles as tiles
-from kernels.launch import Launch, attention_out, head_pad
-from kernels.partitions import MAX_PARTITION, MIN_PARTITION, pick_partition_size  # noqa: F401 (re-exported)
+from tokenbus_kernels import attention_tiles as tiles
+from tokenbus_kernels.launch import Launch, attention_out, head_pad
+from tokenbus_kernels.partitions import MAX_PARTITION, MIN_PARTITION, pick_partition_size  # noqa: F401 (re-exported)
 
 
 @triton.jit

@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import Launch, check_launchable
-from kernels.rounding import rounded
+from tokenbus_kernels.launch import Launch, check_launchable
+from tokenbus_kernels.rounding import rounded
 
 
 @triton.jit

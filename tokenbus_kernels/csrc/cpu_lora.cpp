@@ -1,4 +1,4 @@
-// ---- LoRA over rows grouped by adapter slot (CPU, fp32; kernels/lora_reference.py has the layout) ----
+// ---- LoRA over rows grouped by adapter slot (CPU, fp32; tokenbus_kernels/lora_reference.py has the layout) ----
 // y [T, out] += for each row of slot s: (a[s] · x[row]) · b[s], slice by slice, in place. For decode-sized
 // batches: the rows of a slot's group go in blocks of up to 6, each block one shrink (a GEMV on a[s] for its
 // rows: every weight loaded once for the block) and one expand (an AXPY per rank over output tiles, the tile's

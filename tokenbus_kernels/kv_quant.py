@@ -1,5 +1,5 @@
 """Quantized KV caches (`--kv-cache-dtype`): the storage layout, and the PyTorch quantizer and dequantizer that
-define what the C++ (kernels/csrc/cpu_attention.cpp) and Triton (kv_write.py, rope.py, decode_attention.py,
+define what the C++ (tokenbus_kernels/csrc/cpu_attention.cpp) and Triton (kv_write.py, rope.py, decode_attention.py,
 prefill_attention.py) kernels store and read.
 
 Storage dtype of a cache tensor, and what it means:

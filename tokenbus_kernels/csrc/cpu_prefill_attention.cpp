@@ -1,7 +1,7 @@
 // The CPU serving path's paged prefill attention over a float32, bfloat16 or int8 KV cache: the causal (or,
 // for an encoder, bidirectional) attention of each sequence's newest q_len tokens over all its cached tokens (the same function and results
-// as kernels/reference.py's paged_prefill_attention over the cache dequantized). Built after
-// cpu_decode_attention.cpp in the same translation unit (kernels/cpu.py), whose cache kinds, vectors, exp and
+// as tokenbus_kernels/reference.py's paged_prefill_attention over the cache dequantized). Built after
+// cpu_decode_attention.cpp in the same translation unit (tokenbus_kernels/cpu.py), whose cache kinds, vectors, exp and
 // row widening (cpu_attention.cpp, cpu_attention_block.cpp, cpu_decode_attention.cpp) it reuses.
 // worker/engine/backends/cpu.py calls it; tests/kernels/test_cpu_prefill.py compares it with the reference.
 //

@@ -32,7 +32,7 @@ def check_launchable(kernel: object, t: torch.Tensor) -> None:
     """A compiled (non-interpreted) kernel cannot touch CPU memory: say why instead of crashing.
 
     Triton reads TRITON_INTERPRET when a @triton.jit function is defined, i.e. when this module is
-    first imported, so the flag must be set before anything imports kernels.kv_write & co.
+    first imported, so the flag must be set before anything imports tokenbus_kernels.kv_write & co.
     """
     if not t.is_cuda and isinstance(kernel, JITFunction):
         raise RuntimeError(

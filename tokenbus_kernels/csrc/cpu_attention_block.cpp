@@ -1,6 +1,6 @@
 // Paged decode attention's math over one block of cached rows (cpu_decode_attention.cpp walks the blocks):
 // scores, online softmax and P·V for the query heads that share a KV head (GQA). Built after
-// cpu_attention.cpp in the same translation unit (kernels/cpu.py), whose cache kinds it reads.
+// cpu_attention.cpp in the same translation unit (tokenbus_kernels/cpu.py), whose cache kinds it reads.
 //
 // Vectors are GCC vector extensions of the widest registers the build targets (Lanes: one zmm, or one ymm
 // with -mno-avx512f; the plain build lowers them to what it has), so the same code serves every build.

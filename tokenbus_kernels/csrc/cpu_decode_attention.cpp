@@ -1,6 +1,6 @@
 // The CPU serving path's paged decode attention over a float32, bfloat16 or int8 KV cache (the same function
-// and results as kernels/reference.py's paged_decode_attention over the cache dequantized). Built after
-// cpu_attention.cpp in the same translation unit (kernels/cpu.py), whose cache kinds (KvF32, KvBf16, KvInt8)
+// and results as tokenbus_kernels/reference.py's paged_decode_attention over the cache dequantized). Built after
+// cpu_attention.cpp in the same translation unit (tokenbus_kernels/cpu.py), whose cache kinds (KvF32, KvBf16, KvInt8)
 // and cache_kind it uses, and cpu_kernels.cpp's check_layout; decode_layers.cpp calls it. Layouts: the top of
 // cpu_attention.cpp. tests/kernels/test_cpu_kernels.py and test_cpu_kv_dtypes.py compare it with the reference.
 //

@@ -1,13 +1,13 @@
 // The CPU serving path's KV cache kernels: write_kv and paged decode attention over a float32, bfloat16 or
-// int8 KV cache (same functions, layouts and results as kernels/reference.py and kernels/kv_quant.py).
+// int8 KV cache (same functions, layouts and results as tokenbus_kernels/reference.py and tokenbus_kernels/kv_quant.py).
 // This file has the cache kinds and write_kv; the attention is in cpu_decode_attention.cpp, next in the same
-// translation unit (kernels/cpu.py), built after cpu_kernels.cpp, whose check_layout both use;
+// translation unit (tokenbus_kernels/cpu.py), built after cpu_kernels.cpp, whose check_layout both use;
 // decode_layers.cpp calls both functions. tests/kernels/test_cpu_kernels.py and test_cpu_kv_dtypes.py compare
 // them with the PyTorch versions.
 //
-// Layout (as everywhere in kernels/):
+// Layout (as everywhere in tokenbus_kernels/):
 //   k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim], contiguous; int8: head_dim + 4
-//                     (a row's codes, then its fp32 scale: kernels/kv_quant.py)
+//                     (a row's codes, then its fp32 scale: tokenbus_kernels/kv_quant.py)
 //   block_tables      int32 [num_seqs, max_blocks_per_seq] (last dim contiguous)
 //   seq_lens          int32 [num_seqs]
 //   slot_mapping      int64 [num_tokens], -1 = skip
@@ -24,7 +24,7 @@
 #include <type_traits>
 #include <vector>
 
-// ---- KV cache element kinds (kernels/kv_quant.py has the layouts) ----
+// ---- KV cache element kinds (tokenbus_kernels/kv_quant.py has the layouts) ----
 // Each kind says how a row's codes become floats (load) and the row's scale (1 for plain floats, else the fp32
 // stored after the head_dim codes): int8 sign-extends and converts, bf16 is a 16-bit shift.
 
@@ -120,7 +120,7 @@ int cache_kind(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64
               "k_cache and v_cache must share dtype and shape");
   const auto dtype = k_cache.scalar_type();
   const int kind = dtype == torch::kFloat32 ? 0 : dtype == torch::kBFloat16 ? 1 : dtype == torch::kInt8 ? 2 : -1;
-  TORCH_CHECK(kind >= 0, "the KV cache must be float32, bfloat16 or int8 (kernels/kv_quant.py), got ", dtype);
+  TORCH_CHECK(kind >= 0, "the KV cache must be float32, bfloat16 or int8 (tokenbus_kernels/kv_quant.py), got ", dtype);
   TORCH_CHECK(k_cache.size(3) == head_dim + (kind == 2 ? KvInt8::kExtra : 0),
               "KV cache rows of ", k_cache.size(3), " elements do not fit head_dim ", head_dim,
               " (int8 rows are head_dim + 4: codes, then the fp32 scale)");

@@ -1,5 +1,5 @@
 """Triton kernels: LoRA shrink (x·A) and expand (·B) over a batch whose rows use different adapters, grouped by
-adapter slot (SGMV): kernels/lora_reference.py has the layout and the PyTorch reference.
+adapter slot (SGMV): tokenbus_kernels/lora_reference.py has the layout and the PyTorch reference.
 
 lora_shrink_triton(x, a, rows, starts, counts, max_count, out) -> out
   x [T, in], a [S, K, in], out [T, K]: out[r] = x[r] @ a[s].T for every row r of slot s (rows[starts[s] :
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import Launch, check_launchable
+from tokenbus_kernels.launch import Launch, check_launchable
 
 BLOCK_M = 16
 BLOCK_N = 32  # output columns of a program (shrink: of K; expand: of a slice)

@@ -1,7 +1,7 @@
 // W8A8 int8 linear layers for the CPU serving path (worker/engine/quant/schemes.py, issue 24): int8 weights per
 // output channel as the weight-only kernel (cpu_quant.cpp) has them, and the activations quantized per row
 // (token) and group of 64 input features at each call, so the products are int8 × int8 summed in int32 by
-// VNNI's vpdpbusd. Built after cpu_kernels.cpp in the same translation unit (kernels/cpu.py): it shares the fp32
+// VNNI's vpdpbusd. Built after cpu_kernels.cpp in the same translation unit (tokenbus_kernels/cpu.py): it shares the fp32
 // panel linear's check of x (check_panel_x), its tile loop (for_each_panel_tile) and store (store_tile).
 //
 // Why: at 16-64 rows a decode step's linears are compute-bound, not weight-read-bound: the weight-only kernel

@@ -2,7 +2,7 @@
 
 Layout shared by every kernel here and in the Triton files:
   k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]; an int8 or fp8 cache holds packed rows
-                    [..., head_dim + 4] (kernels/kv_quant.py): written quantized, read dequantized
+                    [..., head_dim + 4] (tokenbus_kernels/kv_quant.py): written quantized, read dequantized
   block_tables      int32 [num_seqs, max_blocks_per_seq]; entries past a sequence's last block are ignored
   seq_lens          int32 [num_seqs]: tokens already in the cache for each sequence (the new ones included)
   slot_mapping      int64 [num_tokens] = block_id * block_size + offset, -1 = skip (padding)
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_quant import dequantize, is_quantized, quantize
+from tokenbus_kernels.kv_quant import dequantize, is_quantized, quantize
 
 
 def write_kv_ref(

@@ -1,5 +1,5 @@
 // Weight-only int8 linear layers for the CPU serving path (worker/engine/quant/schemes.py, issue 24).
-// Built after cpu_kernels.cpp in the same translation unit (kernels/cpu.py), beside its fp32 panel kernel, whose
+// Built after cpu_kernels.cpp in the same translation unit (tokenbus_kernels/cpu.py), beside its fp32 panel kernel, whose
 // checks (check_panel_x), tile loop (panel_linear_tiles) and store (store_tile) it shares.
 //
 // y [m, n] = x [m, k] · (W_int8 · diag(scale))ᵀ (+ bias). The weight is the int8 twin of the fp32 panels,

@@ -9,6 +9,10 @@
     cpu.py, csrc/                C++ for the CPU serving path, built once per machine: cpu.extension()
 
 Which implementation serves a model is the engine's choice, made once (worker/engine/backends).
+
+The package is tokenbus_kernels, not kernels: transformers 5.25 depends on Hugging Face's `kernels` package and
+imports it when a model loads, and a top-level `kernels` of ours shadowed it (every model load failed, and
+installing tokenbus would overwrite it in site-packages).
 """
 
 from __future__ import annotations
