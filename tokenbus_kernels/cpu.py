@@ -31,7 +31,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -95,18 +95,10 @@ def extension(cache_dir: str | None = None, avx2_only: bool = False) -> ModuleTy
         from torch.utils.cpp_extension import load_inline
 
         build_dir = cache_root(cache_dir) / "cpu_kernels" / name
-        build_dir.mkdir(parents=True, exist_ok=True)
-        with build_lock(build_dir):
-            module = load_built(name, build_dir)
-            if module is None:
-                # torch's own baton: a file that a killed build leaves behind, after which torch waits forever.
-                # Holding our lock means no other build is running, so any baton here is such a leftover.
-                (build_dir / "lock").unlink(missing_ok=True)
-                module = load_inline(
-                    name, cpp_sources=sources, functions=FUNCTIONS, extra_cflags=cflags,
-                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
-                )
-                (build_dir / BUILT).touch()
+        module = build_once(name, build_dir, lambda: load_inline(
+            name, cpp_sources=sources, functions=FUNCTIONS, extra_cflags=cflags,
+            extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+        ))
     except Exception as err:  # noqa: BLE001 - any build failure means: serve with the references
         log.warning(
             "cpu_kernels_unavailable", error=f"{type(err).__name__}: {str(err)[-400:]}",
@@ -126,6 +118,22 @@ def toolchain() -> list[str]:
     compiler = get_cxx_compiler()
     return [os.path.realpath(os.path.dirname(torch.__file__)), os.path.realpath(shutil.which(compiler) or compiler),
             os.path.realpath(sys.executable), sys.version]
+
+
+def build_once(name: str, build_dir: Path, build: Callable[[], ModuleType]) -> ModuleType:
+    """The module `name` in build_dir: the finished build's, else what build() (a torch cpp_extension load into
+    build_dir) returns, built under build_lock. extension()'s builder; tests/kernels/test_cpu_build_lock.py
+    kills a build of a small module half-way through it."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with build_lock(build_dir):
+        module = load_built(name, build_dir)
+        if module is None:
+            # torch's own baton: a file that a killed build leaves behind, after which torch waits forever.
+            # Holding our lock means no other build is running, so any baton here is such a leftover.
+            (build_dir / "lock").unlink(missing_ok=True)
+            module = build()
+            (build_dir / BUILT).touch()
+    return module
 
 
 def load_built(name: str, build_dir: Path) -> ModuleType | None:

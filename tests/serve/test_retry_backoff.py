@@ -12,20 +12,19 @@ import pytest
 
 from protocol.keys import Keys
 from protocol.scripts import RetryBackoff
-from testbed.tiny_models import make_tiny_model
 from tests.serve.test_serve_process import wait_until
 from tests.support.worker_runs import worker_args
 
 K = Keys("tokenbus")
 LEASE_MS = 1000
 BACKOFF = RetryBackoff(base_ms=2000, max_ms=60_000)
+RETRIED_TOKENS = 300
 
 
 @pytest.mark.slow  # three worker processes start
-def test_transient_faults_back_off_and_permanent_ones_fail_at_once(redis_server, worker_process, make_client,
-                                                                     tmp_path):
-    model = make_tiny_model(str(tmp_path / "long-context"), "llama", rope_scaling=None,
-                            max_position_embeddings=8192)
+def test_transient_faults_back_off_and_permanent_ones_fail_at_once(redis_server, serve_model_dir, worker_process,
+                                                                     make_client):
+    model = serve_model_dir  # 1,024 positions: the permanent failures below pass them
     names = ("worker-a", "worker-b", "worker-c")
     workers = {n: worker_process(*worker_args(redis_server.url, model, n, "--lease-ms", str(LEASE_MS),
                                               "--retry-backoff-ms", str(BACKOFF.base_ms), "--max-attempts", "3"))
@@ -34,7 +33,9 @@ def test_transient_faults_back_off_and_permanent_ones_fail_at_once(redis_server,
         w.wait_for_event("worker_ready", timeout=180)
     client = make_client()
     r = redis_server.client(decode_responses=True)
-    job = client.submit("retry me", max_tokens=2000, ignore_eos=True, temperature=0.0)
+    # long enough to be killed mid-run (the kill follows "running" within a poll), short enough for the third
+    # attempt to run it all: 2,000 tokens took 82 s there on the reference kernels under a loaded suite
+    job = client.submit("retry me", max_tokens=RETRIED_TOKENS, ignore_eos=True, temperature=0.0)
 
     starts, kills, not_before = [], [], []
     for attempt in (1, 2):
@@ -50,10 +51,11 @@ def test_transient_faults_back_off_and_permanent_ones_fail_at_once(redis_server,
                    f"the fault of attempt {attempt} seen")
         not_before.append(float(r.hget(K.job(job), "not_before")))
     # permanent failures, submitted once no worker is left to kill (an attempt lost to a kill would count)
-    too_long = client.submit_many([{"prompt_token_ids": [5] * 8300, "max_tokens": 4}])[0]
-    past_context = client.submit_many([{"prompt": "x", "max_tokens": 9000}])[0]
+    too_long = client.submit_many([{"prompt_token_ids": [5] * 1100, "max_tokens": 4}])[0]
+    past_context = client.submit_many([{"prompt": "x", "max_tokens": 1100}])[0]
     done = client.wait(job, timeout=180)
     assert done.status == "finished" and done.attempts == 3, (done.status, done.error)
+    assert done.result.usage.completion_tokens == RETRIED_TOKENS
     starts.append(done.started_at)
     survivor = next(iter(workers.values()))
     deferred = [e for e in survivor.events() if e.get("event") == "job_retry_deferred" and e["job_id"] == job]

@@ -28,6 +28,8 @@ log = structlog.get_logger("tokenbus.tensor_parallel")
 
 STARTUP_TIMEOUT_S = 1800.0  # loading and CUDA warm-up: a slow rank compiling its kernels is not a fault
 FAULT_EXIT_CODE = 3
+PEER_EXIT_SEEN_S = 0.3  # how long a failed collective on rank 0 looks for a follower that ended
+PEER_EXIT_REPORT_S = 2.0  # then how long it leaves the watcher to report that exit
 
 
 class TpGroup:
@@ -99,6 +101,15 @@ class TpGroup:
             self.fatal(f"{what} failed: {str(err).splitlines()[0][:300] if str(err) else type(err).__name__}")
 
     def fatal(self, why: str) -> NoReturn:
+        if self.rank == 0 and self.peers:
+            # a follower killed outright breaks the collective as its process ends, a moment before rank 0's
+            # watcher (launch.py) reaps it: let the watcher name the exit and its code, the plainer reason (a
+            # follower that is stopped, not gone, costs this a fraction of a second)
+            deadline = time.monotonic() + PEER_EXIT_SEEN_S
+            while time.monotonic() < deadline and not any(map(_exited, self.peers)):
+                time.sleep(0.02)
+            if any(map(_exited, self.peers)):
+                time.sleep(PEER_EXIT_REPORT_S)  # the watcher's take_down ends the process meanwhile
         take_down(why, self.rank, self.peers, size=self.size, timeout_s=self.timeout_s)
 
     def close(self) -> None:
@@ -106,6 +117,25 @@ class TpGroup:
             dist.destroy_process_group()
         except Exception:  # a group already broken: the process is ending anyway
             pass
+
+
+def _exited(pid: int) -> bool:
+    """Whether the process has ended (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][:1] == "Z"
+    except FileNotFoundError:
+        if os.path.isdir("/proc/self"):
+            return True
+    except OSError:
+        return False
+    try:  # no /proc here: whether the pid still exists
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        pass
+    return False
 
 
 def take_down(why: str, rank: int, peers: list[int], **context: Any) -> NoReturn:
