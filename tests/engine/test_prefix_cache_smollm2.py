@@ -57,7 +57,9 @@ def engine():
 
 
 def test_shared_system_prompt_cold_then_warm_equals_hf(engine, hf_model):
-    prompts = [engine.tokenize(SYSTEM + q) for q in QUESTIONS]
+    # eight questions, not sixteen: each one's HF reference is a ~370-token prefill, and eight arrivals behind the
+    # shared prefix already take the cold path (the first computes it, the rest reuse it) and the warm one
+    prompts = [engine.tokenize(SYSTEM + q) for q in QUESTIONS[:8]]
     shared = len(engine.tokenize(SYSTEM)) - 2  # the question's first token may merge with the prefix's last
     assert shared >= 300
     max_tokens = [4 + (i * 5) % 13 for i in range(len(prompts))]
