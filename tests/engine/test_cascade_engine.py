@@ -16,7 +16,6 @@ from tests.support.hf_reference import hf_greedy, load_hf
 from worker import Engine
 from worker.engine.block_manager import BlockManager
 from worker.engine.cascade import MERGE_COST_TOKENS, CascadePlanner, pays
-from worker.engine.loader import resolve
 
 
 def test_the_rule_weighs_tokens_saved_against_merging():
@@ -77,15 +76,16 @@ def test_on_puts_every_other_row_in_a_group_of_one():
 
 
 @pytest.fixture(scope="module")
-def hf_smollm2():
-    return load_hf(resolve("smollm2-135m").directory)
+def hf_smollm2(smollm2_reference):
+    return smollm2_reference  # HF generate, each answer computed once a session (tests/engine/conftest.py)
 
 
 def test_smollm2_shared_system_prompt_with_cascade_forced_on(hf_smollm2):
     engine = Engine("smollm2-135m", device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=512,
                     cascade_attention="on")
     prompts = [engine.tokenize(SYSTEM + q) for q in QUESTIONS[:8]]
-    max_tokens = [6 + (i * 5) % 11 for i in range(len(prompts))]
+    # test_prefix_cache_smollm2's first eight requests exactly: the session computes their HF answers once
+    max_tokens = [4 + (i * 5) % 13 for i in range(len(prompts))]
     outputs = run_prompts(engine, prompts, max_tokens, every=1)
     stats = engine.stats()
     assert stats.cascade_grouped_rows > stats.cascade_groups, "no group of rows sharing the prefix cascaded"

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.hf_reference import hf_greedy, load_hf
 from worker import Engine, SamplingParams
 from worker.engine.errors import EngineFault, InvalidRequest
-from worker.engine.loader import resolve
 
 PROMPTS = [
     "The capital of France is",
@@ -29,10 +27,10 @@ MAX_TOKENS = [5, 31, 17, 9, 40, 12, 3, 25, 14, 8, 33, 20, 1, 16]
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    # straight from the GGUF through transformers: independent of the engine's converted checkpoint
-    src = resolve("smollm2-135m")
-    return load_hf(src.directory)
+def hf_model(smollm2_reference):
+    # straight from the source directory through transformers: independent of the engine's converted checkpoint;
+    # its answers shared with the other SmolLM2 modules (tests/engine/conftest.py)
+    return smollm2_reference
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +48,8 @@ def blocks_all_free(request):
             assert eng.block_manager.num_free == eng.block_manager.num_blocks, "KV blocks leaked"
 
 
-_reference_cache: dict[tuple, list[int]] = {}
-
-
 def reference(hf_model, engine, prompt, max_tokens: int) -> list[int]:
-    ids = engine.tokenize(prompt)
-    key = (tuple(ids), max_tokens)
-    if key not in _reference_cache:
-        _reference_cache[key] = hf_greedy(hf_model, ids, max_tokens)
-    return _reference_cache[key]
+    return hf_model.greedy(engine.tokenize(prompt), max_tokens)
 
 
 def assert_equals_hf(outputs: dict[str, list[int]], hf_model, engine, prompts, max_tokens) -> None:

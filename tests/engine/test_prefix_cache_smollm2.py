@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.hf_reference import hf_greedy, load_hf
 from worker import Engine, SamplingParams
-from worker.engine.loader import resolve
 
 SYSTEM = (
     "You are a careful assistant for a small hardware shop. Answer in one short sentence. "
@@ -25,18 +23,12 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    return load_hf(resolve("smollm2-135m").directory)
-
-
-_refs: dict[tuple, list[int]] = {}
+def hf_model(smollm2_reference):
+    return smollm2_reference  # HF generate, each answer computed once a session (tests/engine/conftest.py)
 
 
 def reference(hf_model, ids: list[int], max_tokens: int) -> list[int]:
-    key = (tuple(ids), max_tokens)
-    if key not in _refs:
-        _refs[key] = hf_greedy(hf_model, ids, max_tokens)
-    return _refs[key]
+    return hf_model.greedy(ids, max_tokens)
 
 
 def run_staggered(engine: Engine, prompts: list[list[int]], max_tokens: list[int], every: int = 2):
@@ -65,7 +57,9 @@ def engine():
 
 
 def test_shared_system_prompt_cold_then_warm_equals_hf(engine, hf_model):
-    prompts = [engine.tokenize(SYSTEM + q) for q in QUESTIONS]
+    # eight questions, not sixteen: each one's HF reference is a ~370-token prefill, and eight arrivals behind the
+    # shared prefix already take the cold path (the first computes it, the rest reuse it) and the warm one
+    prompts = [engine.tokenize(SYSTEM + q) for q in QUESTIONS[:8]]
     shared = len(engine.tokenize(SYSTEM)) - 2  # the question's first token may merge with the prefix's last
     assert shared >= 300
     max_tokens = [4 + (i * 5) % 13 for i in range(len(prompts))]
