@@ -11,9 +11,10 @@ import json
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from llguidance import LLMatcher, LLParserLimits
+if TYPE_CHECKING:
+    from llguidance import LLParserLimits
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
@@ -45,6 +46,8 @@ class ConstraintLimits:
     mask_budget_ms: float = 50.0
 
     def parser_limits(self) -> LLParserLimits:
+        from llguidance import LLParserLimits  # llguidance loads with the first constraint, not with every process
+
         return LLParserLimits(max_items_in_row=self.max_items_in_row, step_max_items=self.step_max_items,
                               step_lexer_fuel=self.step_lexer_fuel, verbose_errors=False)
 
@@ -188,6 +191,10 @@ def grammar_for(response_format: dict[str, Any] | None, regex: str | None, choic
                                   ("choice", choice)) if v is not None]
     if len(given) > 1:
         raise ValueError(f"give at most one constraint of response_format (json), regex, choice (got {given})")
+    if not given:
+        return None
+    from llguidance import LLMatcher  # llguidance loads with the first constraint, not with every process
+
     schema = _schema_of(response_format)
     if schema is not None:
         # compact JSON (", " and ": " only) unless the schema's "x-guidance" asks otherwise: a small model
@@ -207,6 +214,8 @@ def grammar_error(grammar: str) -> str:
 
 @lru_cache(maxsize=256)
 def _grammar_error(grammar: str) -> str:
+    from llguidance import LLMatcher  # llguidance loads with the first constraint, not with every process
+
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, limits=LIMITS.parser_limits())
     return messages[0] if is_error else ""
 

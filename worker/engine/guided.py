@@ -24,9 +24,8 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING
 
-import llguidance
-import llguidance.hf
 import numpy as np
 import structlog
 import torch
@@ -35,6 +34,9 @@ from protocol.constraints import LIMITS, ConstraintLimits
 from protocol.errors import ErrorCode
 from worker.engine.errors import EngineError, EngineFault, InvalidRequest, fault
 from worker.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    import llguidance
 
 log = structlog.get_logger("tokenbus.guided")
 
@@ -63,7 +65,6 @@ class GuidedDecoding:
                  threads: int = 2, limits: ConstraintLimits = LIMITS) -> None:
         self.hf_tokenizer = tokenizer
         self.limits = limits
-        self._parser_limits = limits.parser_limits()
         self._time_rows = False  # the parallel masks went over budget: time each row on the next step
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -77,7 +78,8 @@ class GuidedDecoding:
         # masks of many rows in parallel (llguidance's executor) only where there are cores to spare: on a
         # small CPU its threads wait for the cores the model runs on (32 rows: ~30 ms vs ~2 ms one by one)
         cores = os.cpu_count() or 1
-        self._executor = llguidance.LLExecutor(num_threads=min(8, cores // 2)) if cores >= 8 else None
+        self._executor_threads = min(8, cores // 2) if cores >= 8 else 0
+        self._executor: llguidance.LLExecutor | None = None  # made with the first mask of many rows
         self._bitmask = torch.empty(0, 0, dtype=torch.int32)
         self._bits = word_bits(device)
 
@@ -150,7 +152,11 @@ class GuidedDecoding:
         bitmask = self._bitmask[:n]
         # llguidance.torch's fill_next_token_bitmask(_par) without that module (it imports torch.compile)
         budget_ms = self.limits.mask_budget_ms
-        if self._executor is not None and n > 1 and not self._time_rows:
+        if self._executor_threads and n > 1 and not self._time_rows:
+            if self._executor is None:
+                import llguidance  # loaded by the first grammar, not at engine start
+
+                self._executor = llguidance.LLExecutor(num_threads=self._executor_threads)
             start = time.perf_counter()
             self._executor.unsafe_compute_mask_ptr(
                 [(m, k) for k, (_, m, _) in enumerate(rows)], bitmask.data_ptr(), words * 4, n)
@@ -194,8 +200,11 @@ class GuidedDecoding:
     # ---- compiling (pool threads) -----------------------------------------------------------------------
 
     def _compile(self, grammar: str) -> llguidance.LLMatcher:
+        import llguidance  # loaded by the first grammar, not at engine start
+
         try:
-            matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0, limits=self._parser_limits)
+            matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0,
+                                           limits=self.limits.parser_limits())
         except Exception as err:  # llguidance raises for some grammar errors, flags others (below)
             raise GrammarError(f"the grammar cannot be compiled: {' '.join(str(err).split())[:400]}") from None
         if matcher.is_error():
@@ -210,6 +219,8 @@ class GuidedDecoding:
     def _tokenizer(self) -> llguidance.LLTokenizer:
         with self._tokenizer_lock:
             if self._lltokenizer is None:
+                import llguidance.hf  # its HF glue imports transformers' tokenizer stack: only for a grammar job
+
                 self._lltokenizer = llguidance.hf.from_tokenizer(
                     self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids))
             return self._lltokenizer

@@ -24,7 +24,7 @@ from torch import nn
 
 from worker.engine.attention_metadata import AttentionMetadata, paged_attention
 from worker.engine.backends import Backend
-from worker.engine.models.llama import AttentionShape, attention_shape
+from worker.engine.models.llama import AttentionShape, attention_shape, embedding
 
 ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
 _PREFIXES = ("bert.", "roberta.", "model.")  # a BertForMaskedLM & co checkpoint's encoder sits under one
@@ -81,10 +81,9 @@ class BertEmbeddings(nn.Module):
     def __init__(self, arch: BertArch, backend: Backend) -> None:
         super().__init__()
         self.offset = arch.position_offset
-        self.word_embeddings = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.position_embeddings = nn.Embedding(arch.max_position_embeddings + arch.position_offset,
-                                                arch.hidden_size)
-        self.token_type_embeddings = nn.Embedding(arch.type_vocab_size, arch.hidden_size)
+        self.word_embeddings = embedding(arch.vocab_size, arch.hidden_size)
+        self.position_embeddings = embedding(arch.max_position_embeddings + arch.position_offset, arch.hidden_size)
+        self.token_type_embeddings = embedding(arch.type_vocab_size, arch.hidden_size)
         self.LayerNorm = LayerNorm(arch.hidden_size, arch.layer_norm_eps, backend)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -141,6 +141,12 @@ class LlamaArch:
         )
 
 
+def embedding(rows: int, dim: int) -> nn.Embedding:
+    """An nn.Embedding without its random init: every model is built on the meta device and takes its weights
+    from the checkpoint, and nn.Embedding's normal_ on a meta tensor imports torch._dynamo (~0.7 CPU-s a start)."""
+    return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, backend: Backend) -> None:
         super().__init__()
@@ -285,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
         # vocabulary-parallel under TP: this rank's rows of the embedding and of lm_head (parallel/shard.py)
         start, stop = backend.tp.shard.vocab_span() if backend.tp is not None else (0, arch.vocab_size)
         self.vocab_start, self.vocab_rows = start, stop - start
-        self.embed_tokens = nn.Embedding(self.vocab_rows, arch.hidden_size)
+        self.embed_tokens = embedding(self.vocab_rows, arch.hidden_size)
         self.layers = nn.ModuleList(self.layer_type(arch, backend, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backend)
         self.lm_head = nn.Linear(arch.hidden_size, self.vocab_rows, bias=False)
