@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 import torch
@@ -30,15 +30,13 @@ from worker.engine.guided import GuidedDecoding
 from worker.engine.outputs import Choice, EngineStats, RequestOutput, StepDeltas
 from worker.engine.overlap import Overlap
 from worker.engine.parallel import sharded_loading
+from worker.engine.parallel.launch import TensorParallel
 from worker.engine.pooling import EmbedParams
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.stop_checker import StopChecker
-
-if TYPE_CHECKING:
-    from worker.engine.parallel.launch import TensorParallel
 
 log = structlog.get_logger("tokenbus.engine")
 
@@ -70,8 +68,6 @@ class Engine:
         if cfg.tensor_parallel_size > 1:
             shard = sharded_loading.check_shardable(spec.source, arch, self.model_path, spec.hf_config,
                                                     cfg.tensor_parallel_size, cfg.quantization)
-            from worker.engine.parallel.launch import TensorParallel  # the process group: only for TP > 1
-
             self.parallel = TensorParallel(cfg, shard, self.device)
         try:
             self._set_up(cfg, spec)
