@@ -5,6 +5,11 @@ RQ's work loop quits on any unhandled error (e.g. Redis refusing its own writes 
 returns as if it had finished. Here a worker that quits without a stop request is started again after a
 backoff (tasks_restart_backoff_s); after that many quick failures in a row the process exits 1, so its
 supervisor sees a failure (it used to exit 0 and leave every batch `validating`).
+
+RQ 3's command listener (a pub/sub thread) waits up to 60 s for a message, and relies on its own unsubscribe
+reply to wake it at shutdown; when that reply lands before the stop flag is cleared (a loaded machine), the
+thread sleeps on, and redis-py 8's `stop()` waits it out: a SIGTERM took up to 60 s (15 s in the tests, then a
+SIGKILL). TasksWorker listens in 1-second waits instead, so a stop ends within about a second.
 """
 
 from __future__ import annotations
@@ -24,6 +29,17 @@ from protocol.logs import configure_logging
 
 log = structlog.get_logger("tokenbus.gateway")
 HEALTHY_RUN_S = 300  # a worker that ran this long before failing resets the count of quick failures
+LISTEN_WAIT_S = 1.0  # the longest a stop waits on the command listener
+
+
+class TasksWorker(SimpleWorker):
+    """RQ's SimpleWorker with a command listener that notices a stop within LISTEN_WAIT_S."""
+
+    def subscribe(self) -> None:
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(sleep_time=LISTEN_WAIT_S, daemon=True,
+                                                       exception_handler=self._pubsub_exception_handler)
 
 
 def run_tasks(settings: GatewaySettings, burst: bool = False, webhooks: bool = False) -> int:
@@ -52,7 +68,7 @@ def _work(ctx: GatewayContext, queue, burst: bool, level: str, backoff: list[flo
         # with_scheduler: retries with a backoff are scheduled jobs (each process schedules its own queue).
         started = time.monotonic()
         try:
-            worker = SimpleWorker([queue], connection=ctx.rq_redis)  # reads Redis: inside the try
+            worker = TasksWorker([queue], connection=ctx.rq_redis)  # reads Redis: inside the try
             worker.work(with_scheduler=True, burst=burst, logging_level=level)
             # A SIGTERM/SIGINT (RQ's warm shutdown) sets the date; an error leaves it unset.
             if burst or worker._shutdown_requested_date is not None:

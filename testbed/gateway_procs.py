@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -53,6 +55,17 @@ class Proc:
                 self.proc.kill()
                 self.proc.wait(10)
         self._log.close()
+
+
+def stop_all(procs: list[Proc]) -> None:
+    """SIGTERM every process first, then wait on each: their shutdowns (a worker's drain, an RQ worker's
+    second) overlap instead of adding up. A stopped (SIGSTOP) process is continued so it can see the TERM."""
+    for p in procs:
+        if p.proc.poll() is None:
+            os.kill(p.proc.pid, signal.SIGCONT)
+            p.proc.terminate()
+    for p in procs:
+        p.stop()
 
 
 def wait_until(predicate, timeout: float, what: str, procs: list[Proc] = (), every: float = 0.05) -> Any:

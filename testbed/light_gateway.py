@@ -24,6 +24,7 @@ from testbed.gateway_procs import (
     Proc,
     chat_line,
     healthy,
+    stop_all,
     wait_until,
     write_jsonl,
 )
@@ -149,12 +150,7 @@ def start_light_stack(tmp: Path, settings: dict[str, str] | None = None) -> Ligh
 
 
 def stop_light_stack(stack: LightStack) -> None:
-    for p in stack.procs.values():  # all at once: each RQ worker takes a second or two to stop
-        if p.proc.poll() is None:
-            os.kill(p.proc.pid, signal.SIGCONT)
-            p.proc.terminate()
-    for p in stack.procs.values():
-        p.stop()
+    stop_all(stack.all())
     stack.redis.cleanup()
 
 

@@ -52,12 +52,11 @@ def test_gateway_services_run_the_console_script_with_parsed_settings(compose, m
 
 
 def test_the_gateway_acl_user_runs_producer_and_rq_work(compose, tmp_path):
-    from rq import SimpleWorker
-
     from gateway import tasks
     from gateway.context import GatewayContext
     from gateway.enqueue import enqueue_submit
     from gateway.settings import GatewaySettings
+    from gateway.tasks_worker import TasksWorker
 
     srv = LocalRedis(compose["services"]["redis"]["command"], tmp_path)
     admin = redis.Redis(port=srv.port, password=ENV["REDIS_PASSWORD"], socket_timeout=5)
@@ -69,7 +68,7 @@ def test_the_gateway_acl_user_runs_producer_and_rq_work(compose, tmp_path):
         assert ctx.client.get(job_id).status == "queued"
         tasks.set_context(ctx)
         enqueue_submit(ctx, "batch_none")  # no such batch: the job runs and does nothing
-        worker = SimpleWorker([ctx.queue], connection=ctx.rq_redis)
+        worker = TasksWorker([ctx.queue], connection=ctx.rq_redis)
         assert worker.work(burst=True, with_scheduler=True)
         job = ctx.queue.fetch_job("submit-batch_none")
         assert job.get_status() == "finished" and job.return_value() == "nothing to do"

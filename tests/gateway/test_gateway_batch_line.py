@@ -3,8 +3,8 @@ process as the upload streams in, not at all in the task process (the submit str
 kept), once in the worker's intake.
 
 The real path, in one process against a real redis-server: the app under TestClient (POST /v1/files, POST
-/v1/batches), the RQ submit task run by an RQ SimpleWorker, then the worker's Intake admitting what
-SUBMIT_JOBS wrote. Each stage counts the JSON parses of text holding the lines' marker (json.loads and
+/v1/batches), the RQ submit task run by the tasks process's RQ worker (TasksWorker), then the worker's Intake
+admitting what SUBMIT_JOBS wrote. Each stage counts the JSON parses of text holding the lines' marker (json.loads and
 pydantic's parser, wherever called) and every JobRequest validation.
 """
 
@@ -18,12 +18,12 @@ from typing import Any
 import pydantic_core
 import pytest
 from fastapi.testclient import TestClient
-from rq import SimpleWorker
 
 import producer.batch_file
 from gateway import tasks
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
+from gateway.tasks_worker import TasksWorker
 from protocol.models import JobRequest
 from worker.serve.completion import CompletionWriter
 from worker.serve.intake import Intake, IntakeBudget
@@ -117,7 +117,7 @@ def test_a_batch_line_is_parsed_and_validated_once_per_process(redis_server, tmp
         tally.stage = "task"
         tasks.set_context(ctx)
         try:
-            assert SimpleWorker([ctx.queue], connection=ctx.rq_redis).work(burst=True)
+            assert TasksWorker([ctx.queue], connection=ctx.rq_redis).work(burst=True)
         finally:
             tasks.set_context(None)
         assert ctx.queue.fetch_job(f"submit-{batch_id}").return_value() == "submitted"

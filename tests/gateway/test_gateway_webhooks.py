@@ -80,7 +80,6 @@ def test_webhook_url_is_checked_at_create(gateway_stack, tmp_path):
 
 def test_a_webhook_that_never_succeeds_ends_in_rq_failed_registry(redis_server, tmp_path):
     """Retries run out -> RQ's failed-job registry (what `rq info` shows and `rq requeue` retries)."""
-    from rq import SimpleWorker
     from rq.registry import FailedJobRegistry
 
     from gateway import tasks
@@ -88,6 +87,7 @@ def test_a_webhook_that_never_succeeds_ends_in_rq_failed_registry(redis_server, 
     from gateway.context import GatewayContext
     from gateway.enqueue import enqueue_webhook
     from gateway.settings import GatewaySettings
+    from gateway.tasks_worker import TasksWorker
 
     settings = GatewaySettings(redis_url=redis_server.url, api_keys="k", files_dir=tmp_path,
                                webhook_secret=WEBHOOK_SECRET, webhook_retry_intervals="0,0",
@@ -101,7 +101,7 @@ def test_a_webhook_that_never_succeeds_ends_in_rq_failed_registry(redis_server, 
                               ended_at=1.5, total=0, completed=0, failed=0, webhook_url=hooks.url)
             ctx.redis.hset(ctx.gkeys.batch(gw.id), mapping=gw.fields())
             assert enqueue_webhook(ctx, gw) and not enqueue_webhook(ctx, gw)  # queued once only
-            SimpleWorker([ctx.webhook_queue], connection=ctx.rq_redis).work(burst=True)
+            TasksWorker([ctx.webhook_queue], connection=ctx.rq_redis).work(burst=True)
             assert [a["status"] for a in hooks.attempts] == [500, 500, 500]  # the first try and two retries
         assert FailedJobRegistry(queue=ctx.webhook_queue).get_job_ids() == ["webhook-batch_doomed"]
         record = ctx.redis.hgetall(ctx.gkeys.batch(gw.id))

@@ -25,6 +25,7 @@ from testbed.gateway_procs import (  # noqa: F401  (the tests import them from h
     Proc,
     chat_line,
     healthy,
+    stop_all,
     wait_until,
     write_jsonl,
 )
@@ -110,8 +111,7 @@ def start_stack(tmp: Path, model: str = MODEL) -> Stack:
 
 
 def stop_stack(stack: Stack) -> None:
-    for p in stack.procs.values():
-        p.stop()
+    stop_all(stack.all())
     stack.redis.cleanup()
 
 

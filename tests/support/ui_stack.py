@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from testbed.redis_server import RedisServer, free_port
-from tests.support.gateway_harness import KEYS, Deployment, Proc, healthy, wait_until
+from tests.support.gateway_harness import KEYS, Deployment, Proc, healthy, stop_all, wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -59,11 +59,7 @@ def start_ui_stack(tmp: Path) -> UiStack:
 
 
 def stop_ui_stack(stack: UiStack) -> None:
-    for p in stack.procs.values():  # all at once: the worker drains and the RQ worker takes a second each
-        if p.proc.poll() is None:
-            p.proc.terminate()
-    for p in stack.procs.values():
-        p.stop()
+    stop_all(stack.all())
     stack.redis.cleanup()
 
 
