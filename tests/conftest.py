@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-# pytest-xdist runs several test processes on a machine's few cores (scripts/test: two, beside the interpreted
+# pytest-xdist runs several test processes on a machine's few cores (scripts/test: three, beside the interpreted
 # kernel suites): an intra-op thread pool per process sized to every core oversubscribes them, and each parallel
 # region then waits for its descheduled threads (a 400-token Hugging Face generate took 33 s at 2 threads beside
 # other work, 3.7 s at 1). One thread per test process, and per worker process a test starts (inherited).

@@ -239,9 +239,11 @@ def test_read_serves_interactive_then_default_then_bulk_and_batches_in_turn(r):
 
 def test_read_waits_for_a_new_entry_without_taking_more_than_asked(r):
     a = JobQueue(r, NS, "worker-a", 60)
-    threading.Timer(0.2, lambda: [submit_to(r, f"late-{i}", "bulk") for i in range(3)]).start()
+    late = threading.Timer(0.2, lambda: [submit_to(r, f"late-{i}", "bulk") for i in range(3)])
+    late.start()
     t0 = time.monotonic()
     got = a.read_new(1, 3000)
+    late.join()  # its last submits must not outlive the test's redis-server
     assert [e.fields["job_id"] for e in got] == ["late-0"] and time.monotonic() - t0 < 2.5
     assert r.xpending(Keys(NS).queue("bulk"), GROUP)["pending"] == 1, "the wait itself took nothing"
 
