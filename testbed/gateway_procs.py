@@ -65,7 +65,7 @@ def stop_all(procs: list[Proc]) -> None:
             os.kill(p.proc.pid, signal.SIGCONT)
             p.proc.terminate()
     for p in procs:
-        p.stop()
+        p.stop()  # a second SIGTERM to one still running: a worker then ends its drain at once (teardown)
 
 
 def wait_until(predicate, timeout: float, what: str, procs: list[Proc] = (), every: float = 0.05) -> Any:

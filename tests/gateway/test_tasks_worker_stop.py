@@ -18,9 +18,7 @@ def test_a_stop_after_the_unsubscribe_reply_was_consumed_ends_within_the_listen_
     worker.pubsub.unsubscribe()
     time.sleep(0.5)  # the listener has read (and ignored) the unsubscribe reply and waits on
     stopper = threading.Thread(target=worker.pubsub_thread.stop, daemon=True)
-    started = time.monotonic()
     stopper.start()
     stopper.join(timeout=10 * LISTEN_WAIT_S)
     assert not stopper.is_alive(), "the listener kept the stop waiting (RQ's 60 s wait)"
-    assert time.monotonic() - started < 10 * LISTEN_WAIT_S
     worker.pubsub.close()
