@@ -9,13 +9,13 @@ panel GEMV with int8 weights), csrc/cpu_lora.cpp (the LoRA deltas of a decode st
 csrc/decode_layers.cpp (a pure decode step's decoder layers composed of those kernels in one call).
 worker/engine/backends/cpu.py is their user.
 
-Built once per machine with torch's cpp_extension (g++ and ninja; ~40 s of CPU: one translation unit of nine
+Built once per machine with torch's cpp_extension (g++ and ninja; ~32 s of CPU on a Xeon: one translation unit of ten
 files) into the tokenbus cache directory and loaded from there afterwards. The build is keyed by the source,
 the compiler flags, the torch version,
 the CPU's instruction sets (the code is compiled for the CPU it runs on) and the real paths (symlinks
 resolved) of torch, the compiler and Python: a worktree whose .venv is a link to another checkout's venv
 reaches the same toolchain, so it loads the same build. A finished build is loaded as it is, not handed to
-torch's load_inline again: that re-emits ninja's build file with torch's include paths as this process
+torch's load again: that re-emits ninja's build file with torch's include paths as this process
 spells them, and ninja rebuilds when a command line changes. Where it cannot be built (no compiler, a
 read-only cache) extension() returns None after one warning, and the engine serves with the PyTorch
 references.
@@ -92,13 +92,19 @@ def extension(cache_dir: str | None = None, avx2_only: bool = False) -> ModuleTy
     name = "tokenbus_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:16]
     started = time.perf_counter()
     try:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import load
 
         build_dir = cache_root(cache_dir) / "cpu_kernels" / name
-        module = build_once(name, build_dir, lambda: load_inline(
-            name, cpp_sources=sources, functions=FUNCTIONS, extra_cflags=cflags,
-            extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
-        ))
+
+        def build() -> ModuleType:
+            # load, not load_inline: load_inline puts <torch/extension.h> ahead of the sources (cpu_kernels.cpp
+            # includes less, and says why)
+            main = build_dir / "main.cpp"
+            main.write_text("\n".join([*sources, bindings(FUNCTIONS)]))
+            return load(name, sources=[str(main)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                        build_directory=str(build_dir))
+
+        module = build_once(name, build_dir, build)
     except Exception as err:  # noqa: BLE001 - any build failure means: serve with the references
         log.warning(
             "cpu_kernels_unavailable", error=f"{type(err).__name__}: {str(err)[-400:]}",
@@ -108,6 +114,12 @@ def extension(cache_dir: str | None = None, avx2_only: bool = False) -> ModuleTy
         return None
     log.debug("cpu_kernels_ready", module=name, seconds=round(time.perf_counter() - started, 1))
     return module
+
+
+def bindings(functions: list[str]) -> str:
+    """The pybind11 module that exposes `functions` (as load_inline's `functions` argument writes it)."""
+    lines = [f'm.def("{f}", torch::wrap_pybind_function({f}), "{f}");' for f in functions]
+    return "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n" + "\n".join(lines) + "\n}\n"
 
 
 def toolchain() -> list[str]:
@@ -137,7 +149,7 @@ def build_once(name: str, build_dir: Path, build: Callable[[], ModuleType]) -> M
 
 
 def load_built(name: str, build_dir: Path) -> ModuleType | None:
-    """The module a finished build left in build_dir (the file torch's load_inline imports), or None."""
+    """The module a finished build left in build_dir (the file torch's load imports), or None."""
     library = build_dir / f"{name}.so"
     if not (build_dir / BUILT).exists() or not library.exists():
         return None

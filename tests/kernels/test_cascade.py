@@ -120,7 +120,7 @@ def test_cpu_long_prefix_in_chunks(ext, kv_dtype, window):
     torch.testing.assert_close(run_cpu(ext, case, window), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.slow  # a second build of the extension (~40 s) the first time on a machine, cached afterwards
+@pytest.mark.slow  # a second build of the extension (~32 s) the first time on a machine, cached afterwards
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=case_id)
 def test_cpu_avx2_build(kv_dtype):
     """The AVX2 build's vectors (8 lanes) in the softmax rows of phase 1: a mid-block prefix, a window, a

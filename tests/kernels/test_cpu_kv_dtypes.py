@@ -94,7 +94,7 @@ def test_decode_window_and_softcap_over_a_quantized_cache(ext, dtype, block_size
     check_decode(ext, dtype, block_size, hq, hk, head_dim, window=window, softcap=softcap)
 
 
-@pytest.mark.slow  # a second build of the extension (~40 s) the first time on a machine, cached afterwards
+@pytest.mark.slow  # a second build of the extension (~32 s) the first time on a machine, cached afterwards
 @pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
 def test_decode_avx2_build_over_a_quantized_cache(dtype):
     module = cpu.extension(avx2_only=True)

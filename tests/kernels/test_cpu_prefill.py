@@ -145,7 +145,7 @@ def test_bad_offsets_are_refused(ext):
                                         torch.tensor([5], dtype=torch.int32), 1.0, 8, 0.0, False)
 
 
-@pytest.mark.slow  # a second build of the extension (~40 s) the first time on a machine, cached afterwards
+@pytest.mark.slow  # a second build of the extension (~32 s) the first time on a machine, cached afterwards
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_prefill_avx2_build(dtype):
     module = cpu.extension(avx2_only=True)

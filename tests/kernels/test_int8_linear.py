@@ -54,7 +54,7 @@ def test_int8_kernel_every_tile_height_equals_dequantized_reference(ext):
     check_kernel(ext, [1, 6, 64], 577, 96, seed=2, bias=False)
 
 
-@pytest.mark.slow  # builds a second copy of the extension (~40 s) the first time on a machine, cached afterwards
+@pytest.mark.slow  # builds a second copy of the extension (~32 s) the first time on a machine, cached afterwards
 def test_int8_kernel_avx2_path_equals_dequantized_reference():
     """The AVX2 path (two ymm per row, 6-row tiles) compiled with -mno-avx512f, where the machine has AVX-512;
     on an AVX2-only machine this is the ordinary build."""

@@ -123,7 +123,7 @@ def test_cpu_kernel_matches_reference(ext, case):
 
 
 @parent_only
-@pytest.mark.slow  # builds a second copy of the extension (~40 s) the first time on a machine, cached afterwards
+@pytest.mark.slow  # builds a second copy of the extension (~32 s) the first time on a machine, cached afterwards
 def test_cpu_kernel_avx2_path_matches_reference():
     """The AVX2 build (ymm vectors: 16-column expand tiles) compiled with -mno-avx512f where the machine has
     AVX-512; on an AVX2-only machine this is the ordinary build."""

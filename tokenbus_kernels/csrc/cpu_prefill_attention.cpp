@@ -157,7 +157,10 @@ void softmax_pv(LaneIdx pos, const float* vb, int64_t row, int64_t n, int64_t ba
     constexpr int kRows = std::clamp((kLanes == 16 ? 24 : 12) / (D / kLanes), 1, 4);
     int h = 0;
     for (; h + kRows <= kLanes; h += kRows) pv_rows<D, kRows>(acc + h * D, corr + h, st + h, vb, row, n);
-    for (; h < kLanes; ++h) pv_rows<D, 1>(acc + h * D, corr + h, st + h, vb, row, n);
+    // a remainder only where kRows does not divide the lanes: g++ warned (aggressive-loop-optimizations) of
+    // overflow in the loop that never runs
+    if constexpr (kLanes % kRows != 0)
+      for (; h < kLanes; ++h) pv_rows<D, 1>(acc + h * D, corr + h, st + h, vb, row, n);
   } else {
     for (int h = 0; h < kLanes; ++h) {
       float* a = acc + h * dim;
