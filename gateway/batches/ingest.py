@@ -53,7 +53,10 @@ class SubmitLease:
     def _renew(self) -> None:
         while not self._stop.wait(self.ms / 3000):
             try:
-                self.ctx.redis.pexpire(self.key, self.ms)
+                # a renewal starved past the lease (a loaded machine) finds the key gone: take it again
+                if not self.ctx.redis.pexpire(self.key, self.ms) and \
+                        not self.ctx.redis.set(self.key, self.holder, nx=True, px=self.ms):
+                    log.warning("submit_lease_lost", key=self.key, holder=self.ctx.redis.get(self.key))
             except redis.RedisError as err:  # the next renewal may get through; the lease lasts self.ms
                 log.warning("submit_lease_renew_failed", key=self.key, error=str(err))
 
@@ -160,6 +163,14 @@ def end_unsubmitted(ctx: GatewayContext, batch_id: str, holder: str, status: str
         lease.release(keep=True)  # the batch has ended (or was never ours to end): let the key lapse
 
 
+def _lost_for_a_lease(ctx: GatewayContext, gw: GatewayBatch) -> bool:
+    """Whether the sweep has seen this batch without a live submit task for a lease's length (the first
+    sighting is kept in its record): one sighting is a race, not a verdict."""
+    key, now = ctx.gkeys.batch(gw.id), time.time()
+    ctx.redis.hsetnx(key, "submit_lost_at", now)
+    return now - float(ctx.redis.hget(key, "submit_lost_at") or now) >= ctx.settings.submit_lease_s
+
+
 def _verdict(ctx: GatewayContext, gw: GatewayBatch) -> tuple[str, list[dict]] | None:
     """(status, errors) for a validating batch without a live submit, or None to leave it be."""
     if gw.cancel_requested_at:
@@ -169,17 +180,20 @@ def _verdict(ctx: GatewayContext, gw: GatewayBatch) -> tuple[str, list[dict]] | 
     try:
         job = RQJob.fetch(f"submit-{gw.id}", connection=ctx.rq_redis)
         status = job.get_status(refresh=False)
-    except Exception:  # no such job: it expired or was deleted, so nothing will submit the batch
+    except Exception:  # no such job: not queued yet, or it expired or was deleted
         job, status = None, None
     state = getattr(status, "value", status)
+    if job is None and not _lost_for_a_lease(ctx, gw):
+        # The batch joins `validating` (capacity.admit) a round trip before its submit task is queued
+        # (service.py): a sweep between the two saw a fresh batch as abandoned (CI, under load)
+        return None
     if state == "queued" and job is not None and job.get_position() is None:
         # Popped by a worker that died or could not record its start (Redis refusing writes): lost. (A worker
         # marks it started right after popping it: only a job seen lost for a lease's length counts.) The
         # submit is idempotent, so queue it again, a few times at most.
-        key, now = ctx.gkeys.batch(gw.id), time.time()
-        ctx.redis.hsetnx(key, "submit_lost_at", now)
-        if now - float(ctx.redis.hget(key, "submit_lost_at") or now) < ctx.settings.submit_lease_s:
+        if not _lost_for_a_lease(ctx, gw):
             return None
+        key = ctx.gkeys.batch(gw.id)
         ctx.redis.hdel(key, "submit_lost_at")
         if ctx.redis.hincrby(key, "submit_requeues", 1) <= MAX_REQUEUES:
             log.warning("gateway_submit_requeued", batch_id=gw.id)
@@ -191,6 +205,8 @@ def _verdict(ctx: GatewayContext, gw: GatewayBatch) -> tuple[str, list[dict]] | 
     if state == "started" and job is not None and job.started_at is not None and \
             time.time() - job.started_at.timestamp() < ctx.settings.submit_lease_s:
         return None  # just started: its lease may not be taken yet
+    if state == "started" and not _lost_for_a_lease(ctx, gw):
+        return None  # its lease lapsed on this sweep's watch: a starved renewal takes it again meanwhile
     if state == "finished":
         return None  # it ended the batch itself (the next sweep sees that)
     why = {"failed": "the submit task failed after its retries", "started": "the process submitting it died",

@@ -31,7 +31,7 @@ def test_queue_full_submit_fails_at_once_with_errors(light_stack, tmp_path):
         for chunk in _chunks(r.scan_iter("{tokenbus}:job:*", count=2000)):
             r.unlink(*chunk)
         r.delete(keys.depth)  # trimmed behind the scripts' back: the next script recounts the queues
-    assert done.errors.data[0].code == "queue_full" and "queue" in done.errors.data[0].message
+    assert done.errors.data[0].code == "queue_full" and "queue" in done.errors.data[0].message, done.errors.data
     assert took < 10, f"QueueFull took {took:.1f} s to fail the batch (RQ used to retry for 72 s, then hang)"
     assert not r.keys("{tokenbus}:job:" + b.id + "-*"), "no job of the failed batch is left queued"
     assert r.hget(f"{{tokenbus}}:gw:batch:{b.id}", "bytes_released_at"), "its byte reservation was given back"
@@ -117,3 +117,28 @@ def test_killed_submit_ends_failed_and_its_jobs_are_removed(light_stack, tmp_pat
     assert done.errors.data[0].code == "submit_failed" and "died" in done.errors.data[0].message
     queued = [k for k in r.scan_iter(f"{{tokenbus}}:job:{b.id}-*", count=1000) if r.hget(k, "status") == "queued"]
     assert not queued, f"{len(queued)} jobs of the failed batch are still queued"
+
+
+def test_sweep_waits_a_lease_before_a_missing_submit_task_fails_the_batch(redis_server, tmp_path):
+    """A batch joins `validating` one round trip before its submit task is queued: a sweep between the two
+    must not fail it (CI under load did: `submit_failed` where the submit would have said `queue_full`)."""
+    from gateway.batches import ingest
+    from gateway.batches.records import GatewayBatch
+    from gateway.context import GatewayContext
+    from gateway.settings import GatewaySettings
+
+    lease_s = 0.5
+    ctx = GatewayContext(GatewaySettings(redis_url=redis_server.url, api_keys="k", files_dir=tmp_path,
+                                         submit_lease_s=lease_s))
+    now = time.time()
+    gw = GatewayBatch(id="batch_fresh", owner="key_x", input_file_id="file-x", endpoint="/v1/chat/completions",
+                      completion_window="24h", created_at=now, expires_at=now + 86400, total=1)
+    ctx.redis.hset(ctx.gkeys.batch(gw.id), mapping=gw.fields())
+    ctx.redis.sadd(ctx.gkeys.validating, gw.id)
+    assert ingest.sweep_validating(ctx) == 0, "a batch whose submit task is not queued yet was ended"
+    assert GatewayBatch.load(ctx.redis, ctx.gkeys, gw.id).final_status is None
+    time.sleep(lease_s)
+    assert ingest.sweep_validating(ctx) == 1, "a submit task missing for a lease's length ends the batch"
+    ended = GatewayBatch.load(ctx.redis, ctx.gkeys, gw.id)
+    assert ended.final_status == "failed" and ended.errors[0]["code"] == "submit_failed"
+    assert "gone" in ended.errors[0]["message"]
