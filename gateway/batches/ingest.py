@@ -39,6 +39,7 @@ class SubmitLease:
 
     def __init__(self, ctx: GatewayContext, batch_id: str, holder: str) -> None:
         self.ctx, self.key, self.holder = ctx, ctx.gkeys.submit_lease(batch_id), holder
+        self.batch_key = ctx.gkeys.batch(batch_id)
         self.ms = int(ctx.settings.submit_lease_s * 1000)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -46,6 +47,8 @@ class SubmitLease:
     def acquire(self) -> bool:
         if not self.ctx.redis.set(self.key, self.holder, nx=True, px=self.ms):
             return False
+        # someone acts on the batch now: a sweep's earlier sighting of it without a live submit no longer counts
+        self.ctx.redis.hdel(self.batch_key, "submit_lost_at")
         self._thread = threading.Thread(target=self._renew, name="submit-lease", daemon=True)
         self._thread.start()
         return True
@@ -167,7 +170,8 @@ def _lost_for_a_lease(ctx: GatewayContext, gw: GatewayBatch) -> bool:
     """Whether the sweep has seen this batch without a live submit task for a lease's length (the first
     sighting is kept in its record): one sighting is a race, not a verdict."""
     key, now = ctx.gkeys.batch(gw.id), time.time()
-    ctx.redis.hsetnx(key, "submit_lost_at", now)
+    if ctx.redis.hsetnx(key, "submit_lost_at", now):
+        return False
     return now - float(ctx.redis.hget(key, "submit_lost_at") or now) >= ctx.settings.submit_lease_s
 
 
@@ -183,9 +187,9 @@ def _verdict(ctx: GatewayContext, gw: GatewayBatch) -> tuple[str, list[dict]] | 
     except Exception:  # no such job: not queued yet, or it expired or was deleted
         job, status = None, None
     state = getattr(status, "value", status)
-    if job is None and not _lost_for_a_lease(ctx, gw):
-        # The batch joins `validating` (capacity.admit) a round trip before its submit task is queued
-        # (service.py): a sweep between the two saw a fresh batch as abandoned (CI, under load)
+    if (job is None or state == "started") and not _lost_for_a_lease(ctx, gw):
+        # One sighting is a race: a batch joins `validating` (capacity.admit) a round trip before its submit task
+        # is queued (service.py), and a started submit may not hold its lease yet (or its renewal was starved)
         return None
     if state == "queued" and job is not None and job.get_position() is None:
         # Popped by a worker that died or could not record its start (Redis refusing writes): lost. (A worker
@@ -202,11 +206,6 @@ def _verdict(ctx: GatewayContext, gw: GatewayBatch) -> tuple[str, list[dict]] | 
         state = "lost"
     elif state in ("queued", "scheduled", "deferred"):
         return None  # waiting for a tasks process (retries included)
-    if state == "started" and job is not None and job.started_at is not None and \
-            time.time() - job.started_at.timestamp() < ctx.settings.submit_lease_s:
-        return None  # just started: its lease may not be taken yet
-    if state == "started" and not _lost_for_a_lease(ctx, gw):
-        return None  # its lease lapsed on this sweep's watch: a starved renewal takes it again meanwhile
     if state == "finished":
         return None  # it ended the batch itself (the next sweep sees that)
     why = {"failed": "the submit task failed after its retries", "started": "the process submitting it died",

@@ -32,8 +32,9 @@ PACK_FOR_ROWS = 16  # the row count oneDNN picks the packed layout for; any row 
 # the widest batch the panels serve: they were ahead of oneDNN up to 64 rows on every machine measured, and 64
 # is the CPU's default max_num_seqs, so every decode step of a default engine runs on them
 PANEL_MAX_ROWS = 64
-# oneDNN keeps a primitive per input shape it meets, and ideep (PyTorch's wrapper) an LRU of 1,024 more: at a
-# step width that never repeats (an embedding worker's) that took the 500,000-input run's worker to 4.65 GB.
+# oneDNN keeps a primitive per input shape it meets (1,024 by default), and ideep (PyTorch's wrapper) an LRU of
+# its own: at a step width that never repeats (an embedding worker's) that took the 500,000-input run's worker
+# to 4.65 GB.
 # 64 entries each: all-MiniLM over 10,000 inputs flat at ~2.0 GB against 2.26 GB and rising, at the same speed
 # (65 s either way, Xeon). Read when the first primitive is made, so set before any; a user's value wins.
 ONEDNN_CACHE_ENTRIES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
